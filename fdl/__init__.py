@@ -1,0 +1,24 @@
+"""fdl: train PyTorch models on the hardware you own.
+
+Importing ``fdl`` is cheap: the training API (``fdl.Trainer``, ``fdl.TrainResult``) is loaded on
+first access, so the command line never pays for torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["TrainResult", "Trainer", "__version__"]
+
+_LAZY = {"Trainer": "fdl.engine.trainer", "TrainResult": "fdl.engine.trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'fdl' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

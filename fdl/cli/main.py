@@ -1,0 +1,110 @@
+"""The ``fdl`` command and the one place where errors become text and exit codes.
+
+Exit codes are interface: 0 ok, 1 failure, 2 usage (bad flags, bad config), 130 on Ctrl-C;
+``fdl run`` returns the failing worker's code. A user error prints ``error: ...`` and
+``hint: ...`` on stderr and no traceback; ``FDL_DEBUG=1`` adds the traceback.
+
+This module imports only typer, the standard library and ``fdl.errors`` at module level:
+``fdl --help`` must not load torch, httpx, pynvml or rich.progress (tests/test_startup.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
+
+from fdl import __version__
+from fdl.errors import FdlError
+
+
+def _report(exc: FdlError) -> None:
+    from fdl import console
+
+    if os.environ.get("FDL_DEBUG"):
+        traceback.print_exception(exc, file=sys.stderr)
+    console.error(exc.message, exc.hint)
+
+
+class FdlGroup(TyperGroup):
+    """Turns FdlError, usage mistakes and Ctrl-C into one-line messages and exit codes.
+
+    Overriding ``main`` (rather than wrapping ``app()``) makes the console script, ``python -m
+    fdl`` and typer's CliRunner behave identically.
+    """
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except FdlError as exc:
+            _report(exc)
+            code = exc.exit_code
+        except TyperException as exc:  # click-level usage errors: unknown option, missing arg
+            _report(FdlError(exc.format_message(), hint=_usage_hint(args),
+                             exit_code=getattr(exc, "exit_code", 2)))
+            code = getattr(exc, "exit_code", 2)
+        except (KeyboardInterrupt, typer.Abort):
+            sys.stderr.write("\ninterrupted\n")
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _usage_hint(args: Any) -> str:
+    argv = list(sys.argv[1:] if args is None else args)
+    words = [word for word in argv[:1] if not word.startswith("-")]
+    return f"see `fdl {' '.join(words)} --help`".replace("  ", " ")
+
+
+app = typer.Typer(
+    cls=FdlGroup,
+    name="fdl",
+    help="Train PyTorch models on the hardware you own.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"fdl {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_version, is_eager=True,
+                     help="Print fdl's version and exit."),
+    ] = False,
+) -> None:
+    """Train PyTorch models on the hardware you own."""
+
+
+def _register() -> None:
+    # Each command module imports only typer/stdlib/fdl.errors at module level.
+    from fdl.cli import diagnose
+
+    app.command("diagnose")(diagnose.diagnose)
+
+
+_register()
+
+
+def main() -> None:
+    app(prog_name="fdl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Test helpers: run the real `fdl` entry point in a subprocess, locate fixtures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GPU_FIXTURES = FIXTURES / "gpus"
+
+
+def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m fdl ARGS`` as a user would run it; returns the completed process."""
+    base = {k: v for k, v in os.environ.items() if k not in ("FDL_DEBUG", "FDL_GPU_SURVEY")}
+    full_env = {**base, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "fdl", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=timeout, input=input)
+
+
