@@ -132,7 +132,7 @@ def _preference(pair: tuple[OfficialBuild, BuildCoverage]) -> tuple:
 
 
 def _partial_preference(pair: tuple[OfficialBuild, BuildCoverage]) -> tuple:
-    build, coverage = pair
+    _build, coverage = pair
     covered = [item.gpu for item in coverage.gpus if item.runs]
     newest = max((gpu.compute_capability for gpu in covered), default=(0, 0))
     runtime_ok = coverage.runtime is None or coverage.runtime.status != "too-old"

@@ -129,10 +129,7 @@ def test_driver_too_old_for_blackwell():
 
 
 def test_multi_homed_host_gets_gloo_interface_advice():
-    host = dataclasses.replace(HOST, interfaces=HOST.interfaces + (
-        NetInterface("eth0", ("10.0.0.2",), (), True, False),
-        NetInterface("wg0", (), ("fd00::2",), True, False),
-    ))
+    host = dataclasses.replace(HOST, interfaces=(*HOST.interfaces, NetInterface("eth0", ("10.0.0.2",), (), True, False), NetInterface("wg0", (), ("fd00::2",), True, False)))
     finding = next(f for f in report("none", CPU_TORCH, host).findings if "GLOO" in (f.command or ""))
     assert finding.command == "export GLOO_SOCKET_IFNAME=eth0"
     assert "address family" in finding.message

@@ -1,0 +1,1 @@
+"""Host survey: GPUs, CPU/RAM/OS/tools and the torch wheel, probed without importing torch."""
