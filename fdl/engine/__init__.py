@@ -1,0 +1,1 @@
+"""The El Che engine."""
