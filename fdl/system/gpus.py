@@ -3,17 +3,8 @@
 ``probe_gpus()`` asks three sources in turn and keeps the first that answers:
 
 1. ``FDL_GPU_SURVEY=<file.json>``: a recorded survey, the documented test seam that lets tests
-   and CI describe a two-GPU host without owning one::
-
-       {"driver_version": "570.86.15", "cuda_driver_version": "12.8",
-        "gpus": [{"name": "NVIDIA GeForce RTX 5060 Ti", "compute_capability": "12.0",
-                  "memory_mib": 16311},
-                 {"name": "NVIDIA GeForce GTX 1060 6GB", "compute_capability": "6.1",
-                  "memory_mib": 6144}]}
-
-   ``driver_version`` and ``cuda_driver_version`` may be null (no driver), ``gpus`` may be empty,
-   ``memory_mib`` may be null; a GPU may also carry ``index``, ``uuid`` and ``pci_bus_id``. Other
-   keys are ignored. A file that breaks these rules raises ``SurveyError`` naming file and key.
+   and CI describe a two-GPU host without owning one (format and rules in
+   fdl/system/gpu_fixture.py; a file that breaks them raises ``SurveyError``).
 2. NVML, through the ``pynvml`` module of the nvidia-ml-py distribution (imported only here).
 3. ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits``, when NVML cannot be used.
 
@@ -42,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import json
 import os
 import re
 import shutil
@@ -50,20 +40,20 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fdl.errors import SurveyError
+
+if TYPE_CHECKING:
+    # Re-exported (see __getattr__ at the bottom); gpu_fixture imports this module's dataclasses,
+    # so a top-level import here would be circular.
+    from fdl.system.gpu_fixture import load_survey_fixture as load_survey_fixture
 
 SURVEY_ENV = "FDL_GPU_SURVEY"
 _SMI_FIELDS = (
     "index", "name", "uuid", "pci.bus_id", "compute_cap", "memory.total", "driver_version",
 )
 _CC_RE = re.compile(r"^\s*(\d+)\.(\d+)\s*$")
-_MISSING: Any = object()
-_FIXTURE_HINT = (
-    f"{SURVEY_ENV} names a recorded GPU survey for tests (format in fdl/system/gpus.py); "
-    "unset it to survey the real GPUs"
-)
 
 
 @dataclass(frozen=True)
@@ -118,6 +108,8 @@ def probe_gpus(
     env = os.environ if env is None else env
     fixture = env.get(SURVEY_ENV)
     if fixture:
+        from fdl.system.gpu_fixture import load_survey_fixture  # imports GpuInfo from here
+
         survey = load_survey_fixture(Path(fixture))
     else:
         survey = _probe_hardware(nvidia_smi=nvidia_smi, timeout_s=timeout_s)
@@ -207,98 +199,6 @@ def _match_uuid(gpus: Sequence[GpuInfo], entry: str) -> GpuInfo | None:
         return None
     found = [gpu for gpu in gpus if gpu.uuid and gpu.uuid.startswith(entry)]
     return found[0] if len(found) == 1 else None
-
-
-def load_survey_fixture(path: Path) -> GpuSurvey:
-    """Read a recorded survey (format in the module docstring) as a ``source="fixture"`` survey.
-
-    CUDA_VISIBLE_DEVICES is not applied here (``probe_gpus`` does that). Raises ``SurveyError``
-    naming the file and the key for a missing file, bad JSON or a missing or ill-typed key.
-    """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        problem = f"cannot read the GPU survey ({exc.strerror or exc})"
-        raise SurveyError(f"{path}: {problem}", hint=_FIXTURE_HINT) from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        problem = f"the GPU survey is not valid JSON ({exc})"
-        raise SurveyError(f"{path}: {problem}", hint=_FIXTURE_HINT) from None
-    top = _checked(data, _SURVEY_KEYS, path=path, where="")
-    gpus = tuple(
-        _fixture_gpu(_checked(item, _GPU_KEYS, path=path, where=f"gpus[{i}]"), position=i)
-        for i, item in enumerate(top["gpus"])
-    )
-    notes = (f"GPU survey read from {SURVEY_ENV}={path}, not from the hardware",)
-    if not gpus:
-        driver = "" if top["driver_version"] else " and no NVIDIA driver"
-        notes += (f"the recorded survey lists no GPU{driver}",)
-    return GpuSurvey("fixture", gpus, top["driver_version"], top["cuda_driver_version"], notes)
-
-
-def _fixture_gpu(values: Mapping[str, Any], *, position: int) -> GpuInfo:
-    index, cc = values["index"], _parse_cc(values["compute_capability"])
-    assert cc is not None  # _is_cc accepted it
-    return GpuInfo(
-        index=position if index is None else index,
-        name=values["name"],
-        compute_capability=cc,
-        memory_mib=values["memory_mib"],
-        uuid=values["uuid"],
-        pci_bus_id=values["pci_bus_id"],
-    )
-
-
-def _checked(obj: Any, keys: Mapping[str, _KeyRule], *, path: Path, where: str) -> dict[str, Any]:
-    """The values of ``keys`` in the JSON object ``obj`` (None for absent optional keys)."""
-    if not isinstance(obj, dict):
-        raise _fixture_error(path, where or "the top level", "a JSON object", obj)
-    values = {}
-    for key, (required, ok, allowed) in keys.items():
-        name = f"{where}.{key}" if where else key
-        if key not in obj and required:
-            raise _fixture_error(path, name, allowed)
-        if key in obj and not ok(obj[key]):
-            raise _fixture_error(path, name, allowed, obj[key])
-        values[key] = obj.get(key)
-    return values
-
-
-def _fixture_error(path: Path, key: str, allowed: str, value: Any = _MISSING) -> SurveyError:
-    got = "it is missing" if value is _MISSING else f"got {json.dumps(value)[:60]}"
-    return SurveyError(f"{path}: {key} must be {allowed}; {got}", hint=_FIXTURE_HINT)
-
-
-def _is_optional_str(value: Any) -> bool:
-    return value is None or isinstance(value, str)
-
-
-def _is_optional_count(value: Any) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
-
-
-def _is_name(value: Any) -> bool:
-    return isinstance(value, str) and bool(value.strip())
-
-
-def _is_cc(value: Any) -> bool:
-    return isinstance(value, str) and _parse_cc(value) is not None
-
-
-_KeyRule = tuple[bool, Callable[[Any], bool], str]  # (required, check, what is allowed)
-_OPTIONAL_STR: _KeyRule = (True, _is_optional_str, "a string or null")
-_SURVEY_KEYS: dict[str, _KeyRule] = {
-    "driver_version": _OPTIONAL_STR,
-    "cuda_driver_version": _OPTIONAL_STR,
-    "gpus": (True, lambda v: isinstance(v, list), "a list of GPU objects"),
-}
-_GPU_KEYS: dict[str, _KeyRule] = {
-    "name": (True, _is_name, "a non-empty string"),
-    "compute_capability": (True, _is_cc, 'a "MAJOR.MINOR" string such as "8.6"'),
-    "memory_mib": (True, _is_optional_count, "a whole number of MiB or null"),
-    "index": (False, _is_optional_count, "a whole number >= 0"),
-    "uuid": (False, _is_optional_str, "a string or null"),
-    "pci_bus_id": (False, _is_optional_str, "a string or null"),
-}
 
 
 def _probe_nvml() -> GpuSurvey:
@@ -463,7 +363,7 @@ def _smi_value(field: str) -> str | None:
 
 
 def _smi_gpu(row: Mapping[str, str | None], *, position: int) -> GpuInfo:
-    name, cc, index = row["name"], _parse_cc(row["compute_cap"] or ""), _smi_int(row["index"])
+    name, cc, index = row["name"], parse_compute_capability(row["compute_cap"] or ""), _smi_int(row["index"])
     if name is None or cc is None:
         missing = "name" if name is None else f"compute capability ({name})"
         raise SurveyError(f"nvidia-smi gave no {missing} for GPU {position}")
@@ -484,6 +384,17 @@ def _smi_int(value: str | None) -> int | None:
         return None
 
 
-def _parse_cc(text: str) -> tuple[int, int] | None:
+def parse_compute_capability(text: str) -> tuple[int, int] | None:
+    """``"8.6"`` -> ``(8, 6)``; None for text that is not ``MAJOR.MINOR``."""
     match = _CC_RE.match(text)
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def __getattr__(name: str) -> Any:
+    # `from fdl.system.gpus import load_survey_fixture` keeps working after the move to
+    # gpu_fixture; resolved on first use so that either module can be imported first.
+    if name == "load_survey_fixture":
+        from fdl.system.gpu_fixture import load_survey_fixture
+
+        return load_survey_fixture
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
