@@ -35,11 +35,11 @@ class SurveyError(FdlError):
     """The host survey was given something it cannot read (e.g. a bad FDL_GPU_SURVEY file)."""
 
 
-class MissingTorchError(FdlError):
-    """torch is needed for this command and is not installed."""
+class MissingTorchError(UsageError):
+    """torch is needed for this command and is not installed: a set-up problem, exit 2."""
 
     def __init__(self, what: str = "this command"):
         super().__init__(
             f"torch is not installed; {what} needs it",
-            hint="pip install 'fdl[torch]'  (or run `fdl setup` to pick the build for your GPUs)",
+            hint="pip install 'fdl[torch]'  (`fdl diagnose` shows which build fits your GPUs)",
         )

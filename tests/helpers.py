@@ -14,9 +14,13 @@ GPU_FIXTURES = FIXTURES / "gpus"
 def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
             timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
     """``python -m fdl ARGS`` as a user would run it; returns the completed process."""
-    base = {k: v for k, v in os.environ.items() if k not in ("FDL_DEBUG", "FDL_GPU_SURVEY")}
-    full_env = {**base, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "fdl", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=timeout, input=input)
+                          env=clean_env(env), cwd=cwd, timeout=timeout, input=input)
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without fdl's own variables (and no Slurm), plus ``extra``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FDL_", "SLURM_"))}
+    return {**base, "NO_COLOR": "1", "COLUMNS": "200", **(extra or {})}
 
 

@@ -97,9 +97,10 @@ def _root(
 
 def _register() -> None:
     # Each command module imports only typer/stdlib/fdl.errors at module level.
-    from fdl.cli import diagnose
+    from fdl.cli import diagnose, run
 
     app.command("diagnose")(diagnose.diagnose)
+    app.command("run", context_settings=run.RUN_CONTEXT)(run.run)
 
 
 _register()

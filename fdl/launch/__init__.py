@@ -1,0 +1,47 @@
+"""``fdl run``: launch one worker per device on torch.distributed.elastic.
+
+    fdl run train.py --policy async                 # one worker per GPU, or 2 CPU workers
+    fdl run --nproc-per-node 4 train.py --lr 0.1    # args after the script go to the script
+    fdl run --dry-run train.py                      # print the launch spec, start nothing
+    fdl run --nnodes 2 --rdzv-endpoint node0:29400 train.py   # on every node
+
+:func:`plan_run` turns a :class:`~fdl.launch.spec.RunRequest` into a
+:class:`~fdl.launch.spec.LaunchSpec` (reading the environment, ``fdl.toml`` and the GPU
+survey); :func:`fdl.launch.elastic.launch` runs it. docs/run.md is the manual.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep it bare
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    from fdl.launch.spec import LaunchSpec, RunRequest
+
+
+def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
+             cwd: Path | None = None) -> LaunchSpec:
+    """Everything ``fdl run`` decides before starting a process."""
+    import os
+    import uuid
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    import psutil
+
+    from fdl.launch.settings import load_config_file
+    from fdl.launch.spec import build_launch_spec
+    from fdl.system.gpus import GpuSurvey, probe_gpus
+
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    file_values, file_path = load_config_file(cwd)
+    wants_cpu = str(request.nproc_per_node or file_values.get("nproc_per_node", "")) == "cpu"
+    survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
+    return build_launch_spec(
+        request, survey=survey, env=env, file_values=file_values, file_path=file_path, cwd=cwd,
+        now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
+        logical_cores=psutil.cpu_count(logical=True) or 1,
+    )

@@ -1,0 +1,178 @@
+"""`fdl run` with real processes: torch.distributed.elastic workers on gloo over loopback.
+
+Compared against torchrun itself for parameters and worker environment; failures, kills,
+restarts and two "nodes" on loopback are exercised for real. No GPU is used or mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from helpers import clean_env, run_fdl
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def fdl(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return run_fdl("run", *args, cwd=cwd, timeout=timeout)
+
+
+def load_params(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(directory / f"rank{rank}.pt")
+
+
+def test_ddp_script_matches_torchrun_bit_for_bit(tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    script = str(SCRIPTS / "ddp_train.py")
+    proc = fdl("--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), script, str(ours),
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    ref = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", script,
+                          str(theirs)], capture_output=True, text=True, timeout=180,
+                         env=clean_env(), cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    for rank in (0, 1):
+        a, b = load_params(ours, rank), load_params(theirs, rank)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    # Worker environment: exactly torchrun's variables, plus FDL_* ones.
+    for rank in (0, 1):
+        env_ours = json.loads((ours / f"rank{rank}.json").read_text())
+        env_theirs = json.loads((theirs / f"rank{rank}.json").read_text())
+        extra = {k for k in env_ours.keys() - env_theirs.keys() if not k.startswith("FDL_")}
+        assert extra == set()
+        assert env_theirs.keys() - env_ours.keys() == set()
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+            assert env_ours[key] == env_theirs[key], key
+        assert env_ours["MASTER_ADDR"] == "127.0.0.1"
+        assert env_ours["MASTER_PORT"] != "29500"
+        assert env_ours["FDL_RUN_DIR"] == str(tmp_path / "run")
+        assert int(env_ours["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_run_directory_logs_and_terminal_prefixes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    proc = fdl("--run-dir", str(run_dir), "--policy", "async", "--epochs", "3",
+               str(SCRIPTS / "ddp_train.py"), str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0] rank 0 final loss" in proc.stdout
+    assert "[rank 1] rank 1 final loss" in proc.stdout
+    assert "rank 1 final loss" in (run_dir / "logs" / "rank1.log").read_text()
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["settings"]["policy"] == {"value": "async", "source": "flag"}
+    assert config["settings"]["epochs"] == {"value": 3, "source": "flag"}
+    assert config["settings"]["batch_size"]["source"] == "default"
+    env = json.loads((out / "rank0.json").read_text())
+    assert env["FDL_POLICY"] == "async" and env["FDL_EPOCHS"] == "3"
+    assert json.loads(env["FDL_SOURCES"])["policy"] == "flag"
+
+
+def test_quiet_ranks_keeps_only_rank_0_on_the_terminal(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = fdl("--quiet-ranks", "--run-dir", str(tmp_path / "run"),
+               str(SCRIPTS / "ddp_train.py"), str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0]" in proc.stdout and "[rank 1]" not in proc.stdout
+    assert "rank 1 final loss" in (tmp_path / "run" / "logs" / "rank1.log").read_text()
+
+
+def _no_survivors(out: Path) -> None:
+    deadline = time.monotonic() + 10
+    pids = [int(p.read_text()) for p in out.glob("pid-*")]
+    assert pids
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and
+                                              psutil.Process(p).status() != "zombie"
+                                              for p in pids):
+        time.sleep(0.2)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive == [], "orphan workers remain"
+
+
+@pytest.mark.parametrize(("mode", "code", "needle"), [
+    ("exit", 7, "exited with code 7"),
+    ("raise", 1, "exited with code 1"),
+    ("kill", 128 + 9, "was killed by SIGKILL"),
+])
+def test_a_failing_rank_stops_the_others_with_a_root_cause(tmp_path, mode, code, needle):
+    out = tmp_path / "out"
+    out.mkdir()
+    start = time.monotonic()
+    proc = fdl("--run-dir", str(tmp_path / "run"), str(SCRIPTS / "fail.py"), mode, "1",
+               str(out), cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == code, proc.stderr
+    assert f"error: worker rank 1 {needle}" in proc.stderr
+    assert "root cause: rank 1" in proc.stderr
+    if mode != "kill":
+        assert "  | about to fail: the root cause line" in proc.stderr
+    if mode == "raise":
+        assert "RuntimeError: boom from the training loop" in proc.stderr
+    assert elapsed < 60  # rank 0 would sleep 120 s if it were not stopped
+    _no_survivors(out)
+
+
+def test_max_restarts_restarts_the_group_and_keeps_the_first_log(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    proc = fdl("--max-restarts", "1", "--run-dir", str(run_dir), str(SCRIPTS / "fail.py"),
+               "kill-once", "1", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 attempt 1 ok" in (run_dir / "logs" / "rank1.log").read_text()
+    assert "attempt 0 starting" in (run_dir / "logs" / "rank1.attempt0.log").read_text()
+
+
+def test_ctrl_c_stops_everything_and_exits_130(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", "--run-dir", str(tmp_path / "r"),
+                             str(SCRIPTS / "fail.py"), "none", "-1", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=clean_env())
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("pid-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(2)  # SIGINT, as Ctrl-C sends to the launcher
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    _no_survivors(out)
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "fdl", "run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+         "--run-dir", str(tmp_path / f"node{n}"), str(SCRIPTS / "ddp_train.py"), str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=clean_env()) for n in range(2)]
+    results = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    a, b = load_params(out, 0), load_params(out, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    envs = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert sorted(e["GROUP_RANK"] for e in envs) == ["0", "1"]

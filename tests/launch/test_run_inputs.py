@@ -1,0 +1,179 @@
+"""`fdl run` input handling: every bad input is one line, exit 2, and nothing started;
+--dry-run shows the resolved spec (GPU hosts described by FDL_GPU_SURVEY fixtures)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from helpers import GPU_FIXTURES, run_fdl
+
+HELLO = "print('hello from the worker')\n"
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    (tmp_path / "train.py").write_text(HELLO)
+    return tmp_path
+
+
+def fdl_run(project: Path, *args: str, env: dict[str, str] | None = None):
+    return run_fdl("run", *args, cwd=project, env=env)
+
+
+def assert_usage_error(proc, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ")
+    for needle in needles:
+        assert needle in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert "hello from the worker" not in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["missing.py"], ["script not found: missing.py"]),
+    (["--nproc-per-node", "two", "train.py"], ["--nproc-per-node", "'two'"]),
+    (["--nproc-per-node", "0", "train.py"], ["--nproc-per-node", "0"]),
+    (["--policy", "fast", "train.py"], ["unknown policy 'fast'"]),
+    (["--backend", "tpu", "train.py"], ["unknown backend 'tpu'"]),
+    (["--simulate-slowdown", "1,2,3", "train.py"], ["3 factor(s) for 2 worker(s)"]),
+    (["--simulate-slowdown", "1,0", "train.py"], ["simulate_slowdown"]),
+    (["--simulate-slowdown", "1,x", "train.py"], ["simulate_slowdown"]),
+    (["--epochs", "0", "train.py"], ["epochs", "0"]),
+    (["--batch-size", "-4", "train.py"], ["batch_size", "-4"]),
+    (["--nnodes", "2", "train.py"], ["--rdzv-endpoint"]),
+    (["--nnodes", "3:2", "train.py"], ["--nnodes"]),
+    (["--rdzv-backend", "etcd", "train.py"], ["--rdzv-backend"]),
+    (["--frobnicate", "train.py"], ["--frobnicate"]),
+])
+def test_bad_flags(project, args, needles):
+    proc = fdl_run(project, *args)
+    assert_usage_error(proc, *needles)
+    assert not (project / "runs").exists()
+
+
+def test_devices_naming_a_missing_gpu(project):
+    env = {"FDL_GPU_SURVEY": str(GPU_FIXTURES / "gtx1060_rtx5060ti.json")}
+    proc = fdl_run(project, "--devices", "0,5", "train.py", env=env)
+    assert_usage_error(proc, "GPU 5", "visible GPUs: 0, 1")
+
+
+def test_master_port_in_use(project):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = fdl_run(project, "--master-port", str(port), "train.py")
+    assert_usage_error(proc, f"--master-port {port} is already in use")
+
+
+def test_unwritable_run_dir(project):
+    (project / "a-file").write_text("")
+    proc = fdl_run(project, "--run-dir", str(project / "a-file" / "run"), "train.py")
+    assert_usage_error(proc, "cannot use run directory")
+
+
+def test_unknown_config_key_names_file_and_key(project):
+    (project / "fdl.toml").write_text('polcy = "async"\n')
+    proc = fdl_run(project, "train.py")
+    assert_usage_error(proc, "unknown key 'polcy'", str(project / "fdl.toml"))
+
+
+def test_bad_env_value_names_the_variable(project):
+    proc = fdl_run(project, "train.py", env={"FDL_POLICY": "turbo"})
+    assert_usage_error(proc, "FDL_POLICY")
+
+
+def test_torch_not_installed(project, tmp_path_factory):
+    hide = tmp_path_factory.mktemp("hide-torch")
+    # sys.modules["torch"] = None makes the interpreter behave as if torch were absent.
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    proc = fdl_run(project, "train.py", env={"PYTHONPATH": str(hide)})
+    assert_usage_error(proc, "torch is not installed")
+    assert "fdl[torch]" in proc.stderr
+
+
+def dry_run(project: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    proc = fdl_run(project, "--dry-run", "--json", *args, "train.py", "--lr", "0.1", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not (project / "runs").exists()
+    return json.loads(proc.stdout)
+
+
+def test_dry_run_cpu_defaults(project):
+    spec = dry_run(project)
+    assert spec["args"] == ["--lr", "0.1"]
+    assert spec["nproc_per_node"] == 2 and spec["devices"]["kind"] == "cpu"
+    assert spec["rendezvous"]["backend"] == "c10d"
+    assert spec["rendezvous"]["endpoint"] == "127.0.0.1:0"
+    assert spec["run_dir"].startswith(str(project / "runs"))
+    assert spec["run_dir"].endswith("-train-cadence")
+    assert [w["rank"] for w in spec["workers"]] == [0, 1]
+
+
+def test_dry_run_human_output(project):
+    proc = fdl_run(project, "--dry-run", "--policy", "async", "train.py")
+    assert proc.returncode == 0
+    assert "c10d at 127.0.0.1:0" in proc.stdout and "FDL_POLICY" in proc.stdout
+
+
+def test_dry_run_one_worker_per_gpu_each_on_its_own_device(project):
+    env = {"FDL_GPU_SURVEY": str(GPU_FIXTURES / "gtx1060_rtx5060ti.json")}
+    spec = dry_run(project, env=env)
+    assert spec["devices"]["kind"] == "cuda"
+    assert [w["device"] for w in spec["workers"]] == [
+        "cuda:0 NVIDIA GeForce RTX 5060 Ti (sm_120)", "cuda:1 NVIDIA GeForce GTX 1060 6GB (sm_61)"]
+    assert spec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert spec["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    picked = dry_run(project, "--devices", "1", env=env)
+    assert [w["device"] for w in picked["workers"]] == ["cuda:0 NVIDIA GeForce GTX 1060 6GB (sm_61)"]
+    assert picked["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_dry_run_cpu_workers_share_the_cores(project):
+    spec = dry_run(project, "--nproc-per-node", "1")
+    import os
+
+    assert spec["env"]["OMP_NUM_THREADS"] == str(os.cpu_count())
+
+
+def test_precedence_flag_env_file_default(project):
+    (project / "fdl.toml").write_text('policy = "sync"\nepochs = 9\nbatch_size = 16\n')
+    spec = dry_run(project, "--policy", "async", env={"FDL_EPOCHS": "4"})
+    settings = spec["settings"]
+    assert settings["policy"] == {"value": "async", "source": "flag"}
+    assert settings["epochs"] == {"value": 4, "source": "env"}
+    assert settings["batch_size"] == {"value": 16,
+                                      "source": f"file:{project / 'fdl.toml'}"}
+    assert settings["seed"] == {"value": 42, "source": "default"}
+    assert spec["env"]["FDL_BATCH_SIZE"] == "16" and "FDL_SEED" not in spec["env"]
+
+
+def test_pyproject_tool_fdl_is_read(project):
+    (project / "pyproject.toml").write_text('[project]\nname = "x"\n\n[tool.fdl]\npolicy = "sync"\n')
+    assert dry_run(project)["settings"]["policy"]["source"].startswith("file:")
+
+
+def test_slurm_allocation_sets_nodes_rank_and_endpoint(project):
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1",
+           "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    spec = dry_run(project, env=env)
+    assert spec["nnodes"] == 2
+    assert spec["rendezvous"] == {"backend": "c10d", "endpoint": "gpu07:29400",
+                                  "run_id": "4242", "node_rank": None, "source": "slurm"}
+    assert [w["rank"] for w in spec["workers"]] == [None, None]  # assigned at rendezvous
+    # explicit flags win over the allocation
+    spec = dry_run(project, "--rdzv-endpoint", "head:1234", env=env)
+    assert spec["rendezvous"]["endpoint"] == "head:1234"
+
+
+def test_master_addr_and_port_use_torchruns_static_rendezvous(project):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = dry_run(project, "--master-port", str(port))
+    assert spec["rendezvous"]["backend"] == "static"
+    assert spec["rendezvous"]["endpoint"] == f"127.0.0.1:{port}"

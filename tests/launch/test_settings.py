@@ -1,0 +1,364 @@
+"""Run settings: value parsers, fdl.toml / [tool.fdl], flag > env > file > default, worker env."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fdl.errors import ConfigError, UsageError
+from fdl.launch.settings import (
+    ENV_NAMES,
+    PARSERS,
+    SOURCES_ENV,
+    Setting,
+    load_config_file,
+    parse_backend,
+    parse_non_negative_int,
+    parse_nproc,
+    parse_policy,
+    parse_positive_int,
+    parse_slowdown,
+    resolve,
+    worker_env,
+)
+
+DEFAULTS = {"policy": "sync", "backend": "auto", "epochs": 1, "seed": 0, "simulate_slowdown": None}
+
+
+# --- parsers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("sync", "sync"), (" Cadence ", "cadence"), ("ASYNC", "async")]
+)
+def test_parse_policy_accepts_known_policies_in_any_case(text: str, value: str) -> None:
+    assert parse_policy(text) == value
+
+
+def test_parse_policy_names_the_value_and_the_policies() -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_policy("lockstep")
+    assert caught.value.message == "unknown policy 'lockstep'"
+    assert caught.value.hint == "use one of: sync, cadence, async"
+    assert caught.value.exit_code == 2
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("NCCL", "nccl"), (" cpu", "cpu")])
+def test_parse_backend_accepts_known_backends(text: str, value: str) -> None:
+    assert parse_backend(text) == value
+
+
+def test_parse_backend_names_the_value_and_the_backends() -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_backend("gloo")
+    assert caught.value.message == "unknown backend 'gloo'"
+    assert caught.value.hint == "use one of: auto, nccl, cpu"
+
+
+@pytest.mark.parametrize(("raw", "value"), [("3", 3), (" 12 ", 12), (7, 7)])
+def test_parse_positive_int_accepts_positive_whole_numbers(raw: Any, value: int) -> None:
+    assert parse_positive_int("epochs")(raw) == value
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "three", "2.5", 2.5, True, "", None])
+def test_parse_positive_int_rejects_the_rest_naming_field_and_value(raw: Any) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_positive_int("epochs")(raw)
+    assert caught.value.message == f"epochs must be a positive integer, got {raw!r}"
+
+
+@pytest.mark.parametrize(("raw", "value"), [("0", 0), ("42", 42), (5, 5)])
+def test_parse_non_negative_int_accepts_zero_and_up(raw: Any, value: int) -> None:
+    assert parse_non_negative_int("seed")(raw) == value
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", False, 1.5])
+def test_parse_non_negative_int_rejects_the_rest_naming_field_and_value(raw: Any) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_non_negative_int("seed")(raw)
+    assert caught.value.message == f"seed must be an integer >= 0, got {raw!r}"
+
+
+@pytest.mark.parametrize(
+    ("raw", "factors"),
+    [("1,2.5", (1.0, 2.5)), (" 1 , 3 ", (1.0, 3.0)), ("0.5", (0.5,)), ([1, 2.5], (1.0, 2.5))],
+)
+def test_parse_slowdown_reads_one_factor_per_worker(raw: Any, factors: tuple[float, ...]) -> None:
+    assert parse_slowdown(raw) == factors
+
+
+@pytest.mark.parametrize("raw", ["", "1,,2", "1,0", "-1", "fast", "nan", "1,inf", [], 2])
+def test_parse_slowdown_rejects_malformed_factors(raw: Any) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_slowdown(raw)
+    assert caught.value.message == f"malformed simulate_slowdown {raw!r}"
+    assert caught.value.hint and "1,2.5" in caught.value.hint
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("auto", "auto"), ("GPU", "gpu"), ("cpu", "cpu"), ("4", 4), (2, 2)]
+)
+def test_parse_nproc_accepts_counts_and_keywords(raw: Any, value: int | str) -> None:
+    assert parse_nproc(raw) == value
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("0", "--nproc-per-node must be a positive integer, got '0'"),
+        ("-3", "--nproc-per-node must be a positive integer, got '-3'"),
+        ("many", "--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', got 'many'"),
+        ("2.5", "--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', got '2.5'"),
+    ],
+)
+def test_parse_nproc_rejects_the_rest(raw: str, message: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_nproc(raw)
+    assert caught.value.message == message
+
+
+def test_parse_run_dir_accepts_paths_and_rejects_other_types() -> None:
+    assert PARSERS["run_dir"]("runs/a") == "runs/a"
+    assert PARSERS["run_dir"](Path("runs/b")) == "runs/b"
+    for bad in (5, ["runs"], ""):
+        with pytest.raises(UsageError, match="run_dir must be a non-empty path"):
+            PARSERS["run_dir"](bad)
+
+
+def test_every_key_has_an_fdl_env_name() -> None:
+    assert ENV_NAMES["simulate_slowdown"] == "FDL_SLOWDOWN"
+    assert ENV_NAMES["nproc_per_node"] == "FDL_NPROC_PER_NODE"
+    assert set(ENV_NAMES) == set(PARSERS)
+    assert all(name.startswith("FDL_") for name in ENV_NAMES.values())
+
+
+# --- config files ----------------------------------------------------------------------------
+
+
+def write(directory: Path, name: str, text: str) -> Path:
+    path = directory / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_no_config_file_gives_nothing(tmp_path: Path) -> None:
+    assert load_config_file(tmp_path) == ({}, None)
+
+
+def test_fdl_toml_top_level_keys_are_parsed(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "fdl.toml",
+        'policy = "Cadence"\nepochs = 3\nsimulate_slowdown = [1, 2.5]\nnproc_per_node = "cpu"\n',
+    )
+    values, found = load_config_file(tmp_path)
+    assert found == path
+    assert values == {
+        "policy": "cadence",
+        "epochs": 3,
+        "simulate_slowdown": (1.0, 2.5),
+        "nproc_per_node": "cpu",
+    }
+
+
+def test_pyproject_tool_fdl_table_is_read(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "pyproject.toml",
+        '[project]\nname = "x"\n\n[tool.fdl]\nbackend = "nccl"\nseed = 0\n',
+    )
+    assert load_config_file(tmp_path) == ({"backend": "nccl", "seed": 0}, path)
+
+
+def test_pyproject_without_tool_fdl_gives_nothing(tmp_path: Path) -> None:
+    write(tmp_path, "pyproject.toml", '[project]\nname = "x"\n\n[tool.ruff]\nline-length = 100\n')
+    assert load_config_file(tmp_path) == ({}, None)
+
+
+def test_fdl_toml_wins_over_pyproject(tmp_path: Path) -> None:
+    write(tmp_path, "pyproject.toml", '[tool.fdl]\npolicy = "async"\nepochs = 9\n')
+    path = write(tmp_path, "fdl.toml", 'policy = "sync"\n')
+    assert load_config_file(tmp_path) == ({"policy": "sync"}, path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "key"),
+    [
+        ("fdl.toml", "epochs = 2\nepoch = 3\n", "'epoch'"),
+        ("pyproject.toml", "[tool.fdl]\nbatchsize = 8\n", "'tool.fdl.batchsize'"),
+    ],
+)
+def test_unknown_key_is_a_config_error_naming_file_and_key(
+    tmp_path: Path, name: str, text: str, key: str
+) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(tmp_path)
+    assert caught.value.message == f"unknown key {key} in {path}"
+    assert caught.value.exit_code == 2
+    assert caught.value.hint and "batch_size" in caught.value.hint and "epochs" in caught.value.hint
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("fdl.toml", 'epochs = "many"\n', "epochs: epochs must be a positive integer, got 'many'"),
+        ("fdl.toml", "run_dir = 5\n", "run_dir: run_dir must be a non-empty path, got 5"),
+        (
+            "pyproject.toml",
+            "[tool.fdl]\nseed = -1\n",
+            "tool.fdl.seed: seed must be an integer >= 0",
+        ),
+        (
+            "pyproject.toml",
+            '[tool.fdl]\npolicy = "fast"\n',
+            "tool.fdl.policy: unknown policy 'fast'",
+        ),
+    ],
+)
+def test_wrong_value_is_a_config_error_naming_file_and_key(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(tmp_path)
+    assert caught.value.message.startswith(f"{path}: {message}")
+    assert caught.value.exit_code == 2
+
+
+def test_wrong_value_keeps_the_parsers_hint(tmp_path: Path) -> None:
+    write(tmp_path, "fdl.toml", 'backend = "mpi"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(tmp_path)
+    assert caught.value.hint == "use one of: auto, nccl, cpu"
+
+
+@pytest.mark.parametrize("name", ["fdl.toml", "pyproject.toml"])
+def test_invalid_toml_is_a_config_error_naming_the_file(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, name, "[tool.fdl\npolicy = \n")
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(tmp_path)
+    assert caught.value.message.startswith(f"cannot read {path}: ")
+    assert caught.value.exit_code == 2
+
+
+# --- precedence ------------------------------------------------------------------------------
+
+
+def test_resolve_takes_flag_then_env_then_file_then_default(tmp_path: Path) -> None:
+    file_path = tmp_path / "fdl.toml"
+    settings = resolve(
+        flags={"policy": "async", "backend": None},
+        env={"FDL_POLICY": "cadence", "FDL_BACKEND": "cpu", "FDL_EPOCHS": "4"},
+        file_values={"policy": "sync", "backend": "nccl", "epochs": 2, "seed": 7},
+        file_path=file_path,
+        defaults=DEFAULTS,
+    )
+    assert settings == {
+        "policy": Setting("async", "flag"),
+        "backend": Setting("cpu", "env"),
+        "epochs": Setting(4, "env"),
+        "seed": Setting(7, f"file:{file_path}"),
+        "simulate_slowdown": Setting(None, "default"),
+    }
+
+
+def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
+    settings = resolve(
+        flags={"simulate_slowdown": "1,2.5", "epochs": "3"},
+        env={"FDL_SEED": "", "FDL_SLOWDOWN": "9"},
+        file_values={},
+        file_path=None,
+        defaults=DEFAULTS,
+    )
+    assert settings["simulate_slowdown"] == Setting((1.0, 2.5), "flag")
+    assert settings["epochs"] == Setting(3, "flag")
+    assert settings["seed"] == Setting(0, "default")
+
+
+def test_resolve_only_resolves_keys_with_defaults() -> None:
+    settings = resolve(
+        flags={"max_restarts": 3}, env={}, file_values={}, file_path=None, defaults={"seed": 0}
+    )
+    assert settings == {"seed": Setting(0, "default")}
+
+
+def test_bad_flag_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="epochs must be a positive integer, got '0'"):
+        resolve(flags={"epochs": "0"}, env={}, file_values={}, file_path=None, defaults=DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FDL_POLICY": "fast"}, "FDL_POLICY: unknown policy 'fast'"),
+        ({"FDL_EPOCHS": "zero"}, "FDL_EPOCHS: epochs must be a positive integer, got 'zero'"),
+        ({"FDL_SLOWDOWN": "1;2"}, "FDL_SLOWDOWN: malformed simulate_slowdown '1;2'"),
+    ],
+)
+def test_bad_env_value_is_a_config_error_naming_the_variable(
+    env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve(flags={}, env=env, file_values={}, file_path=None, defaults=DEFAULTS)
+    assert caught.value.message == message
+    assert caught.value.exit_code == 2
+
+
+def test_bad_env_value_is_not_read_when_a_flag_wins() -> None:
+    settings = resolve(
+        flags={"policy": "sync"},
+        env={"FDL_POLICY": "fast"},
+        file_values={},
+        file_path=None,
+        defaults=DEFAULTS,
+    )
+    assert settings["policy"] == Setting("sync", "flag")
+
+
+# --- worker environment ----------------------------------------------------------------------
+
+
+def test_worker_env_passes_only_non_default_engine_settings() -> None:
+    settings = {
+        "policy": Setting("cadence", "flag"),
+        "backend": Setting("auto", "default"),
+        "epochs": Setting(3, "file:/p/fdl.toml"),
+        "seed": Setting(0, "env"),
+        "simulate_slowdown": Setting((1.0, 2.5), "flag"),
+        "run_dir": Setting("runs/x", "flag"),  # not an engine key: the launcher's business
+        "nproc_per_node": Setting(2, "flag"),
+    }
+    env = worker_env(settings)
+    assert {k: v for k, v in env.items() if k != SOURCES_ENV} == {
+        "FDL_POLICY": "cadence",
+        "FDL_EPOCHS": "3",
+        "FDL_SEED": "0",
+        "FDL_SLOWDOWN": "1,2.5",
+    }
+    assert json.loads(env[SOURCES_ENV]) == {
+        "policy": "flag",
+        "backend": "default",
+        "epochs": "file:/p/fdl.toml",
+        "seed": "env",
+        "simulate_slowdown": "flag",
+    }
+
+
+def test_worker_env_round_trips_through_the_parsers() -> None:
+    settings = {
+        "simulate_slowdown": Setting((1.0, 2.5, 0.75), "env"),
+        "batch_size": Setting(64, "flag"),
+    }
+    env = worker_env(settings)
+    assert env["FDL_SLOWDOWN"] == "1,2.5,0.75"
+    assert PARSERS["simulate_slowdown"](env["FDL_SLOWDOWN"]) == (1.0, 2.5, 0.75)
+    assert PARSERS["batch_size"](env["FDL_BATCH_SIZE"]) == 64
+
+
+def test_worker_env_with_only_defaults_carries_just_the_sources() -> None:
+    env = worker_env({"policy": Setting("sync", "default")})
+    assert env == {SOURCES_ENV: json.dumps({"policy": "default"})}
