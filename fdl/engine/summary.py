@@ -1,0 +1,73 @@
+"""What a run leaves in its directory: ``summary.json`` (a contract for tools and benchmarks,
+see ARCHITECTURE §4.6), ``metrics.jsonl`` (one line per epoch), ``model.pt`` (the consensus
+state_dict) and the engine section of ``config.json``. Rank 0 writes them, atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
+                  per_rank: list[list[float]], comm_ms: list[float], syncs: int,
+                  eval_metrics: dict[str, float], final_loss: float | None,
+                  extra: dict[str, Any]) -> dict[str, Any]:
+    """``per_rank[r] = [samples, busy_s, sleep_s, wait_s]`` summed over the run."""
+    samples = [int(row[0]) for row in per_rank]
+    busy = [row[1] for row in per_rank]
+    compute_s = max(busy) if busy else 0.0
+    return {
+        "policy": config.policy,
+        "backend": config.backend,
+        "world_size": world_size,
+        "devices": devices,
+        "emulated_slowdown": list(config.simulate_slowdown) if config.simulate_slowdown else None,
+        "epochs": config.epochs,
+        "samples": sum(samples),
+        "wall_s": wall_s,
+        "throughput": {
+            "samples_per_s": sum(samples) / wall_s if wall_s > 0 else None,
+            "per_rank_samples_per_s": [s / wall_s if wall_s > 0 else None for s in samples],
+        },
+        "sync": {
+            "rounds": syncs,
+            "mean_ms": sum(comm_ms) / len(comm_ms) if comm_ms else None,
+            "overhead": (sum(comm_ms) / 1000) / compute_s if comm_ms and compute_s > 0 else None,
+        },
+        "idle_fraction": [max(0.0, 1 - b / wall_s) if wall_s > 0 else None for b in busy],
+        "eval": eval_metrics,
+        "final_loss": final_loss,
+        **extra,
+    }
+
+
+def write_json(path: Path, document: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, default=str) + "\n")
+
+
+def save_model(path: Path, model: nn.Module) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, path)
+
+
+def merge_config(path: Path, engine: dict[str, Any]) -> None:
+    """Add the engine's resolved settings (with sources) to the launcher's config.json."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        document = {}
+    document["engine"] = engine
+    write_json(path, document)

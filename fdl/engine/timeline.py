@@ -1,0 +1,47 @@
+"""Per-rank timing events, one JSON object a line, in ``<run_dir>/timeline/rank<r>.jsonl``.
+
+Events (``t`` is seconds since the epoch, ``rank`` the global rank):
+
+* ``round``  — ``round``, ``epoch``, ``steps``, ``samples``, ``compute_s``, ``step_ms``,
+  ``sleep_s`` (emulated slowdown), ``anchor``
+* ``sync``   — ``round``, ``start``, ``end``, ``wait_s`` (time blocked), ``bytes``, ``policy``,
+  ``checksum`` (when FDL_VERIFY_REPLICAS=1, or the final average)
+* ``anchor`` — ``round``, ``anchor``, ``reason`` (tuning and divergence-guard halvings)
+* ``guard``  — ``round``, ``distance`` (max over ranks), ``streak``
+* ``epoch``  — ``epoch``, ``samples``, ``train_loss``, ``eval``
+
+Without a run directory (``python train.py`` solo) events are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class Timeline:
+    def __init__(self, run_dir: Path | None, *, rank: int):
+        self.rank = rank
+        self._file: IO[str] | None = None
+        if run_dir is not None:
+            directory = run_dir / "timeline"
+            directory.mkdir(parents=True, exist_ok=True)
+            self._file = (directory / f"rank{rank}.jsonl").open("w", encoding="utf-8")
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        record = {"t": round(time.time(), 6), "rank": self.rank, "kind": kind, **fields}
+        self._file.write(json.dumps(record, default=float) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All events of one rank's timeline file."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]

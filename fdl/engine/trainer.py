@@ -1,0 +1,256 @@
+"""``fdl.Trainer``: data-parallel training where a fast device is not held to a slow one's pace.
+
+    trainer = fdl.Trainer(model=build_model, optimizer=build_optimizer, train_step=train_step,
+                          train_data=train_set, eval_data=test_set, evaluate=evaluate,
+                          batch_size=64, epochs=5, policy="cadence")
+    result = trainer.fit()   # TrainResult(model, metrics, history, summary, run_dir)
+
+``python train.py`` trains solo in-process on the best device. Under ``fdl run`` every worker's
+``fit()`` joins the process group (torchrun's environment) and trains with the launcher's
+settings; precedence: ``fdl run`` flag > fdl.toml > the script's value > default. See
+docs/elche.md for the policies, the plan and the formulas.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fdl.engine import summary as artifacts
+from fdl.engine.averaging import Averager, checksum
+from fdl.engine.config import EngineConfig, resolve_config
+from fdl.engine.evaluation import all_reduce_sum, evaluate_model
+from fdl.engine.plan import PlanConfig, initial_state
+from fdl.engine.policies import NUM_STATS, Worker, train
+from fdl.engine.timeline import Timeline
+from fdl.errors import UsageError
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module  # the consensus model, on the CPU
+    metrics: dict[str, float]  # final evaluation
+    history: list[dict[str, Any]]  # one record per epoch
+    summary: dict[str, Any]  # as written to summary.json
+    run_dir: Path | None
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    model: Callable[[], nn.Module]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    train_step: Callable[[nn.Module, Any], torch.Tensor]
+    train_data: Any
+    eval_data: Any = None
+    evaluate: Callable[[nn.Module, Any], dict[str, float]] | None = None
+    batch_size: int = 64
+    epochs: int = 5
+    max_grad_norm: float | None = None
+    schedule: Callable[[float], float] | None = None
+    policy: str = "cadence"
+    backend: str = "auto"
+    seed: int = 42
+    history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+
+    def fit(self) -> TrainResult:
+        config = resolve_config(script={
+            "policy": self.policy, "backend": self.backend, "epochs": self.epochs,
+            "batch_size": self.batch_size, "seed": self.seed}, max_grad_norm=self.max_grad_norm)
+        rank, world_size, local_rank = _dist_env()
+        self._validate(config, world_size)
+        device = _pick_device(local_rank, config.backend)
+        backend = _resolve_backend(config.backend, device)
+        created_group = _init_group(backend, device, world_size)
+        try:
+            return self._fit(config, rank=rank, world_size=world_size, device=device,
+                             backend=backend)
+        finally:
+            if created_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _validate(self, config: EngineConfig, world_size: int) -> None:
+        if not callable(self.model) or not callable(self.optimizer) or not callable(self.train_step):
+            raise UsageError("model, optimizer and train_step must be callables",
+                             hint="model=lambda: nn.Linear(4, 1), optimizer=lambda p: "
+                                  "torch.optim.SGD(p, lr=0.1), train_step=fn(model, batch)")
+        if (self.eval_data is None) != (self.evaluate is None):
+            raise UsageError("eval_data and evaluate go together: give both or neither")
+        needed = world_size * config.batch_size
+        if len(self.train_data) < needed:
+            raise UsageError(f"train_data has {len(self.train_data)} samples, fewer than one "
+                             f"batch per worker ({world_size} x {config.batch_size} = {needed})",
+                             hint="use a smaller batch_size or more data")
+        slowdown = config.simulate_slowdown
+        if slowdown is not None and len(slowdown) != world_size:
+            raise UsageError(f"simulate_slowdown has {len(slowdown)} factor(s) for "
+                             f"{world_size} worker(s)")
+
+    def _fit(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device,
+             backend: str) -> TrainResult:
+        torch.manual_seed(config.seed)
+        model = self.model().to(device)
+        distributed = world_size > 1
+        if distributed:
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)  # identical start even if init is random
+        optimizer = self.optimizer(model.parameters())
+        step_model: nn.Module = model
+        if distributed and config.policy == "sync":
+            from torch.nn.parallel import DistributedDataParallel
+
+            step_model = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None)
+        averager = Averager(model, rank=rank, world_size=world_size, backend=backend,
+                            device=device, num_stats=NUM_STATS,
+                            params=config.policy != "sync") if distributed else None
+        run_dir = config.run_dir
+        if run_dir is not None and rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            artifacts.merge_config(run_dir / "config.json", {**config.to_dict(),
+                                                             "resolved_backend": backend})
+        timeline = Timeline(run_dir, rank=rank)
+        epochs_log = _EpochLog(self, config, run_dir if rank == 0 else None, rank, world_size)
+        worker = Worker(
+            rank=rank, world_size=world_size, device=device, model=model,
+            step_model=step_model, optimizer=optimizer, train_step=self.train_step,
+            dataset=self.train_data, config=config, schedule=self.schedule, timeline=timeline,
+            averager=averager, on_epoch_end=epochs_log.epoch_end,
+            slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
+            verify=os.environ.get("FDL_VERIFY_REPLICAS") == "1",
+        )
+        plan_config = PlanConfig(world_size=world_size, batch_size=config.batch_size,
+                                 dataset_size=len(self.train_data), epochs=config.epochs,
+                                 policy=config.policy)
+        started = time.perf_counter()
+        state = train(worker, initial_state(plan_config))
+        wall_s = time.perf_counter() - started - epochs_log.eval_s
+        worker.step_model = step_model = model  # drop DDP before the process group goes
+        final_checksum = checksum(model)
+        timeline.event("final", checksum=final_checksum, anchor=state.anchor)
+        timeline.close()
+        summary = self._summary(worker, config, backend, wall_s, state, final_checksum,
+                                epochs_log)
+        if run_dir is not None and rank == 0:
+            artifacts.write_json(run_dir / "summary.json", summary)
+            artifacts.save_model(run_dir / "model.pt", model)
+        model.cpu()
+        return TrainResult(model, epochs_log.last_eval, list(self.history), summary, run_dir)
+
+    def _summary(self, worker: Worker, config: EngineConfig, backend: str, wall_s: float,
+                 state: Any, final_checksum: str, epochs_log: _EpochLog) -> dict[str, Any]:
+        totals, world = worker.totals, worker.world_size
+        row = [0.0] * (4 * world)
+        row[4 * worker.rank: 4 * worker.rank + 4] = [totals.samples, totals.busy_s,
+                                                     totals.sleep_s, totals.wait_s]
+        flat = all_reduce_sum(row, device=worker.device)
+        per_rank = [flat[4 * r: 4 * r + 4] for r in range(world)]
+        devices = [str(worker.device)] * world
+        if world > 1:
+            dist.all_gather_object(devices, _device_label(worker.device))
+        return artifacts.build_summary(
+            config=_with_backend(config, backend), world_size=world, devices=devices,
+            wall_s=wall_s, per_rank=per_rank, comm_ms=totals.comm_ms, syncs=totals.syncs,
+            eval_metrics=epochs_log.last_eval, final_loss=epochs_log.last_loss,
+            extra={"eval_s": epochs_log.eval_s, "seed": config.seed,
+                   "anchor_history": [list(item) for item in state.anchor_history],
+                   "final_anchor": state.anchor, "checksum": final_checksum,
+                   "emulated_sleep_s": [r[2] for r in per_rank]},
+        )
+
+
+@dataclass
+class _EpochLog:
+    """End-of-epoch work: global train loss, evaluation (time kept out of throughput), the
+    history record, metrics.jsonl and the progress line on rank 0."""
+
+    trainer: Trainer
+    config: EngineConfig
+    run_dir: Path | None
+    rank: int
+    world_size: int
+    eval_s: float = 0.0
+    last_eval: dict[str, float] = field(default_factory=dict)
+    last_loss: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def epoch_end(self, epoch: int, worker: Worker) -> None:
+        loss_sum, count = all_reduce_sum(worker.epoch_loss, device=worker.device)
+        worker.epoch_loss = [0.0, 0]
+        self.last_loss = loss_sum / count if count else None
+        begin = time.perf_counter()
+        if self.trainer.eval_data is not None and self.trainer.evaluate is not None:
+            self.last_eval = evaluate_model(
+                worker.model, self.trainer.eval_data, self.trainer.evaluate,
+                batch_size=self.config.batch_size, device=worker.device, rank=self.rank,
+                world_size=self.world_size)
+        self.eval_s += time.perf_counter() - begin
+        elapsed = time.perf_counter() - self.started - self.eval_s
+        samples = (epoch + 1) * len(self.trainer.train_data)
+        record = {"epoch": epoch + 1, "samples": samples, "train_loss": self.last_loss,
+                  "eval": self.last_eval, "samples_per_s": samples / elapsed if elapsed else None}
+        self.trainer.history.append(record)
+        worker.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
+                              eval=self.last_eval)
+        if self.rank == 0:
+            if self.run_dir is not None:
+                artifacts.append_jsonl(self.run_dir / "metrics.jsonl", record)
+            _progress_line(record, self.config.epochs)
+
+
+def _progress_line(record: dict[str, Any], epochs: int) -> None:
+    from fdl import console
+
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in record["eval"].items())
+    loss = record["train_loss"]
+    console.info(f"epoch {record['epoch']}/{epochs}  loss {loss:.4f}  "
+                 f"{record['samples_per_s']:.0f} samples/s" + (f"  {metrics}" if metrics else ""))
+
+
+def _dist_env() -> tuple[int, int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _pick_device(local_rank: int, backend: str) -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    if backend == "nccl":
+        raise UsageError("backend 'nccl' needs a CUDA GPU, and this worker has none",
+                         hint="use --backend cpu (or auto)")
+    return torch.device("cpu")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "cpu"
+    return backend
+
+
+def _init_group(backend: str, device: torch.device, world_size: int) -> bool:
+    if world_size <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group(backend="nccl" if backend == "nccl" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
+    return True
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _with_backend(config: EngineConfig, backend: str) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(config, backend=backend)
