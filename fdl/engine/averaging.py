@@ -100,5 +100,6 @@ def checksum(model: nn.Module) -> str:
     """sha256 over every parameter and buffer's bytes: equal strings = bitwise equal replicas."""
     digest = hashlib.sha256()
     for tensor in [*model.parameters(), *model.buffers()]:
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

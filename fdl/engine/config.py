@@ -67,7 +67,7 @@ def resolve_config(*, script: Mapping[str, Any], env: Mapping[str, str] | None =
         **{key: setting.value for key, setting in settings.items()},
         max_grad_norm=max_grad_norm,
         run_dir=Path(run_dir) if run_dir else None,
-        divergence_threshold=float(env.get("FDL_DIVERGENCE_THRESHOLD", DIVERGENCE_THRESHOLD)),
+        divergence_threshold=_threshold(env.get("FDL_DIVERGENCE_THRESHOLD")),
         sources={key: setting.source for key, setting in settings.items()},
     )
 
@@ -78,6 +78,18 @@ def _parse(key: str, value: Any, name: str) -> Any:
         return parser(value)
     except UsageError as exc:
         raise UsageError(f"{name}: {exc.message}", hint=exc.hint) from exc
+
+
+def _threshold(raw: str | None) -> float:
+    if not raw:
+        return DIVERGENCE_THRESHOLD
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise UsageError(f"FDL_DIVERGENCE_THRESHOLD must be a finite number >= 0, got {raw!r}")
+    return value
 
 
 def _launcher_sources(env: Mapping[str, str]) -> dict[str, str]:

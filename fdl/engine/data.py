@@ -9,7 +9,7 @@ indexing for a ``TensorDataset`` (same result, much faster).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,8 +31,8 @@ def slice_batches(dataset: Dataset, order: torch.Tensor, *, start: int, stop: in
 
 
 def collate(dataset: Dataset, indices: torch.Tensor) -> Any:
-    if isinstance(dataset, TensorDataset):
-        return tuple(tensor[indices] for tensor in dataset.tensors)
+    if isinstance(dataset, TensorDataset):  # what default_collate returns, without the loop
+        return [tensor[indices] for tensor in dataset.tensors]
     return default_collate([dataset[int(i)] for i in indices])
 
 
@@ -58,11 +58,18 @@ def shard(size: int, *, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def batch_size_of(batch: Any) -> int:
-    """The number of samples in a collated batch (the first tensor's leading dimension)."""
+    """The number of samples in a collated batch: the leading dimension of its first tensor,
+    or the length of a collated list of non-tensors (e.g. strings)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        return batch_size_of(next(iter(batch.values())))
-    if isinstance(batch, Sequence) and batch:
-        return batch_size_of(batch[0])
+    if isinstance(batch, (dict, list, tuple)) and not isinstance(batch, (str, bytes)):
+        values = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        for value in values:
+            if isinstance(value, (torch.Tensor, dict, list, tuple)):
+                try:
+                    return batch_size_of(value)
+                except TypeError:
+                    continue
+        if isinstance(batch, list) and values:
+            return len(values)
     raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")

@@ -28,7 +28,10 @@ class Timeline:
         if run_dir is not None:
             directory = run_dir / "timeline"
             directory.mkdir(parents=True, exist_ok=True)
-            self._file = (directory / f"rank{rank}.jsonl").open("w", encoding="utf-8")
+            # Line-buffered, appended: a crashed worker's events survive, a restarted worker
+            # adds to its earlier attempt's events instead of replacing them.
+            self._file = (directory / f"rank{rank}.jsonl").open("a", encoding="utf-8",
+                                                                 buffering=1)
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._file is None:
