@@ -19,8 +19,10 @@ def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without fdl's own variables (and no Slurm), plus ``extra``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("FDL_", "SLURM_"))}
+    """This process's environment without fdl's variables, Slurm or OMP_NUM_THREADS, plus
+    ``extra``."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("FDL_", "SLURM_")) and k != "OMP_NUM_THREADS"}
     return {**base, "NO_COLOR": "1", "COLUMNS": "200", **(extra or {})}
 
 

@@ -130,7 +130,7 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
                        policy=settings["policy"].value)
     return LaunchSpec(script, request.script_args, request.module, devices, rendezvous,
                       settings["max_restarts"].value, run_dir, settings,
-                      _worker_env(settings, devices, run_dir), request.quiet_ranks)
+                      _worker_env(settings, devices, run_dir, env), request.quiet_ranks)
 
 
 def _flag_values(request: RunRequest) -> dict[str, Any]:
@@ -204,10 +204,11 @@ def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: st
     return (cwd / "runs" / f"{stamp}-{stem.replace('.', '_')}-{policy}").resolve()
 
 
-def _worker_env(settings: dict[str, Setting], devices: DevicePlan,
-                run_dir: Path) -> dict[str, str]:
-    env = {**worker_env(settings), "FDL_RUN_DIR": str(run_dir),
-           "OMP_NUM_THREADS": str(devices.threads_per_worker)}
+def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path,
+                parent: Mapping[str, str]) -> dict[str, str]:
+    # A user's own OMP_NUM_THREADS wins, as with torchrun; else each worker's share of cores.
+    threads = parent.get("OMP_NUM_THREADS") or str(devices.threads_per_worker)
+    env = {**worker_env(settings), "FDL_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": threads}
     if devices.kind == "cuda":
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = devices.cuda_visible_devices or ""

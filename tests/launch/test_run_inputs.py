@@ -177,3 +177,7 @@ def test_master_addr_and_port_use_torchruns_static_rendezvous(project):
     spec = dry_run(project, "--master-port", str(port))
     assert spec["rendezvous"]["backend"] == "static"
     assert spec["rendezvous"]["endpoint"] == f"127.0.0.1:{port}"
+
+
+def test_users_omp_num_threads_wins(project):
+    assert dry_run(project, env={"OMP_NUM_THREADS": "3"})["env"]["OMP_NUM_THREADS"] == "3"

@@ -1,0 +1,56 @@
+"""The same task as mlp_synthetic.py written as a plain torchrun DDP script (no fdl), for
+comparing fdl's sync policy with torch DDP: `torchrun --nproc-per-node 2 examples/ddp_plain.py
+OUT.json --hidden 1536 ...`. Rank 0 writes the training throughput (eval excluded) to OUT.json.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from mlp_synthetic import NUM_CLASSES, NUM_FEATURES, make_data
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--train-samples", type=int, default=8192)
+    parser.add_argument("--noise", type=float, default=2.5)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(NUM_FEATURES, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, NUM_CLASSES))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ddp = DistributedDataParallel(model)
+    data = make_data(args.train_samples, seed=1, noise=args.noise)
+    step_samples = world * args.batch_size
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(42 + epoch))
+        for step in range(len(data) // step_samples):
+            low = step * step_samples + rank * args.batch_size
+            features, labels = data[order[low:low + args.batch_size]]
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(features), labels).backward()
+            optimizer.step()
+    wall = time.perf_counter() - start
+    samples = args.epochs * (len(data) // step_samples) * step_samples
+    if rank == 0:
+        with open(args.out, "w") as handle:
+            json.dump({"samples_per_s": samples / wall, "wall_s": wall}, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The body of scripts/bench-elche (see that file for what it measures)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "mlp_synthetic.py"
+PLAIN_DDP = ROOT / "examples" / "ddp_plain.py"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train-samples", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "runs" / time.strftime("bench-elche-%Y%m%dT%H%M%SZ",
+                                                              time.gmtime()))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_args = ["--hidden", str(args.hidden), "--train-samples", str(args.train_samples),
+                  "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+    rows: dict[str, dict] = {}
+    cells = [("solo fast", 1, None, "cadence"), ("solo slow (2.5x)", 1, "2.5", "cadence"),
+             ("sync", 2, "1,2.5", "sync"), ("cadence", 2, "1,2.5", "cadence"),
+             ("async", 2, "1,2.5", "async"), ("sync, equal workers", 2, None, "sync")]
+    for name, nproc, slowdown, policy in cells:
+        rows[name] = fdl_run(args.out / name.split(" (")[0].replace(" ", "-").replace(",", ""),
+                             nproc, slowdown, policy, model_args)
+        print(f"  {name:<22} {rows[name]['samples_per_s']:8.0f} samples/s", file=sys.stderr)
+    rows["torch DDP, equal workers"] = plain_ddp(args.out, model_args)
+    report = render(rows, args)
+    print(report)
+    (args.out / "bench-elche.md").write_text(report + "\n")
+    (args.out / "bench-elche.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
+            model_args: list[str]) -> dict:
+    argv = [shutil.which("fdl") or "fdl", "run", "--quiet-ranks", "--nproc-per-node", str(nproc),
+            "--policy", policy, "--run-dir", str(run_dir)]
+    if slowdown:
+        argv += ["--simulate-slowdown", slowdown]
+    subprocess.run([*argv, str(EXAMPLE), *model_args], check=True, env=_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"samples_per_s": summary["throughput"]["samples_per_s"],
+            "per_rank": summary["throughput"]["per_rank_samples_per_s"],
+            "accuracy": summary["eval"].get("accuracy"), "wall_s": summary["wall_s"],
+            "sync_overhead": summary["sync"]["overhead"], "syncs": summary["sync"]["rounds"],
+            "idle": summary["idle_fraction"], "final_anchor": summary.get("final_anchor")}
+
+
+def plain_ddp(out: Path, model_args: list[str]) -> dict:
+    result = out / "torch-ddp.json"
+    torchrun = shutil.which("torchrun") or "torchrun"
+    subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(PLAIN_DDP),
+                    str(result), *model_args], check=True, env=_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return {**json.loads(result.read_text()), "accuracy": None, "sync_overhead": None}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parent)}
+
+
+def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
+    ideal = rows["solo fast"]["samples_per_s"] + rows["solo slow (2.5x)"]["samples_per_s"]
+    lines = [
+        f"El Che benchmark, {time.strftime('%Y-%m-%d')}, CPU ({os.cpu_count()} cores, one "
+        f"thread per worker), emulated 2.5x slowdown; MLP hidden {args.hidden}, batch "
+        f"{args.batch_size}, {args.epochs} epochs x {args.train_samples} samples per run.",
+        "",
+        "| run | samples/s | x ideal | eval accuracy | sync overhead | syncs |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        acc = f"{row['accuracy']:.4f}" if row.get("accuracy") is not None else "-"
+        over = f"{row['sync_overhead']:.3f}" if row.get("sync_overhead") is not None else "-"
+        ratio = row["samples_per_s"] / ideal
+        lines.append(f"| {name} | {row['samples_per_s']:.0f} | {ratio:.2f} | {acc} | {over} | "
+                     f"{row.get('syncs', '-')} |")
+    sync_eq, ddp = rows["sync, equal workers"]["samples_per_s"], \
+        rows["torch DDP, equal workers"]["samples_per_s"]
+    lines += ["", f"ideal = solo fast + solo slow = {ideal:.0f} samples/s; "
+                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f}"]
+    for name in ("cadence", "async"):
+        row = rows[name]
+        lines.append(f"{name}: {row['samples_per_s'] / ideal:.1%} of ideal; per-rank samples/s "
+                     f"{', '.join(f'{r:.0f}' for r in row['per_rank'])}; idle "
+                     f"{', '.join(f'{i:.1%}' for i in row['idle'])}; final anchor "
+                     f"{row['final_anchor']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""fdl.Trainer in-process: solo training, configuration errors before training, schedules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from common import build_model, build_optimizer, evaluate, make_data, train_step  # noqa: E402
+
+import fdl  # noqa: E402
+from fdl.errors import UsageError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def solo_env(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "FDL_RUN_DIR", "FDL_POLICY", "FDL_EPOCHS",
+                 "FDL_BATCH_SIZE", "FDL_SEED", "FDL_BACKEND", "FDL_SLOWDOWN", "FDL_SOURCES"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def trainer(**overrides) -> fdl.Trainer:
+    settings = dict(model=build_model, optimizer=build_optimizer, train_step=train_step,
+                    train_data=make_data(512, seed=1), eval_data=make_data(128, seed=2),
+                    evaluate=evaluate, batch_size=32, epochs=3, seed=3)
+    settings.update(overrides)
+    return fdl.Trainer(**settings)
+
+
+def test_solo_fit_trains_and_reports():
+    result = trainer().fit()
+    assert isinstance(result, fdl.TrainResult)
+    losses = [record["train_loss"] for record in result.history]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert result.metrics["accuracy"] > 0.8
+    assert result.summary["world_size"] == 1 and result.summary["samples"] == 3 * 512
+    assert result.run_dir is None
+    assert next(result.model.parameters()).device.type == "cpu"
+
+
+def test_solo_fit_is_deterministic_for_a_seed():
+    a, b = trainer(epochs=1).fit(), trainer(epochs=1).fit()
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(x, y), name
+
+
+def test_solo_run_dir_from_env_gets_the_artifacts(tmp_path, monkeypatch):
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    result = trainer(epochs=1).fit()
+    assert result.run_dir == tmp_path / "run"
+    for name in ("summary.json", "metrics.jsonl", "model.pt", "config.json",
+                 "timeline/rank0.jsonl"):
+        assert (tmp_path / "run" / name).is_file(), name
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    ({"batch_size": 0}, "batch_size"),
+    ({"epochs": 0}, "epochs"),
+    ({"policy": "turbo"}, "unknown policy"),
+    ({"backend": "tpu"}, "unknown backend"),
+    ({"train_data": make_data(16, seed=1)}, "fewer than one batch per worker"),
+    ({"evaluate": None}, "eval_data and evaluate go together"),
+    ({"model": "not callable"}, "must be callables"),
+])
+def test_bad_configuration_fails_before_training(overrides, needle):
+    built: list[int] = []
+
+    def counting_optimizer(params):
+        built.append(1)
+        return build_optimizer(params)
+
+    with pytest.raises(UsageError, match=needle):
+        trainer(optimizer=counting_optimizer, **overrides).fit()
+    assert built == []  # nothing was trained
+
+
+def test_non_scalar_loss_is_an_error_before_the_first_update():
+    model_holder: list[torch.nn.Module] = []
+
+    def build():
+        model_holder.append(build_model())
+        return model_holder[-1]
+
+    def vector_step(model, batch):
+        features, labels = batch
+        return torch.nn.functional.cross_entropy(model(features), labels, reduction="none")
+
+    torch.manual_seed(3)
+    before = {k: v.clone() for k, v in build_model().state_dict().items()}
+    with pytest.raises(UsageError, match=r"scalar loss tensor.*shape \(32,\)"):
+        trainer(model=build, train_step=vector_step).fit()
+    after = model_holder[-1].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nccl_backend_without_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: nccl is available")
+    with pytest.raises(UsageError, match="nccl"):
+        trainer(backend="nccl").fit()
+
+
+def test_schedule_is_indexed_by_global_samples():
+    seen: list[float] = []
+
+    def schedule(progress: float) -> float:
+        seen.append(progress)
+        return 1.0 - progress
+
+    result = trainer(schedule=schedule, epochs=2).fit()
+    assert seen[0] == 0.0
+    assert seen == sorted(seen) and seen[-1] < 1.0
+    steps = 2 * 512 // 32
+    assert len(seen) == steps
+    # step k of the run (batch 32 of 1024 samples) sees progress k * 32 / 1024
+    assert seen == pytest.approx([k * 32 / 1024 for k in range(steps)])
+    assert result.history[-1]["train_loss"] is not None
