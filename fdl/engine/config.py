@@ -23,6 +23,9 @@ DEFAULTS: dict[str, Any] = {"policy": "cadence", "backend": "auto", "epochs": 5,
 # round as diverging (three rounds in a row halve the anchor). FDL_DIVERGENCE_THRESHOLD
 # overrides it.
 DIVERGENCE_THRESHOLD = 0.5
+# Wanted sync time / compute time per round: the anchor grows above it, shrinks below half of
+# it (FDL_OVERHEAD_TARGET overrides it).
+OVERHEAD_TARGET = 0.05
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class EngineConfig:
     max_grad_norm: float | None
     run_dir: Path | None
     divergence_threshold: float
+    overhead_target: float
     sources: dict[str, str]
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,7 +71,10 @@ def resolve_config(*, script: Mapping[str, Any], env: Mapping[str, str] | None =
         **{key: setting.value for key, setting in settings.items()},
         max_grad_norm=max_grad_norm,
         run_dir=Path(run_dir) if run_dir else None,
-        divergence_threshold=_threshold(env.get("FDL_DIVERGENCE_THRESHOLD")),
+        divergence_threshold=_threshold(env.get("FDL_DIVERGENCE_THRESHOLD"),
+                                        "FDL_DIVERGENCE_THRESHOLD", DIVERGENCE_THRESHOLD),
+        overhead_target=_threshold(env.get("FDL_OVERHEAD_TARGET"), "FDL_OVERHEAD_TARGET",
+                                   OVERHEAD_TARGET, positive=True),
         sources={key: setting.source for key, setting in settings.items()},
     )
 
@@ -80,15 +87,16 @@ def _parse(key: str, value: Any, name: str) -> Any:
         raise UsageError(f"{name}: {exc.message}", hint=exc.hint) from exc
 
 
-def _threshold(raw: str | None) -> float:
+def _threshold(raw: str | None, name: str, default: float, *, positive: bool = False) -> float:
     if not raw:
-        return DIVERGENCE_THRESHOLD
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise UsageError(f"FDL_DIVERGENCE_THRESHOLD must be a finite number >= 0, got {raw!r}")
+    if not (value > 0 if positive else value >= 0) or value == float("inf"):
+        raise UsageError(f"{name} must be a finite number {'>' if positive else '>='} 0, "
+                         f"got {raw!r}")
     return value
 
 

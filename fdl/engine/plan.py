@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from fdl.errors import UsageError
 
 POLICIES = ("sync", "cadence", "async")
+EMA_MIN_ALPHA, EMA_MAX_ALPHA = 0.3, 0.8
 # Float noise must not add a step: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
 _CEIL_TOLERANCE = 1e-9
 
@@ -53,7 +54,9 @@ class PlanConfig:
     min_anchor: int = 1
     max_anchor: int = 200
     overhead_target: float = 0.05
-    dead_zone: float = 0.10
+    # Small on purpose: a dead zone as wide as 10% lets a 10% imbalance stand, and the fast
+    # rank idles for exactly that long every round (measured with scripts/bench-elche).
+    dead_zone: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("world_size", "batch_size", "epochs", "min_anchor"):
@@ -178,8 +181,10 @@ def initial_state(config: PlanConfig) -> PlanState:
 def ema(old: float | None, new: float) -> float:
     """Error-adaptive EMA: the first sample raw, then ``old + alpha * (new - old)``.
 
-    ``alpha = clamp(|new - old| / old, 0.1, 0.8)``: a large change (a device throttling, another
-    job starting) is followed quickly, measurement noise is smoothed.
+    ``alpha = clamp(|new - old| / old, 0.3, 0.8)``: a large change (a device throttling, another
+    job starting) is followed quickly, measurement noise is smoothed. Each sample is already
+    the mean of a whole round's steps, so the floor is 0.3 (flodl's 0.1 followed a drifting
+    device so slowly that the counts lagged it for many rounds).
     """
     if not (math.isfinite(new) and new > 0):
         raise ValueError(f"ema: new = {new!r} must be a finite number > 0")
@@ -187,7 +192,7 @@ def ema(old: float | None, new: float) -> float:
         return new
     if not old > 0:
         raise ValueError(f"ema: old = {old!r} must be > 0 or None")
-    alpha = min(max(abs(new - old) / old, 0.1), 0.8)
+    alpha = min(max(abs(new - old) / old, EMA_MIN_ALPHA), EMA_MAX_ALPHA)
     return old + alpha * (new - old)
 
 
@@ -313,7 +318,9 @@ def _tuned_anchor(anchor: int, stats: RoundStats, config: PlanConfig) -> tuple[i
         return anchor, ""
     overhead, target = stats.sync_ms / stats.compute_ms, config.overhead_target
     if overhead > target:
-        wanted, sign = math.ceil(anchor * overhead / target - _CEIL_TOLERANCE), ">"
+        grown = anchor * overhead / target  # infinite for a vanishing compute time
+        wanted = math.ceil(grown - _CEIL_TOLERANCE) if math.isfinite(grown) else config.max_anchor
+        sign = ">"
     elif overhead < target / 2:
         wanted, sign, target = anchor - 1, "<", target / 2
     else:

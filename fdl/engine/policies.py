@@ -30,7 +30,7 @@ from fdl.engine.averaging import Averager, checksum
 from fdl.engine.config import EngineConfig
 from fdl.engine.data import epoch_permutation, slice_batches, to_device
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, halve_anchor, next_round
-from fdl.engine.speed import StepTimer
+from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.timeline import Timeline
 from fdl.errors import UsageError
 
@@ -78,6 +78,8 @@ class Worker:
     _last_wait_ms: float = NAN
     _last_distance: float = NAN
     _guard_streak: int = 0
+    _blocking_ms: float = 0.0  # what this rank's last blocking average took
+    _step_mean: RunningMean = field(default_factory=RunningMean)  # for slowdown emulation
     _guard_distance: float = NAN  # the largest replica distance reported at the last average
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -97,9 +99,11 @@ def train(worker: Worker, state: PlanState) -> PlanState:
         if worker.config.policy == "sync" or worker.averager is None:
             stats = RoundStats((NAN,) * worker.world_size, NAN, NAN)
         else:
-            # async averages in the background, except at an epoch end: evaluation and the
-            # final model need the consensus.
-            blocking = worker.config.policy == "cadence" or plan.last_in_epoch
+            # async averages in the background, except in round 0 (to measure what a whole
+            # average costs) and at epoch ends (evaluation and the final model need the
+            # consensus).
+            blocking = worker.config.policy == "cadence" or plan.last_in_epoch or \
+                plan.round_index == 0
             stats, pending = _boundary(worker, plan, timer, pending, blocking=blocking)
         advanced = advance(state, plan, stats)
         if advanced.anchor != state.anchor:
@@ -116,7 +120,7 @@ def train(worker: Worker, state: PlanState) -> PlanState:
 def run_slice(worker: Worker, plan: RoundPlan, state: PlanState) -> StepTimer:
     """This rank's steps of the round; returns their timing."""
     mine = plan.slices[worker.rank]
-    timer = StepTimer(slowdown=worker.slowdown)
+    timer = StepTimer(slowdown=worker.slowdown, mean=worker._step_mean)
     total = worker.config.epochs * len(worker.dataset)
     batches = slice_batches(worker.dataset, worker.order(plan.epoch), start=mine.start,
                             stop=mine.stop, batch_size=worker.config.batch_size)
@@ -207,7 +211,13 @@ def _boundary(worker: Worker, plan: RoundPlan, timer: StepTimer, pending: Any, *
 
 def _record_sync(worker: Worker, plan: RoundPlan, start: float, end: float,
                  rows: list[list[float]], *, blocking: bool) -> RoundStats:
-    worker._last_wait_ms = (end - start) * 1000
+    elapsed_ms = (end - start) * 1000
+    if blocking:
+        worker._blocking_ms = elapsed_ms
+    # A background average still costs its full time in CPU, memory and link bandwidth that the
+    # compute shares (on a 2-core host, all of it): count it at least at what the last blocking
+    # average cost, or the anchor shrinks and syncs multiply, each slowing the compute.
+    worker._last_wait_ms = elapsed_ms if blocking else max(elapsed_ms, worker._blocking_ms)
     totals = worker.totals
     totals.wait_s += end - start
     totals.syncs += 1

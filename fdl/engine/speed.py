@@ -3,7 +3,9 @@
 ``--simulate-slowdown 1,2.5`` (``FDL_SLOWDOWN``) makes rank r sleep ``(f_r - 1) x`` its measured
 step time after each step, so a CPU box behaves like two devices 2.5x apart: the planner sees
 the slow rank as slow (its sleep counts in its step time) and gives the fast one more work.
-Summaries mark emulated runs.
+The step time slept on is the rank's running mean over the run, not the last step's: sleeping
+on the last step would multiply the host's own timing noise by ``f - 1`` (a real slower device
+does not amplify its host's noise). Summaries mark emulated runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class StepTimer:
     steps: int = 0
     busy_s: float = 0.0  # compute + emulated sleep
     sleep_s: float = 0.0
+    mean: RunningMean | None = None  # the rank's compute time per step, shared across rounds
     _start: float = field(default=0.0, repr=False)
 
     def start(self) -> None:
@@ -32,7 +35,9 @@ class StepTimer:
 
             torch.cuda.synchronize(sync_device)
         elapsed = time.perf_counter() - self._start
-        extra = elapsed * (self.slowdown - 1.0)
+        if self.mean is not None:
+            self.mean.add(elapsed)
+        extra = (self.mean.value if self.mean is not None else elapsed) * (self.slowdown - 1.0)
         if extra > 0:
             time.sleep(extra)
             self.sleep_s += extra
@@ -42,3 +47,19 @@ class StepTimer:
     @property
     def step_ms(self) -> float:
         return self.busy_s * 1000 / self.steps if self.steps else float("nan")
+
+
+@dataclass
+class RunningMean:
+    """The mean of every value added so far."""
+
+    count: int = 0
+    total: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count if self.count else 0.0

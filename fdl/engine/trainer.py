@@ -128,7 +128,7 @@ class Trainer:
         )
         plan_config = PlanConfig(world_size=world_size, batch_size=config.batch_size,
                                  dataset_size=len(self.train_data), epochs=config.epochs,
-                                 policy=config.policy)
+                                 policy=config.policy, overhead_target=config.overhead_target)
         started = time.perf_counter()
         state = train(worker, initial_state(plan_config))
         wall_s = time.perf_counter() - started - epochs_log.eval_s

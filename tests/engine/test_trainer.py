@@ -9,10 +9,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from common import build_model, build_optimizer, evaluate, make_data, train_step  # noqa: E402
+from common import build_model, build_optimizer, evaluate, make_data, train_step
 
-import fdl  # noqa: E402
-from fdl.errors import UsageError  # noqa: E402
+import fdl
+from fdl.errors import UsageError
 
 
 @pytest.fixture(autouse=True)
