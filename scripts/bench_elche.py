@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs per cell, interleaved round-robin; the table shows medians")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "runs" / time.strftime("bench-elche-%Y%m%dT%H%M%SZ",
                                                               time.gmtime()))
@@ -29,15 +31,20 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model_args = ["--hidden", str(args.hidden), "--train-samples", str(args.train_samples),
                   "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
-    rows: dict[str, dict] = {}
     cells = [("solo fast", 1, None, "cadence"), ("solo slow (2.5x)", 1, "2.5", "cadence"),
              ("sync", 2, "1,2.5", "sync"), ("cadence", 2, "1,2.5", "cadence"),
-             ("async", 2, "1,2.5", "async"), ("sync, equal workers", 2, None, "sync")]
-    for name, nproc, slowdown, policy in cells:
-        rows[name] = fdl_run(args.out / name.split(" (")[0].replace(" ", "-").replace(",", ""),
-                             nproc, slowdown, policy, model_args)
-        print(f"  {name:<22} {rows[name]['samples_per_s']:8.0f} samples/s", file=sys.stderr)
-    rows["torch DDP, equal workers"] = plain_ddp(args.out, model_args)
+             ("async", 2, "1,2.5", "async"), ("sync, equal workers", 2, None, "sync"),
+             ("torch DDP, equal workers", 2, None, None)]
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
+    for repeat in range(args.repeat):  # round-robin: a slow spell of the host hits every cell
+        for name, nproc, slowdown, policy in cells:
+            slug = f"{name.split(' (')[0].replace(' ', '-').replace(',', '')}-{repeat}"
+            result = (plain_ddp(args.out / slug, model_args) if policy is None else
+                      fdl_run(args.out / slug, nproc, slowdown, policy, model_args))
+            runs[name].append(result)
+            print(f"  {repeat + 1}/{args.repeat} {name:<26} {result['samples_per_s']:8.0f} "
+                  "samples/s", file=sys.stderr)
+    rows = {name: median_row(results) for name, results in runs.items()}
     report = render(rows, args)
     print(report)
     (args.out / "bench-elche.md").write_text(report + "\n")
@@ -60,7 +67,17 @@ def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
             "idle": summary["idle_fraction"], "final_anchor": summary.get("final_anchor")}
 
 
+def median_row(results: list[dict]) -> dict:
+    """The run with the median throughput (its other figures come with it), plus the spread."""
+    ordered = sorted(results, key=lambda row: row["samples_per_s"])
+    row = dict(ordered[len(ordered) // 2])
+    row["spread"] = [ordered[0]["samples_per_s"], ordered[-1]["samples_per_s"]]
+    row["runs"] = [r["samples_per_s"] for r in results]
+    return row
+
+
 def plain_ddp(out: Path, model_args: list[str]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     result = out / "torch-ddp.json"
     torchrun = shutil.which("torchrun") or "torchrun"
     subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(PLAIN_DDP),
@@ -78,7 +95,8 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
     lines = [
         f"El Che benchmark, {time.strftime('%Y-%m-%d')}, CPU ({os.cpu_count()} cores, one "
         f"thread per worker), emulated 2.5x slowdown; MLP hidden {args.hidden}, batch "
-        f"{args.batch_size}, {args.epochs} epochs x {args.train_samples} samples per run.",
+        f"{args.batch_size}, {args.epochs} epochs x {args.train_samples} samples per run; "
+        f"median of {args.repeat} interleaved runs per row (min-max in brackets).",
         "",
         "| run | samples/s | x ideal | eval accuracy | sync overhead | syncs |",
         "|---|---:|---:|---:|---:|---:|",
@@ -87,8 +105,9 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
         acc = f"{row['accuracy']:.4f}" if row.get("accuracy") is not None else "-"
         over = f"{row['sync_overhead']:.3f}" if row.get("sync_overhead") is not None else "-"
         ratio = row["samples_per_s"] / ideal
-        lines.append(f"| {name} | {row['samples_per_s']:.0f} | {ratio:.2f} | {acc} | {over} | "
-                     f"{row.get('syncs', '-')} |")
+        low, high = row["spread"]
+        lines.append(f"| {name} | {row['samples_per_s']:.0f} [{low:.0f}-{high:.0f}] | "
+                     f"{ratio:.2f} | {acc} | {over} | {row.get('syncs', '-')} |")
     sync_eq, ddp = rows["sync, equal workers"]["samples_per_s"], \
         rows["torch DDP, equal workers"]["samples_per_s"]
     lines += ["", f"ideal = solo fast + solo slow = {ideal:.0f} samples/s; "

@@ -37,6 +37,7 @@ class Averager:
             b for b in model.buffers() if b.is_floating_point()]
         self.int_tensors = [b for b in model.buffers() if not b.is_floating_point()]
         self.numel = sum(t.numel() for t in self.tensors)
+        self.via_host = backend != "nccl"
         buffer_device = device if backend == "nccl" else torch.device("cpu")
         size = self.numel + world_size * num_stats
         self.flat = torch.zeros(size, dtype=torch.float32, device=buffer_device)
@@ -75,7 +76,7 @@ class Averager:
             tensor.copy_(self.flat[offset:offset + count].view_as(tensor))
             offset += count
         for tensor in self.int_tensors:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            reduce_in_place(tensor, op=dist.ReduceOp.MAX, via_host=self.via_host)
 
     @torch.no_grad()
     def apply_delta(self) -> None:
@@ -94,6 +95,27 @@ class Averager:
         average = self.flat[:self.numel]
         norm = float(average.norm())
         return float((self.snapshot - average).norm()) / norm if norm > 0 else 0.0
+
+
+def reduce_in_place(tensor: torch.Tensor, *, op: dist.ReduceOp, via_host: bool) -> None:
+    """all_reduce ``tensor``; over gloo a GPU tensor goes through a (blocking) host copy."""
+    if via_host and tensor.device.type != "cpu":
+        host = tensor.cpu()
+        dist.all_reduce(host, op=op)
+        tensor.copy_(host)
+    else:
+        dist.all_reduce(tensor, op=op)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], *, via_host: bool) -> None:
+    """Give every rank rank 0's values (identical start even if initialisation is random)."""
+    for tensor in tensors:
+        if via_host and tensor.device.type != "cpu":
+            host = tensor.cpu()
+            dist.broadcast(host, src=0)
+            tensor.copy_(host)
+        else:
+            dist.broadcast(tensor, src=0)
 
 
 def checksum(model: nn.Module) -> str:

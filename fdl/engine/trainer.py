@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fdl.engine import summary as artifacts
-from fdl.engine.averaging import Averager, checksum
+from fdl.engine.averaging import Averager, broadcast_from_rank0, checksum
 from fdl.engine.config import EngineConfig, resolve_config
 from fdl.engine.evaluation import all_reduce_sum, evaluate_model
 from fdl.engine.plan import PlanConfig, initial_state
@@ -99,8 +99,8 @@ class Trainer:
         model = self.model().to(device)
         distributed = world_size > 1
         if distributed:
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)  # identical start even if init is random
+            broadcast_from_rank0([t.data for t in (*model.parameters(), *model.buffers())],
+                                 via_host=backend != "nccl")
         optimizer = self.optimizer(model.parameters())
         step_model: nn.Module = model
         if distributed and config.policy == "sync":
