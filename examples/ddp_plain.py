@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from mlp_synthetic import NUM_CLASSES, NUM_FEATURES, make_data
+from mlp_synthetic import NUM_CLASSES, NUM_FEATURES, add_task_arguments, make_data
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,12 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--train-samples", type=int, default=8192)
-    parser.add_argument("--noise", type=float, default=2.5)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
+    add_task_arguments(parser)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -42,14 +42,19 @@ def evaluate(model, batch):
             "accuracy": (logits.argmax(dim=1) == labels).float().mean().item()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """The task's size and difficulty (shared with ddp_plain.py, so both train the same)."""
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--train-samples", type=int, default=8192)
     parser.add_argument("--noise", type=float, default=2.5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_task_arguments(parser)
     args = parser.parse_args()
 
     def build_model() -> nn.Module:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdl.launch.rundir import write_json_atomic
+
 
 def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
                   per_rank: list[list[float]], comm_ms: list[float], syncs: int,
@@ -46,12 +48,6 @@ def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: f
     }
 
 
-def write_json(path: Path, document: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as handle:
         handle.write(json.dumps(record, default=str) + "\n")
@@ -70,4 +66,4 @@ def merge_config(path: Path, engine: dict[str, Any]) -> None:
     except (OSError, json.JSONDecodeError):
         document = {}
     document["engine"] = engine
-    write_json(path, document)
+    write_json_atomic(path, document)

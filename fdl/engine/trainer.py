@@ -139,7 +139,7 @@ class Trainer:
         summary = self._summary(worker, config, backend, wall_s, state, final_checksum,
                                 epochs_log)
         if run_dir is not None and rank == 0:
-            artifacts.write_json(run_dir / "summary.json", summary)
+            artifacts.write_json_atomic(run_dir / "summary.json", summary)
             artifacts.save_model(run_dir / "model.pt", model)
         model.cpu()
         return TrainResult(model, epochs_log.last_eval, list(self.history), summary, run_dir)
