@@ -87,3 +87,95 @@ def official_builds(*, platform: str = LINUX_X86_64, version: str | None = None,
 
 def latest_version() -> str:
     return OFFICIAL_BUILDS[0].version
+
+
+# --- libtorch archives (download.pytorch.org) --------------------------------------------------
+# URL patterns (pytorch.org "Get started" LibTorch links; seen for 2.0 through 2.14.1):
+#   Linux x86_64   <base>/<variant>/libtorch-shared-with-deps-<ver>%2B<variant>.zip
+#   Windows x86_64 <base>/<variant>/libtorch-win-shared-with-deps-<ver>%2B<variant>.zip
+#   macOS arm64    <base>/cpu/libtorch-macos-arm64-<ver>.zip            (CPU only)
+# No checksums are published beside them: fdl records the sha256 it computed while downloading
+# and checks one given with --sha256. ROCm archives are listed for the releases whose matrix
+# names a ROCm version (uncertain for libtorch; a 404 says so). Linux aarch64 has no libtorch
+# archive on download.pytorch.org: use `fdl libtorch link-python` with an aarch64 torch wheel.
+DEFAULT_BASE_URL = "https://download.pytorch.org/libtorch"
+MACOS_ARM64 = "macos-arm64"
+MIRROR_ENV = "FDL_LIBTORCH_MIRROR"
+_ROCM = {"2.13.0": "rocm7.2", "2.12.0": "rocm7.2", "2.11.0": "rocm7.2", "2.10.0": "rocm7.1"}
+
+
+@dataclass(frozen=True)
+class LibtorchArchive:
+    """One downloadable libtorch: ``<version>-<variant>`` for a platform."""
+
+    version: str
+    variant: str  # "cpu", "cu130", "rocm7.2"
+    platform: str
+    url: str
+    cuda: str | None
+    archs: tuple[str, ...]
+    experimental: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.version}-{self.variant}"
+
+    @property
+    def min_driver(self) -> str | None:
+        """The driver NVIDIA released with this CUDA (full support, PTX JIT included)."""
+        if self.cuda is None:
+            return None
+        from fdl.system.compat import release_driver
+
+        return release_driver(self.cuda, windows=self.platform == WINDOWS_X86_64)
+
+
+def libtorch_url(version: str, variant: str, platform: str, *, base: str | None = None) -> str:
+    base = (base or DEFAULT_BASE_URL).rstrip("/")
+    if platform == MACOS_ARM64:
+        return f"{base}/cpu/libtorch-macos-arm64-{version}.zip"
+    prefix = "libtorch-win-shared-with-deps" if platform == WINDOWS_X86_64 \
+        else "libtorch-shared-with-deps"
+    return f"{base}/{variant}/{prefix}-{version}%2B{variant}.zip"
+
+
+def libtorch_archives(*, platform: str = LINUX_X86_64, version: str | None = None,
+                      base: str | None = None) -> tuple[LibtorchArchive, ...]:
+    """Every archive of the catalog for ``platform`` (newest first), CPU and ROCm included."""
+    versions = sorted({b.version for b in OFFICIAL_BUILDS}, key=_version_key, reverse=True)
+    archives: list[LibtorchArchive] = []
+    for ver in versions if version is None else [version]:
+        cuda = [] if platform == MACOS_ARM64 else official_builds(platform=platform, version=ver)
+        for build in cuda:
+            archives.append(LibtorchArchive(ver, build.variant, platform,
+                                            libtorch_url(ver, build.variant, platform, base=base),
+                                            build.cuda, build.archs, build.experimental))
+        if platform == LINUX_X86_64 and ver in _ROCM:
+            archives.append(LibtorchArchive(ver, _ROCM[ver], platform,
+                                            libtorch_url(ver, _ROCM[ver], platform, base=base),
+                                            None, ()))
+        archives.append(LibtorchArchive(ver, "cpu", platform,
+                                        libtorch_url(ver, "cpu", platform, base=base), None, ()))
+    return tuple(archives)
+
+
+def find_archive(*, version: str, variant: str, platform: str = LINUX_X86_64,
+                 base: str | None = None) -> LibtorchArchive:
+    """The catalog entry for ``version``/``variant``; a usage error listing what exists."""
+    from fdl.errors import UsageError
+
+    known = libtorch_archives(platform=platform, base=base)
+    for archive in known:
+        if archive.version == version and archive.variant == variant:
+            return archive
+    versions = sorted({a.version for a in known}, key=_version_key)
+    variants = sorted({a.variant for a in known if a.version == version})
+    if not variants:
+        raise UsageError(f"libtorch {version} is not in the catalog for {platform}",
+                         hint=f"known versions: {', '.join(versions)}; or pass --url")
+    raise UsageError(f"libtorch {version} has no variant {variant!r} for {platform}",
+                     hint=f"variants of {version}: {', '.join(variants)}")
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
