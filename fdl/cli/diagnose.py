@@ -48,6 +48,12 @@ def _render(report: DiagnoseReport) -> None:
     _render_system(report)
     _render_gpus(report)
     _render_torch(report)
+    lib = report.libtorch
+    console.rule("libtorch")
+    console.print_pairs([("active", lib["id"] if lib else "none (fdl setup installs one)"),
+                         ("path", lib["path"] if lib else None),
+                         ("built with", (f"CUDA {lib['cuda']}" if lib["cuda"] else "CPU only")
+                          if lib else None)])
     console.rule("Compatibility")
     advice = report.advice
     if advice.covering:

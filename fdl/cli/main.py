@@ -97,10 +97,17 @@ def _root(
 
 def _register() -> None:
     # Each command module imports only typer/stdlib/fdl.errors at module level.
-    from fdl.cli import diagnose, run
+    from fdl.cli import diagnose, run, setup
 
     app.command("diagnose")(diagnose.diagnose)
     app.command("run", context_settings=run.RUN_CONTEXT)(run.run)
+    app.command("setup")(setup.setup)
+
+    from fdl.cli import libtorch, libtorch_build, libtorch_download
+
+    libtorch.libtorch_app.command("download")(libtorch_download.download)
+    libtorch.libtorch_app.command("build")(libtorch_build.build)
+    app.add_typer(libtorch.libtorch_app, name="libtorch")
 
 
 _register()

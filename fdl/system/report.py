@@ -42,6 +42,8 @@ class DiagnoseReport:
     advice: BuildAdvice
     findings: tuple[Finding, ...]
     verdict: Finding
+    libtorch: dict[str, Any] | None = None  # the active variant: id, path, version, cuda, archs
+    libtorch_coverage: BuildCoverage | None = None
 
     @property
     def gpus_uncovered(self) -> bool:
@@ -68,7 +70,20 @@ def collect_report(*, env: Mapping[str, str] | None = None) -> DiagnoseReport:
         survey = pool.submit(probe_gpus, env=env)
         torch = pool.submit(probe_torch)
         return build_report(host=host.result(), survey=survey.result(), torch=torch.result(),
-                            context=_context(env))
+                            context=_context(env), libtorch=active_libtorch())
+
+
+def active_libtorch() -> dict[str, Any] | None:
+    """The active variant of the libtorch store, described as data (None when none is)."""
+    from fdl.libtorch.store import Store
+    from fdl.paths import libtorch_root
+
+    variant = Store(libtorch_root()).active()
+    if variant is None:
+        return None
+    meta = variant.meta
+    return {"id": variant.id, "path": str(variant.path), "version": meta.get("version"),
+            "cuda": meta.get("cuda"), "archs": list(meta.get("archs") or [])}
 
 
 def _context(env: Mapping[str, str]) -> dict[str, Any]:
@@ -91,7 +106,8 @@ def catalog_platform(host: HostInfo) -> str | None:
 
 
 def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
-                 context: dict[str, Any]) -> DiagnoseReport:
+                 context: dict[str, Any], libtorch: dict[str, Any] | None = None
+                 ) -> DiagnoseReport:
     platform = catalog_platform(host)
     windows = platform == WINDOWS_X86_64
     coverage = None
@@ -101,9 +117,27 @@ def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
     advice = advise_builds(survey, platform=platform) if platform else advise_builds(
         dataclasses.replace(survey, gpus=()))
     findings = [*_gpu_findings(survey, torch, coverage, advice), *_host_findings(host, torch)]
+    libtorch_coverage = None
+    if libtorch is not None:
+        libtorch_coverage = check_build(survey, label=f"libtorch {libtorch['id']}",
+                                        archs=libtorch["archs"], cuda=libtorch["cuda"],
+                                        windows=windows)
+        findings.append(_libtorch_finding(survey, libtorch_coverage))
+    else:
+        findings.append(Finding("info", "no libtorch variant is active (C++ builds)",
+                                "fdl setup"))
     verdict = _verdict(survey, torch, coverage, advice, findings)
     return DiagnoseReport(context, host, survey, torch, coverage, advice, tuple(findings),
-                          verdict)
+                          verdict, libtorch, libtorch_coverage)
+
+
+def _libtorch_finding(survey: GpuSurvey, coverage: BuildCoverage) -> Finding:
+    if not survey.gpus or coverage.covers_all:
+        return Finding("ok", f"{coverage.label} is active"
+                       + (" and covers every GPU" if survey.gpus else ""))
+    missing = ", ".join(f"{g.name} ({g.arch})" for g in coverage.missing)
+    return Finding("warn", f"{coverage.label} is active but does not cover {missing}",
+                   "fdl setup")
 
 
 def install_command(advice: BuildAdvice) -> str | None:
@@ -241,6 +275,8 @@ def _to_dict(report: DiagnoseReport) -> dict[str, Any]:
             "driver_needed": advice.driver_needed,
             "install_command": install_command(advice),
         },
+        "libtorch": None if report.libtorch is None else {
+            **report.libtorch, "coverage": _coverage_dict(report.libtorch_coverage)},
         "findings": [dataclasses.asdict(f) for f in report.findings],
         "verdict": dataclasses.asdict(report.verdict),
     }

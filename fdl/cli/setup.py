@@ -1,0 +1,131 @@
+"""``fdl setup``: the right libtorch (and torch wheel) for every GPU, in one command.
+
+    fdl setup                 # survey -> plan -> confirm -> install -> summary
+    fdl setup --dry-run       # the plan only
+    fdl setup --yes           # no question (scripts, CI)
+    fdl setup --variant 2.11.0-cu128   # take another catalog variant (e.g. mixed GPUs)
+    fdl setup --install-torch # also pip-install the torch wheel that covers every GPU
+
+CPU-only hosts end with the CPU variant active. Mixed GPUs that no official build covers get
+the options: the variant covering the most GPUs, or a source build (`fdl libtorch build`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+if TYPE_CHECKING:
+    from fdl.libtorch.setup_plan import SetupPlan
+    from fdl.libtorch.store import Store
+
+
+def setup(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan and change nothing.")] = False,
+    variant: Annotated[Optional[str], typer.Option(help="Catalog variant, e.g. 2.11.0-cu128.")] = None,  # noqa: UP045
+    version: Annotated[Optional[str], typer.Option(help="libtorch version (default: newest).")] = None,  # noqa: UP045
+    install_torch: Annotated[bool, typer.Option(help="Also pip-install the fitting torch wheel.")] = False,
+) -> None:
+    """Install and activate the libtorch that covers every GPU; check the torch wheel."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fdl.libtorch.catalog import MIRROR_ENV
+    from fdl.libtorch.setup_plan import plan_setup
+    from fdl.libtorch.store import Store
+    from fdl.paths import libtorch_root
+    from fdl.system.gpus import probe_gpus
+    from fdl.system.torchenv import probe_torch
+
+    store = Store(libtorch_root())
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        survey, torch = pool.submit(probe_gpus), pool.submit(probe_torch)
+        survey, torch = survey.result(), torch.result()
+    active = store.active()
+    plan = plan_setup(survey=survey, torch=torch, installed=[v.id for v in store.variants()],
+                      active=active.id if active else None, version=version, variant=variant,
+                      base=os.environ.get(MIRROR_ENV))
+    _render_plan(plan, survey_line=_survey_line(survey))
+    if dry_run or (plan.action in ("present", "none") and not (install_torch and plan.pip_command)):
+        return
+    if not yes and not _confirm():
+        raise typer.Exit(1)
+    _execute(plan, store, install_torch=install_torch)
+
+
+def _survey_line(survey) -> str:
+    if not survey.gpus:
+        return "no NVIDIA GPU"
+    return ", ".join(f"{g.name} ({g.arch})" for g in survey.gpus) + \
+        f"; driver {survey.driver_version or 'none'}"
+
+
+def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
+    from fdl import console
+
+    console.rule("fdl setup")
+    what = {"download": "download and activate", "activate": "activate (already installed)",
+            "present": "already active", "none": "nothing to install"}[plan.action]
+    console.print_pairs([
+        ("GPUs", survey_line),
+        ("libtorch", f"{plan.archive.name}: {what}" if plan.archive else what),
+        ("why", plan.resolution.reason),
+        ("url", plan.archive.url if plan.action == "download" and plan.archive else None),
+        ("torch wheel", {True: "covers every GPU", False: "does NOT cover every GPU",
+                         None: "not installed"}[plan.torch_covers]),
+        ("pip", plan.pip_command),
+    ])
+    for note in plan.notes:
+        console.out(f"  - {note}")
+
+
+def _confirm() -> bool:
+    if not sys.stdin.isatty():
+        from fdl.errors import UsageError
+
+        raise UsageError("fdl setup needs confirmation and stdin is not a terminal",
+                         hint="pass --yes, or --dry-run to see the plan")
+    return typer.confirm("Proceed?", default=True)
+
+
+def _execute(plan: SetupPlan, store: Store, *, install_torch: bool) -> None:
+    from fdl import console
+
+    if plan.action == "download" and plan.archive is not None:
+        from fdl.cli.libtorch_download import install_with_progress
+
+        install_with_progress(store, plan.archive, sha256=None, activate=True)
+    elif plan.action == "activate" and plan.variant_id:
+        store.activate(plan.variant_id)
+    if install_torch and plan.pip_command:
+        import shlex
+        import subprocess
+
+        if not plan.pip_command.startswith("pip install"):
+            from fdl.errors import FdlError
+
+            raise FdlError("no official torch wheel covers every GPU; torch must be built from "
+                           "source", hint=plan.pip_command)
+
+        console.info(f"running: {plan.pip_command}")
+        argv = [sys.executable, "-m", *shlex.split(plan.pip_command.split("  #")[0])]
+        if subprocess.run(argv, check=False).returncode != 0:
+            from fdl.errors import FdlError
+
+            raise FdlError("pip failed to install the torch wheel", hint=plan.pip_command)
+    _summary(store)
+
+
+def _summary(store: Store) -> None:
+    from fdl import console
+
+    active = store.active()
+    if active is None:
+        return
+    console.rule("active libtorch")
+    console.out(f"  {active.id} at {active.path}")
+    console.out("  to use it in this shell:  eval \"$(fdl libtorch env)\"")
+    console.out(store.env(active, shell="bash"))
