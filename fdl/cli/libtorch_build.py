@@ -32,7 +32,8 @@ def build(
 
     from fdl import console
     from fdl.errors import UsageError
-    from fdl.libtorch.build import plan_build, run_build
+    from fdl.libtorch.build import plan_build
+    from fdl.libtorch.build_runner import run_build
     from fdl.libtorch.catalog import latest_version
     from fdl.libtorch.store import Store
     from fdl.paths import cache_dir, libtorch_root

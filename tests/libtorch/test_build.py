@@ -17,16 +17,8 @@ from pathlib import Path
 import pytest
 
 from fdl.errors import FdlError, UsageError
-from fdl.libtorch.build import (
-    NVCC_FILE,
-    STAGING,
-    BuildStep,
-    parse_nvcc_version,
-    plan_build,
-    probe_nvcc,
-    run_build,
-    verify_tree,
-)
+from fdl.libtorch.build import NVCC_FILE, STAGING, BuildStep, plan_build
+from fdl.libtorch.build_runner import parse_nvcc_version, probe_nvcc, run_build, verify_tree
 
 STANDIN = Path(__file__).parent / "standin" / "build_libtorch.py"
 PY = "/opt/py/bin/python3"
