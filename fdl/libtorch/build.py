@@ -3,7 +3,7 @@
 No official build covers a Pascal and a Blackwell card at once (CUDA 13 dropped sm_61, CUDA
 12.6 predates sm_120); one source build with ``TORCH_CUDA_ARCH_LIST="6.1;12.0"`` on CUDA 12.8
 does. ``plan_build`` decides everything (argv lists, env dicts, paths; no I/O) for
-``--dry-run``; ``run_build`` executes it::
+``--dry-run``; ``build_runner.run_build`` executes it::
 
     plan = plan_build(version="2.13.0", archs=["6.1", "12.0"], jobs=8, mode="native",
                       cache_dir=cache)
