@@ -23,11 +23,18 @@ print("RESULT", code, ",".join(heavy) or "none")
 
 
 def _commands() -> list[str]:
+    """Every command path, nested groups included: ["diagnose"], ["libtorch", "env"], ..."""
     from typer.main import get_command
 
     from fdl.cli.main import app
 
-    return sorted(get_command(app).commands)
+    def walk(group, prefix):
+        for name, command in sorted(group.commands.items()):
+            yield [*prefix, name]
+            if hasattr(command, "commands"):
+                yield from walk(command, [*prefix, name])
+
+    return list(walk(get_command(app), []))
 
 
 def _probe(args: list[str]) -> str:
@@ -39,11 +46,12 @@ def _probe(args: list[str]) -> str:
 
 
 def test_there_are_commands_to_check():
-    assert "diagnose" in _commands()
+    commands = _commands()
+    assert ["diagnose"] in commands and ["libtorch", "download"] in commands
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"],
-                                  *[[name, "--help"] for name in _commands()]])
+                                  *[[*path, "--help"] for path in _commands()]])
 def test_help_loads_no_heavy_module(args):
     assert _probe(args) == "RESULT 0 none"
 
