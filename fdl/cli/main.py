@@ -97,11 +97,12 @@ def _root(
 
 def _register() -> None:
     # Each command module imports only typer/stdlib/fdl.errors at module level.
-    from fdl.cli import diagnose, run, setup
+    from fdl.cli import diagnose, report, run, setup
 
     app.command("diagnose")(diagnose.diagnose)
     app.command("run", context_settings=run.RUN_CONTEXT)(run.run)
     app.command("setup")(setup.setup)
+    app.command("report")(report.report)
 
     from fdl.cli import libtorch, libtorch_build, libtorch_download
 

@@ -90,6 +90,10 @@ def _report(result: LaunchResult, spec: LaunchSpec) -> None:
         return
     cause = result.root_cause
     if cause is None:
+        if (spec.run_dir / "summary.json").is_file():  # the script trained with fdl.Trainer
+            from fdl.cli.report import render, run_report
+
+            render(run_report(spec.run_dir))
         console.info(f"fdl run: done; run directory {spec.run_dir}")
         return
     how = f"was killed by {cause.signal}" if cause.signal else f"exited with code {cause.exit_code}"

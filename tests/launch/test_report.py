@@ -1,0 +1,78 @@
+"""`fdl report`: numbers from a hand-made run directory, and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_fdl
+
+from fdl.errors import UsageError
+from fdl.launch.report import build_report, load_run
+
+SUMMARY = {"policy": "cadence", "backend": "cpu", "world_size": 2, "devices": ["cpu", "cpu"],
+           "emulated_slowdown": [1.0, 2.5], "epochs": 1, "samples": 400, "wall_s": 10.0,
+           "throughput": {"samples_per_s": 40.0, "per_rank_samples_per_s": [30.0, 10.0]},
+           "sync": {"rounds": 2, "mean_ms": 100.0, "overhead": 0.02}, "idle_fraction": [0, 0],
+           "eval": {"accuracy": 0.9}, "final_loss": 0.25,
+           "anchor_history": [[1, 8, "overhead 0.2 > 0.05"]]}
+# rank 0: 30 steps of 10 samples in 8 s (0.2667 s/step) ... all times hand-chosen
+TIMELINES = [
+    [{"t": 104.0, "kind": "round", "steps": 15, "samples": 150, "compute_s": 4.0},
+     {"t": 105.0, "kind": "sync", "wait_s": 1.0},
+     {"t": 105.5, "kind": "epoch"},
+     {"t": 110.0, "kind": "round", "steps": 15, "samples": 150, "compute_s": 4.0},
+     {"t": 110.5, "kind": "sync", "wait_s": 0.5}],
+    [{"t": 104.5, "kind": "round", "steps": 5, "samples": 50, "compute_s": 4.5},
+     {"t": 105.0, "kind": "sync", "wait_s": 0.5},
+     {"t": 105.5, "kind": "epoch"},
+     {"t": 110.5, "kind": "round", "steps": 5, "samples": 50, "compute_s": 4.5},
+     {"t": 110.5, "kind": "sync", "wait_s": 0.0}],
+]
+
+
+def make_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    (run / "timeline").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(SUMMARY))
+    (run / "config.json").write_text(json.dumps({"engine": {"batch_size": {"value": 10}}}))
+    for rank, events in enumerate(TIMELINES):
+        (run / "timeline" / f"rank{rank}.jsonl").write_text(
+            "\n".join(json.dumps(e) for e in events) + "\n")
+    return run
+
+
+def test_report_numbers_from_a_hand_made_run(tmp_path):
+    summary, timelines, _ = load_run(make_run(tmp_path))
+    doc = build_report(summary, timelines, batch_size=10)
+    fast, slow = doc["ranks"]
+    assert fast["samples"] == 300 and slow["samples"] == 100
+    assert fast["share"] == pytest.approx(0.75) and slow["share"] == pytest.approx(0.25)
+    assert fast["step_ms"] == pytest.approx(8000 / 30) and slow["step_ms"] == pytest.approx(900)
+    assert fast["time_s"] == pytest.approx({"compute": 8.0, "sync_wait": 1.5,
+                                            "epoch_boundary": 0.5, "unexplained": 0.0})
+    # rank 1's second round started at 110.5 - 4.5 = 106.0, half a second after its epoch event
+    assert slow["time_s"]["epoch_boundary"] == pytest.approx(0.5)
+    assert slow["time_s"]["unexplained"] == pytest.approx(10 - 9 - 0.5 - 0.5)
+    assert fast["idle_fraction"] == pytest.approx(0.2)
+    ideal = 10 / (8 / 30) + 10 / 0.9
+    assert doc["ideal_samples_per_s"] == pytest.approx(ideal)
+    assert doc["efficiency"] == pytest.approx(40 / ideal)
+    assert doc["anchor_history"] == [[1, 8, "overhead 0.2 > 0.05"]]
+
+
+def test_cli_report_json_and_text(tmp_path):
+    run = make_run(tmp_path)
+    proc = run_fdl("report", str(run), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ranks"][0]["samples"] == 300
+    text = run_fdl("report", str(run)).stdout
+    assert "efficiency" in text and "accuracy 0.9000" in text
+
+
+def test_report_of_a_directory_without_summary(tmp_path):
+    with pytest.raises(UsageError, match=r"no summary\.json"):
+        load_run(tmp_path)
+    proc = run_fdl("report", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ")
