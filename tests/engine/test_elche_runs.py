@@ -30,6 +30,7 @@ def fdl_train(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = (),
                    str(SCRIPTS / "elche_train.py"), str(out), *script_args, cwd=tmp_path,
                    env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fdl report:" in proc.stdout and "efficiency" in proc.stdout  # printed at the end
     return out, run_dir
 
 
