@@ -97,9 +97,10 @@ def _root(
 
 def _register() -> None:
     # Each command module imports only typer/stdlib/fdl.errors at module level.
-    from fdl.cli import diagnose, report, run, setup
+    from fdl.cli import diagnose, init, report, run, setup
 
     app.command("diagnose")(diagnose.diagnose)
+    app.command("init")(init.init)
     app.command("run", context_settings=run.RUN_CONTEXT)(run.run)
     app.command("setup")(setup.setup)
     app.command("report")(report.report)

@@ -1,6 +1,7 @@
 """``fdl run SCRIPT [ARGS]...``: torchrun-compatible launcher with El Che settings.
 
-Flags before SCRIPT belong to fdl; everything after SCRIPT goes to the script unchanged.
+fdl run's options are fdl's wherever they appear, so `fdl run train.py --policy async` works;
+every other argument after SCRIPT, and everything after a `--`, goes to the script unchanged.
 See docs/run.md for flags, environment variables, the run directory and failure behaviour.
 """
 
@@ -50,17 +51,21 @@ def run(
 ) -> None:
     """Launch one worker per device and run SCRIPT in each (torch.distributed.elastic)."""
     from fdl.launch import plan_run
-    from fdl.launch.spec import RunRequest
+    from fdl.launch.spec import RunRequest, split_script_args
 
-    request = RunRequest(
-        script=script, script_args=tuple(args or ()), module=module,
+    options = dict(
         nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_id=rdzv_id,
         standalone=standalone, master_addr=master_addr, master_port=master_port,
         max_restarts=max_restarts, devices=devices, policy=policy, backend=backend,
         simulate_slowdown=simulate_slowdown, epochs=epochs, batch_size=batch_size, seed=seed,
-        run_dir=run_dir, quiet_ranks=quiet_ranks,
-    )
+        run_dir=run_dir, quiet_ranks=quiet_ranks, dry_run=dry_run, json_output=json_output)
+    claimed, script_args = split_script_args(tuple(args or ()))
+    for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
+        if options[key] in (None, False):
+            options[key] = value
+    dry_run, json_output = options.pop("dry_run"), options.pop("json_output")
+    request = RunRequest(script=script, script_args=script_args, module=module, **options)
     spec = plan_run(request)
     if dry_run:
         _print_spec(spec, as_json=json_output)

@@ -217,3 +217,52 @@ def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path
 
 def spec_json(spec: LaunchSpec) -> str:
     return json.dumps(spec.to_dict(), indent=2, default=str)
+
+
+# fdl run's own options are fdl's wherever they appear, so the documented
+# `fdl run train.py --policy async --nproc-per-node 2` works. Everything after a `--` belongs to
+# the script untouched (the way to hand a script an option named like one of fdl's).
+VALUE_FLAGS = {"--policy": "policy", "--backend": "backend",
+               "--simulate-slowdown": "simulate_slowdown", "--epochs": "epochs",
+               "--batch-size": "batch_size", "--seed": "seed", "--run-dir": "run_dir",
+               "--nproc-per-node": "nproc_per_node", "--nnodes": "nnodes",
+               "--node-rank": "node_rank", "--rdzv-endpoint": "rdzv_endpoint",
+               "--rdzv-backend": "rdzv_backend", "--rdzv-id": "rdzv_id",
+               "--max-restarts": "max_restarts", "--master-addr": "master_addr",
+               "--master-port": "master_port", "--devices": "devices"}
+BOOL_FLAGS = {"--standalone": "standalone", "--quiet-ranks": "quiet_ranks",
+              "--dry-run": "dry_run", "--json": "json_output"}
+INT_FIELDS = ("node_rank", "master_port")
+
+
+def split_script_args(args: tuple[str, ...]) -> tuple[dict[str, object], tuple[str, ...]]:
+    """``("--policy", "async", "--lr", "0.1")`` -> ``({"policy": "async"}, ("--lr", "0.1"))``."""
+    claimed: dict[str, object] = {}
+    kept: list[str] = []
+    items = list(args)
+    while items:
+        arg = items.pop(0)
+        if arg == "--":
+            kept.extend(items)
+            break
+        flag, eq, value = arg.partition("=")
+        if flag in BOOL_FLAGS and not eq:
+            claimed[BOOL_FLAGS[flag]] = True
+        elif flag in VALUE_FLAGS:
+            if not eq:
+                if not items:
+                    raise UsageError(f"{flag} needs a value", hint=f"e.g. {flag} <value>")
+                value = items.pop(0)
+            claimed[VALUE_FLAGS[flag]] = _typed(VALUE_FLAGS[flag], value, flag)
+        else:
+            kept.append(arg)
+    return claimed, tuple(kept)
+
+
+def _typed(field: str, value: str, flag: str) -> object:
+    if field not in INT_FIELDS:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{flag} must be an integer, got {value!r}") from None

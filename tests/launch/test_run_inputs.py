@@ -181,3 +181,23 @@ def test_master_addr_and_port_use_torchruns_static_rendezvous(project):
 
 def test_users_omp_num_threads_wins(project):
     assert dry_run(project, env={"OMP_NUM_THREADS": "3"})["env"]["OMP_NUM_THREADS"] == "3"
+
+
+def test_fdl_options_after_the_script_are_fdls(project):
+    proc = fdl_run(project, "train.py", "--dry-run", "--json", "--policy", "async", "--lr",
+                   "0.1", "--epochs=3", "--nproc-per-node", "1", "--", "--seed", "9")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)
+    assert spec["settings"]["policy"] == {"value": "async", "source": "flag"}
+    assert spec["settings"]["epochs"] == {"value": 3, "source": "flag"}
+    assert spec["settings"]["seed"]["source"] == "default"
+    assert spec["args"] == ["--lr", "0.1", "--seed", "9"]
+    assert spec["nproc_per_node"] == 1
+    # the same option before the script wins
+    before = json.loads(fdl_run(project, "--dry-run", "--json", "--policy", "sync", "train.py",
+                                "--policy", "async").stdout)
+    assert before["settings"]["policy"]["value"] == "sync"
+
+
+def test_el_che_flag_without_a_value_after_the_script(project):
+    assert_usage_error(fdl_run(project, "train.py", "--policy"), "--policy needs a value")

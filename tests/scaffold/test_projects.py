@@ -1,0 +1,70 @@
+"""Each template, rendered and run for real: its smoke test, `python train.py` solo, and
+`fdl run` on two CPU workers with the async policy (one epoch each, to keep the suite short)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import GPU_FIXTURES, clean_env, run_fdl
+
+from fdl.scaffold import create_project
+from fdl.scaffold.render import TEMPLATES
+
+
+@pytest.fixture(scope="module", params=list(TEMPLATES))
+def project(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp(f"project-{request.param}")
+    proc = run_fdl("init", "demo", "--template", request.param, cwd=root,
+                   env={"FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")})
+    assert proc.returncode == 0, proc.stderr
+    return root / "demo"
+
+
+def python(*args: str, cwd: Path, env: dict[str, str] | None = None,
+           timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_smoke_test_passes(project):
+    proc = python("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train.py",
+                  cwd=project)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 passed" in proc.stdout
+
+
+def test_train_py_runs_solo(project):
+    proc = python("train.py", cwd=project, env={"FDL_EPOCHS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "epoch 1/1" in proc.stderr and "samples/s" in proc.stdout
+    assert not (project / "runs").exists()  # solo runs keep no run directory
+
+
+def test_train_py_points_stray_flags_to_fdl_run(tmp_path):
+    create_project(tmp_path / "demo", template="mlp", docker=False)  # the same code in each
+    proc = python("train.py", "--policy", "async", cwd=tmp_path / "demo")
+    assert proc.returncode == 1
+    assert "fdl run train.py --policy async" in proc.stderr
+
+
+def test_fdl_run_trains_on_two_workers_with_async(project):
+    run_dir = project / "runs" / "check"
+    # the issue's command, word for word (plus a run directory to find the results)
+    proc = run_fdl("run", "train.py", "--nproc-per-node", "2", "--policy", "async", "--epochs",
+                   "1", "--run-dir", str(run_dir), cwd=project, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["policy"], summary["world_size"], summary["epochs"]) == ("async", 2, 1)
+    assert summary["eval"]["loss"] > 0 and summary["throughput"]["samples_per_s"] > 0
+    assert (run_dir / "model.pt").is_file()
+
+
+def test_the_rendered_python_is_lint_clean(project):
+    pytest.importorskip("ruff")
+    proc = python("-m", "ruff", "check", "--no-cache", "--isolated", "--line-length", "100",
+                  "--select", "E,F,W,I,B,UP,SIM", ".", cwd=project)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

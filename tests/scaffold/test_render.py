@@ -1,0 +1,165 @@
+"""What `fdl init` renders: names, templates, every file of every template, the marks."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fdl.errors import UsageError
+from fdl.launch.settings import load_config_file
+from fdl.scaffold.docker import TorchImage
+from fdl.scaffold.render import (
+    DOCKER_FILES,
+    PROJECT_FILES,
+    TEMPLATES,
+    fill,
+    parse_template,
+    render_project,
+    validate_name,
+)
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+IMAGE = TorchImage("2.14.0", "cu126", "12.6", "https://download.pytorch.org/whl/cu126",
+                   "covers every GPU here: NVIDIA GeForce RTX 4090 (sm_89)")
+CASES = [(template, image) for template in TEMPLATES for image in (IMAGE, None)]
+
+
+@pytest.mark.parametrize("name", ["demo", "my-model", "A1_b-2", "x"])
+def test_valid_names(name):
+    assert validate_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "1demo", "-demo", "_demo", "my model", "demo.py",
+                                  "dé", "a/b", "torch", "FDL", "NumPy", "PyTest"])
+def test_invalid_names_are_usage_errors(name):
+    with pytest.raises(UsageError) as info:
+        validate_name(name)
+    assert repr(name) in info.value.message
+    assert info.value.exit_code == 2 and info.value.hint
+
+
+def test_unknown_template_names_the_choices():
+    with pytest.raises(UsageError) as info:
+        parse_template("rnn")
+    assert "'rnn'" in info.value.message and info.value.hint == "use one of: mlp, cnn, gpt"
+    assert parse_template(" GPT ") == "gpt"
+
+
+@pytest.mark.parametrize(("template", "image"), CASES)
+def test_every_file_renders_without_leftover_marks(template, image):
+    files = render_project(name="demo", template=template, image=image)
+    expected = set(PROJECT_FILES) | (set(DOCKER_FILES) if image else set())
+    assert set(files) == expected
+    for path, text in files.items():
+        assert "{{" not in text and "}}" not in text, path
+        assert text.endswith("\n") and not text.endswith("\n\n"), path
+
+
+@pytest.mark.parametrize(("template", "image"), CASES)
+def test_python_files_parse_and_train_py_has_a_main_guard(template, image):
+    files = render_project(name="demo", template=template, image=image)
+    for path in ("train.py", "tests/test_train.py", "compare.py"):
+        ast.parse(files[path], filename=path)
+    train = files["train.py"]
+    assert 'if __name__ == "__main__":\n    main()' in train
+    assert "init_process_group" not in train  # the Trainer owns distribution
+    for function in ("load_data", "build_model", "build_optimizer", "train_step", "evaluate"):
+        assert f"\ndef {function}(" in train
+    spec = TEMPLATES[template]
+    assert f"EPOCHS = {spec.epochs}\n" in train and f"BATCH_SIZE = {spec.batch_size} " in train
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_fdl_toml_is_accepted_by_fdl_run(template, tmp_path):
+    files = render_project(name="demo", template=template, image=None)
+    (tmp_path / "fdl.toml").write_text(files["fdl.toml"])
+    values, path = load_config_file(tmp_path)
+    spec = TEMPLATES[template]
+    assert path == tmp_path / "fdl.toml"
+    assert values == {"policy": "cadence", "backend": "auto", "epochs": spec.epochs,
+                      "batch_size": spec.batch_size}
+
+
+def test_pyproject_depends_on_fdl_with_torch():
+    files = render_project(name="my-model", template="mlp", image=None)
+    pyproject = tomllib.loads(files["pyproject.toml"])
+    assert pyproject["project"]["name"] == "my-model"
+    assert pyproject["project"]["dependencies"] == ["fdl[torch]"]
+    assert pyproject["tool"]["pytest"]["ini_options"]["pythonpath"] == ["."]
+
+
+def test_makefile_targets_and_docker_switch():
+    with_docker = render_project(name="Demo", template="mlp", image=IMAGE)["Makefile"]
+    without = render_project(name="Demo", template="mlp", image=None)["Makefile"]
+    for target in ("train:", "compare:", "test:"):
+        assert f"\n{target}\n\t" in with_docker and f"\n{target}\n\t" in without
+    assert "\ndocker-build:\n\tdocker build -t $(IMAGE) .\n" in with_docker
+    assert "IMAGE ?= demo\n" in with_docker  # Docker image names are lower case
+    assert "docker" not in without.lower()
+    assert "--policy $$policy --run-dir runs/compare-$$policy train.py" in with_docker
+    assert "compare.py $(foreach policy,$(POLICIES),runs/compare-$(policy))" in with_docker
+
+
+def test_dockerfile_installs_the_chosen_wheel_on_its_cuda_base():
+    files = render_project(name="demo", template="gpt", image=IMAGE)
+    dockerfile = files["Dockerfile"]
+    assert "FROM nvidia/cuda:12.6.3-runtime-ubuntu22.04\n" in dockerfile
+    assert "ARG TORCH_VERSION=2.14.0\n" in dockerfile
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126\n" in dockerfile
+    assert IMAGE.reason in dockerfile
+    assert "runs/" in files[".dockerignore"] and ".venv/" in files[".dockerignore"]
+
+
+def test_readme_gives_the_three_commands_and_gitignore_the_outputs():
+    files = render_project(name="demo", template="cnn", image=None)
+    readme = files["README.md"]
+    for command in ("fdl run train.py", "make compare", "fdl report runs/", "summary.json",
+                    "fdl diagnose"):
+        assert command in readme
+    assert "Dockerfile" not in readme
+    assert files[".gitignore"].splitlines()[:2] == ["runs/", ".venv/"]
+
+
+def test_fill_sections_inline_and_on_their_own_lines():
+    text = "a{{#on}} b{{/on}}{{#off}} c{{/off}}\n{{#off}}\ngone\n{{/off}}\n{{#on}}\n{{x}}\n{{/on}}\nz\n"
+    assert fill(text, {"on": True, "off": False, "x": 1}) == "a b\n1\nz\n"
+
+
+def test_fill_rejects_a_mark_without_a_value():
+    with pytest.raises(KeyError, match="nope"):
+        fill("{{nope}}", {})
+
+
+def test_templates_are_package_data():
+    root = Path(__file__).parents[2] / "fdl" / "scaffold" / "templates"
+    sources = {*PROJECT_FILES.values(), *DOCKER_FILES.values()}
+    for template in TEMPLATES:
+        for source in sources:
+            assert (root / source.format(template=template)).is_file()
+    assert all(path.suffix == ".tmpl" for path in root.rglob("*") if path.is_file())
+
+
+def test_compare_py_prints_the_runs_side_by_side(tmp_path):
+    (tmp_path / "compare.py").write_text(
+        render_project(name="demo", template="mlp", image=None)["compare.py"])
+    for policy, rate in (("sync", 900.4), ("async", 1500.0)):
+        (tmp_path / policy).mkdir()
+        (tmp_path / policy / "summary.json").write_text(json.dumps({
+            "policy": policy, "wall_s": 2.25, "throughput": {"samples_per_s": rate},
+            "eval": {"accuracy": 0.5, "loss": 1.0}}))
+    proc = subprocess.run([sys.executable, "compare.py", "sync", "async"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "policy    samples/s   wall s  eval",
+        "sync" + " " * 12 + "900      2.2  accuracy 0.5000  loss 1.0000",
+        "async" + " " * 10 + "1500      2.2  accuracy 0.5000  loss 1.0000"]
