@@ -42,6 +42,10 @@ class DevicePlan:
 def plan_devices(*, survey: GpuSurvey, devices: str | None, nproc: int | str | None,
                  logical_cores: int, env: Mapping[str, str]) -> DevicePlan:
     """Decide the local workers' devices. Raises UsageError for impossible requests."""
+    if nproc == "gpu" and not survey.gpus:
+        raise UsageError("--nproc-per-node gpu asks for one worker per GPU, and no NVIDIA GPU "
+                         "was found", hint="use --nproc-per-node N or cpu; `fdl diagnose` "
+                                           "says why no GPU is visible")
     if nproc == "cpu" or (not survey.gpus and devices is None):
         count = logical_cores if nproc == "cpu" else (nproc if isinstance(nproc, int)
                                                       else DEFAULT_CPU_WORKERS)

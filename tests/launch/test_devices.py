@@ -174,3 +174,12 @@ def test_devices_must_be_distinct_gpu_indices(devices: str) -> None:
         plan((RTX_5060, GTX_1060), devices=devices)
     assert caught.value.message == f"--devices {devices!r} is not a list of distinct GPU indices"
     assert caught.value.hint == "e.g. --devices 0,1 (visible GPUs: 0, 1)"
+
+
+def test_gpu_workers_without_a_gpu_is_an_error():
+    from fdl.errors import UsageError
+    from fdl.system.gpus import GpuSurvey
+
+    with pytest.raises(UsageError, match="no NVIDIA GPU"):
+        plan_devices(survey=GpuSurvey("none", (), None, None), devices=None, nproc="gpu",
+                     logical_cores=2, env={})
