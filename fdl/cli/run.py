@@ -49,7 +49,11 @@ def run(
     dry_run: Annotated[bool, typer.Option(help="Print the launch spec and exit.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="With --dry-run: print JSON.")] = False,
 ) -> None:
-    """Launch one worker per device and run SCRIPT in each (torch.distributed.elastic)."""
+    """Launch one worker per device and run SCRIPT in each (torch.distributed.elastic).
+
+    fdl's options may come before or after SCRIPT; other arguments go to the script, and so
+    does everything after `--`. Example: fdl run train.py --policy async -- --lr 0.1
+    """
     from fdl.launch import plan_run
     from fdl.launch.spec import RunRequest, split_script_args
 
