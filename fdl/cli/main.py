@@ -47,15 +47,23 @@ class FdlGroup(TyperGroup):
             _report(exc)
             code = exc.exit_code
         except TyperException as exc:  # click-level usage errors: unknown option, missing arg
-            _report(FdlError(exc.format_message(), hint=_usage_hint(args),
-                             exit_code=getattr(exc, "exit_code", 2)))
-            code = getattr(exc, "exit_code", 2)
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `fdl` / `fdl libtorch` alone: help
+                sys.stderr.write(exc.format_message() + "\n")
+                code = 2
+            else:
+                _usage_error(exc, args)
+                code = getattr(exc, "exit_code", 2)
         except (KeyboardInterrupt, typer.Abort):
             sys.stderr.write("\ninterrupted\n")
             code = 130
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _usage_error(exc: TyperException, args: Any) -> None:
+    _report(FdlError(exc.format_message(), hint=_usage_hint(args),
+                     exit_code=getattr(exc, "exit_code", 2)))
 
 
 def _usage_hint(args: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import run_fdl
 
 
@@ -40,6 +41,11 @@ def test_fdl_debug_shows_the_traceback(tmp_path):
     assert "error: " in proc.stderr
 
 
-def test_no_arguments_shows_help():
-    proc = run_fdl()
-    assert "diagnose" in proc.stdout + proc.stderr
+@pytest.mark.parametrize(("args", "usage"), [((), "Usage: fdl [OPTIONS] COMMAND"),
+                                            (("libtorch",), "Usage: fdl libtorch [OPTIONS]")])
+def test_no_arguments_shows_help_not_an_error(args, usage):
+    proc = run_fdl(*args)
+    assert proc.returncode == 2  # click's convention for a group called without a command
+    assert proc.stderr.startswith(usage)
+    assert "Commands:" in proc.stderr
+    assert "error:" not in proc.stderr and "hint:" not in proc.stderr
