@@ -47,8 +47,6 @@ class Totals:
     wait_s: float = 0.0
     syncs: int = 0
     comm_ms: list[float] = field(default_factory=list)  # min-over-ranks wait per averaging
-    loss_sum: float = 0.0
-    loss_count: int = 0
 
 
 @dataclass

@@ -7,7 +7,9 @@ what torchrun would need flags for:
 * node rank  <- ``SLURM_NODEID``
 * endpoint   <- the first host of ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``), port 29400
 * run id     <- ``SLURM_JOB_ID``
-* GPUs       <- ``SLURM_GPUS_ON_NODE`` when set (else the survey decides)
+
+GPUs are the survey's: Slurm exports ``CUDA_VISIBLE_DEVICES`` for the allocation, which the
+survey honours. ``SLURM_GPUS_ON_NODE`` is recorded (``gpus_on_node``) but not used to choose.
 
 Explicit flags still win (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-id``).
 """

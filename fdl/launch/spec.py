@@ -15,7 +15,6 @@ Rendezvous rules, as torchrun users expect them:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -213,10 +212,6 @@ def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = devices.cuda_visible_devices or ""
     return env
-
-
-def spec_json(spec: LaunchSpec) -> str:
-    return json.dumps(spec.to_dict(), indent=2, default=str)
 
 
 # fdl run's own options are fdl's wherever they appear, so the documented

@@ -22,7 +22,6 @@ from fdl.system.torchenv import TorchInfo
 
 SCHEMA = 1
 CPU_WHEEL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
-LEVELS = ("ok", "info", "warn", "error")
 
 
 @dataclass(frozen=True)
