@@ -80,7 +80,7 @@ def _request(*, cpu: bool, cuda: str | None, variant: str | None, version: str |
     chosen = "cpu" if cpu else f"cu{cuda.replace('.', '')}" if cuda else variant
     if chosen is not None:
         archive = find_archive(version=version, variant=chosen, base=base)
-        return _from_archive(archive, sha256), f"{archive.name} as asked"
+        return archive_request(archive, sha256), f"{archive.name} as asked"
     return _auto(version=version, base=base, sha256=sha256)
 
 
@@ -98,10 +98,11 @@ def _auto(*, version: str, base: str | None, sha256: str | None) -> tuple[Archiv
         if resolution.source_arch_list:
             options.append(f'fdl libtorch build --archs "{resolution.source_arch_list}"')
         raise FdlError(resolution.reason, hint="; or ".join(options) or None)
-    return _from_archive(resolution.archive, sha256), f"auto: {resolution.reason}"
+    return archive_request(resolution.archive, sha256), f"auto: {resolution.reason}"
 
 
-def _from_archive(archive: LibtorchArchive, sha256: str | None) -> ArchiveRequest:
+def archive_request(archive: LibtorchArchive, sha256: str | None) -> ArchiveRequest:
+    """What to install for a catalog entry, with its metadata for variant.json."""
     from fdl.libtorch.install import ArchiveRequest
 
     meta = {"version": archive.version, "variant": archive.variant, "cuda": archive.cuda,
@@ -122,12 +123,6 @@ def _name_from_url(url: str) -> str:
 
 def _is_sha256(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
-
-
-def install_with_progress(store: Store, archive: LibtorchArchive, *, sha256: str | None,
-                          activate: bool) -> Variant:
-    return install_request_with_progress(store, _from_archive(archive, sha256),
-                                         activate=activate)
 
 
 def install_request_with_progress(store: Store, request: ArchiveRequest, *,

@@ -95,9 +95,9 @@ def _execute(plan: SetupPlan, store: Store, *, install_torch: bool) -> None:
     from fdl import console
 
     if plan.action == "download" and plan.archive is not None:
-        from fdl.cli.libtorch_download import install_with_progress
+        from fdl.cli.libtorch_download import archive_request, install_request_with_progress
 
-        install_with_progress(store, plan.archive, sha256=None, activate=True)
+        install_request_with_progress(store, archive_request(plan.archive, None), activate=True)
     elif plan.action == "activate" and plan.variant_id:
         store.activate(plan.variant_id)
     if install_torch and plan.pip_command:
