@@ -155,6 +155,22 @@ def test_ctrl_c_stops_everything_and_exits_130(tmp_path):
     _no_survivors(out)
 
 
+def wait_all(procs: list[subprocess.Popen], deadline: float) -> list[str]:
+    """Each process's output; any still running at ``deadline`` is killed (its code is then
+    negative), so a hang on one node shows what every node said instead of a bare timeout.
+    SIGTERM lets each agent stop its own workers."""
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.terminate()
+            out, _ = proc.communicate(timeout=60)
+        outputs.append(out)
+    return outputs
+
+
 def test_two_nodes_on_loopback(tmp_path):
     import socket
 
@@ -167,10 +183,12 @@ def test_two_nodes_on_loopback(tmp_path):
         [sys.executable, "-m", "fdl", "run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
          "--run-dir", str(tmp_path / f"node{n}"), str(SCRIPTS / "ddp_train.py"), str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env=clean_env()) for n in range(2)]
-    results = [p.communicate(timeout=180) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], results
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env=clean_env({"FDL_DEBUG": "1"})) for n in range(2)]
+    outputs = wait_all(procs, deadline=time.monotonic() + 240)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(
+        f"--- node{n} exit {p.returncode}:\n{text}" for n, (p, text) in
+        enumerate(zip(procs, outputs)))
     a, b = load_params(out, 0), load_params(out, 1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     envs = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
