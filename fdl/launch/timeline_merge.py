@@ -1,0 +1,266 @@
+"""One timeline for a whole run: every rank's events and every node's utilisation samples merged
+into ``timeline/timeline.json`` and ``timeline/timeline.csv``, plus ``timeline/timeline.html``
+(:mod:`fdl.launch.timeline_html`) and ``timeline/curves.png`` (:mod:`fdl.launch.timeline_plot`).
+
+    from fdl.launch.timeline_merge import write_timeline
+    write_timeline(Path("runs/20260101T120000Z-train-async"))   # -> the paths it wrote
+
+Inputs (each optional, so a crashed run still gets a timeline): ``timeline/rank<r>.jsonl``
+(:mod:`fdl.engine.timeline`; a restarted worker appends to its file, so one file may hold several
+attempts, each opening with a ``start`` event), ``timeline/samples-node<n>.jsonl`` (utilisation
+every 100 ms), ``metrics.jsonl`` (one line per epoch) and ``summary.json``. A line that does not
+parse — typically the last one of a file whose writer was killed mid-line — is skipped.
+
+The document (``schema`` 1). Times are seconds relative to ``t0``, rounded to microseconds;
+``t0`` is absolute (seconds since the epoch), the earliest instant anything in the document
+covers (an event, a sample or the start of a span), or null when nothing was recorded:
+
+* ``ranks`` — the ranks that have a timeline file, ascending.
+* ``spans`` — ``{"rank", "kind", "start", "end", "round"}`` sorted by rank then start. A
+  ``round`` event (written when the rank's step loop ends) gives ``compute`` over
+  ``[t - compute_s, t]``; its ``data_s`` (batch fetching inside that loop, 0 when absent) is cut
+  from the front of that interval as a ``data`` span — the loop interleaves the two, and only
+  their totals are recorded, so the split shows the share, not the moment. A ``sync`` event
+  gives ``sync`` over ``[t - wait_s, t]``. ``idle`` spans (``round`` null) fill every gap on a
+  rank between its first and its last event: Python between rounds, epoch boundaries,
+  evaluation, checkpoints, a restart.
+* ``events`` — every other event (``start``, ``anchor``, ``guard``, ``epoch``, ``checkpoint``,
+  ``final`` and kinds this module does not know) with all its fields, ``t`` made relative,
+  sorted by time.
+* ``samples`` — every utilisation sample with ``t`` made relative, sorted by time.
+* ``epochs`` — the lines of ``metrics.jsonl``; ``summary`` — ``summary.json`` or null;
+  ``duration`` — the end of the last thing recorded.
+
+``timeline.csv`` has one row per span, then per event, then per sample, with the columns
+:data:`CSV_COLUMNS`: ``record`` (span, event or sample), ``kind`` (``sample`` for samples),
+``rank``, ``node``, ``round``, ``t`` (span start, event or sample time), ``end`` and
+``duration_s`` (spans only), ``cpu_percent``, ``ram_used_bytes``, ``ram_total_bytes`` (samples
+only) and ``detail``: the remaining fields as JSON (an event's fields; a sample's host and gpus).
+Empty cells are fields a record does not have.
+
+Every file is written to a temporary file beside its target and renamed into place, so a reader
+never sees half a file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
+               "cpu_percent", "ram_used_bytes", "ram_total_bytes", "detail")
+_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
+_SAMPLE_FILE = re.compile(r"samples-node(\d+)\.jsonl")
+_SPAN_KINDS = ("round", "sync")
+
+
+def merge_timeline(run_dir: Path) -> dict[str, Any]:
+    """The merged timeline document of ``run_dir`` (see the module docstring)."""
+    directory = run_dir / "timeline"
+    by_rank = {int(m.group(1)): read_jsonl(path) for path, m in _matching(directory, _RANK_FILE)}
+    samples = [s for path, _ in _matching(directory, _SAMPLE_FILE) for s in read_jsonl(path)]
+    by_rank = {rank: [e for e in events if _has_time(e)] for rank, events in by_rank.items()}
+    samples = [s for s in samples if _has_time(s)]
+    t0 = _earliest(by_rank, samples)
+    spans: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    for rank in sorted(by_rank):
+        rank_events = [{**e, "t": _rel(e["t"], t0)} for e in by_rank[rank]]
+        rank_spans = sorted(_busy_spans(rank_events, rank=rank),
+                            key=lambda s: (s["start"], s["end"]))
+        spans += _with_idle(rank_spans, rank_events, rank=rank)
+        events += [{**e, "rank": e.get("rank", rank)} for e in rank_events
+                   if e.get("kind") not in _SPAN_KINDS]
+    events.sort(key=lambda e: e["t"])
+    samples = sorted(({**s, "t": _rel(s["t"], t0)} for s in samples), key=lambda s: s["t"])
+    ends = [s["end"] for s in spans] + [e["t"] for e in events] + [s["t"] for s in samples]
+    return {
+        "schema": SCHEMA, "t0": t0, "duration": max(ends, default=0.0),
+        "ranks": sorted(by_rank), "spans": spans, "events": events, "samples": samples,
+        "epochs": read_jsonl(run_dir / "metrics.jsonl"), "summary": _read_summary(run_dir),
+    }
+
+
+def write_timeline(run_dir: Path) -> list[Path]:
+    """Write ``timeline.json``, ``timeline.csv``, ``timeline.html`` and (when matplotlib is
+    installed and an epoch was recorded) ``curves.png`` under ``run_dir/timeline``; returns the
+    paths written, in that order. A missing ``curves.png`` after epochs means no matplotlib:
+    ``pip install 'fdl[report]'``."""
+    from fdl.launch.timeline_html import render_html
+    from fdl.launch.timeline_plot import write_curves_png
+
+    doc = merge_timeline(run_dir)
+    directory = run_dir / "timeline"
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [directory / "timeline.json", directory / "timeline.csv",
+               directory / "timeline.html"]
+    write_atomic(written[0], strict_json(doc) + "\n")
+    write_atomic(written[1], timeline_csv(doc))
+    write_atomic(written[2], render_html(doc, title=f"fdl timeline — {run_dir.name}"))
+    png = write_curves_png(run_dir, doc["epochs"]) if doc["epochs"] else None
+    return [*written, png] if png is not None else written
+
+
+def timeline_csv(doc: dict[str, Any]) -> str:
+    """The CSV form of a merged document: :data:`CSV_COLUMNS`, one row per span/event/sample."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    writer.writerows(
+        ("span", s["kind"], s["rank"], None, s["round"], s["start"], s["end"],
+         round(s["end"] - s["start"], 6), None, None, None, None)
+        for s in doc["spans"])
+    writer.writerows(
+        ("event", e.get("kind"), e["rank"], None, e.get("round"), e["t"], None, None, None,
+         None, None, _detail(e, ("t", "rank", "kind", "round")))
+        for e in doc["events"])
+    writer.writerows(
+        ("sample", "sample", None, s.get("node"), None, s["t"], None, None,
+         s.get("cpu_percent"), s.get("ram_used_bytes"), s.get("ram_total_bytes"),
+         _detail(s, ("t", "node", "cpu_percent", "ram_used_bytes", "ram_total_bytes")))
+        for s in doc["samples"])
+    return out.getvalue()
+
+
+def _detail(record: dict[str, Any], shown: tuple[str, ...]) -> str | None:
+    """The fields of ``record`` that have no column of their own, as JSON."""
+    rest = {k: v for k, v in record.items() if k not in shown}
+    return json.dumps(rest, separators=(",", ":"), default=str) if rest else None
+
+
+def strict_json(value: Any) -> str:
+    """Compact JSON that strict parsers (JavaScript's ``JSON.parse``) accept: NaN and the
+    infinities, which Python writes but JSON has not (a diverged loss), become null."""
+    try:
+        return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
+    except ValueError:  # rare: pay for the walk only then
+        return json.dumps(_finite(value), separators=(",", ":"), default=str, allow_nan=False)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, skipping lines that do not parse (a writer killed
+    mid-line) or are not objects; empty when the file does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
+    # Not mkstemp: its files are private (0600); a report is as readable as the run directory.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with tmp.open("xb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _matching(directory: Path, pattern: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
+    if not directory.is_dir():
+        return []
+    found = [(path, pattern.fullmatch(path.name)) for path in directory.iterdir()]
+    return sorted(((path, m) for path, m in found if m), key=lambda pm: int(pm[1].group(1)))
+
+
+def _has_time(record: dict[str, Any]) -> bool:
+    return isinstance(record.get("t"), (int, float)) and not isinstance(record["t"], bool)
+
+
+def _earliest(by_rank: dict[int, list[dict[str, Any]]],
+              samples: list[dict[str, Any]]) -> float | None:
+    # A span can start before any event: the first round of a file without a `start` event.
+    times = [s["t"] for s in samples]
+    for events in by_rank.values():
+        for event in events:
+            times += [event["t"], event["t"] - _duration(event)]
+    return min(times, default=None)
+
+
+def _duration(event: dict[str, Any]) -> float:
+    field = {"round": "compute_s", "sync": "wait_s"}.get(event.get("kind"))
+    value = event.get(field) if field else None
+    return max(0.0, float(value)) if isinstance(value, (int, float)) else 0.0
+
+
+def _rel(t: float, t0: float | None) -> float:
+    return round(t - (t0 or 0.0), 6)
+
+
+def _busy_spans(events: list[dict[str, Any]], *, rank: int) -> list[dict[str, Any]]:
+    spans = []
+    for event in events:
+        kind, end, number = event.get("kind"), event["t"], event.get("round")
+        if kind not in _SPAN_KINDS:
+            continue
+        start = round(end - _duration(event), 6)
+        if kind == "sync":
+            spans.append(_span(rank, "sync", start, end, number))
+            continue
+        data_s = event.get("data_s") or 0.0
+        split = round(min(end, start + max(0.0, float(data_s))), 6)
+        if split > start:
+            spans.append(_span(rank, "data", start, split, number))
+        spans.append(_span(rank, "compute", split, end, number))
+    return spans
+
+
+def _with_idle(spans: list[dict[str, Any]], events: list[dict[str, Any]],
+               *, rank: int) -> list[dict[str, Any]]:
+    """``spans`` (sorted by start) with ``idle`` spans in every gap between the rank's first
+    and last event."""
+    if not events:
+        return spans
+    cursor = min([e["t"] for e in events] + [s["start"] for s in spans[:1]])
+    last = max([e["t"] for e in events] + [s["end"] for s in spans])
+    result = []
+    for span in spans:
+        if span["start"] > cursor:
+            result.append(_span(rank, "idle", cursor, span["start"], None))
+        result.append(span)
+        cursor = max(cursor, span["end"])
+    if last > cursor:
+        result.append(_span(rank, "idle", cursor, last, None))
+    return result
+
+
+def _span(rank: int, kind: str, start: float, end: float, number: Any) -> dict[str, Any]:
+    return {"rank": rank, "kind": kind, "start": start, "end": end, "round": number}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None

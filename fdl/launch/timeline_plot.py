@@ -1,0 +1,72 @@
+"""``timeline/curves.png``: training loss and every evaluation metric per epoch, from the lines
+of ``metrics.jsonl``, beside ``timeline.html`` for a report or a README.
+
+Losses (``train_loss`` and any eval metric whose name contains "loss") share the left panel;
+the other eval metrics (accuracy, ...) the right one. matplotlib is the optional ``report``
+extra (``pip install 'fdl[report]'``): it is imported inside :func:`write_curves_png`, through
+its object API and the Agg canvas, so no global backend is switched and no window can open.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+
+def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None:
+    """Write ``run_dir/timeline/curves.png`` from ``epochs`` (``metrics.jsonl`` lines) and return
+    its path; None when matplotlib is not installed or no epoch has a number to plot."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    from fdl.launch.timeline_merge import write_atomic
+
+    losses, others = _curves(epochs)
+    if not losses and not others:
+        return None
+    panels = [(panel, label) for panel, label in ((losses, "loss"), (others, "metric")) if panel]
+    figure = Figure(figsize=(5.5 * len(panels), 4), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    for index, (panel, ylabel) in enumerate(panels):
+        axes = figure.add_subplot(1, len(panels), index + 1)
+        for name, points in panel.items():
+            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+        axes.set_xlabel("epoch")
+        axes.set_ylabel(ylabel)
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    path = run_dir / "timeline" / "curves.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def _curves(epochs: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+    """``(losses, others)``: metric name -> [(epoch, value)], numbers only, in epoch order."""
+    losses: dict[str, list] = {}
+    others: dict[str, list] = {}
+    for position, line in enumerate(epochs, start=1):
+        epoch = line.get("epoch", position)
+        values = {"train loss": line.get("train_loss")}
+        evals = line.get("eval")
+        if isinstance(evals, dict):
+            values.update({f"eval {name}": value for name, value in evals.items()})
+        for name, value in values.items():
+            if not _is_number(value) or not _is_number(epoch):
+                continue
+            target = losses if "loss" in name else others
+            target.setdefault(name, []).append((epoch, value))
+    return losses, others
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
