@@ -188,7 +188,7 @@ def test_two_nodes_on_loopback(tmp_path):
     outputs = wait_all(procs, deadline=time.monotonic() + 240)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(
         f"--- node{n} exit {p.returncode}:\n{text}" for n, (p, text) in
-        enumerate(zip(procs, outputs)))
+        enumerate(zip(procs, outputs, strict=True)))
     a, b = load_params(out, 0), load_params(out, 1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     envs = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
