@@ -1,5 +1,5 @@
 """``fdl report RUN_DIR [--json]``: per-rank throughput and share of the work, where each rank's
-time went (compute, waiting at sync, epoch boundaries, unexplained), sync count/mean/overhead,
+time went (compute, waiting at sync, epoch boundaries, data loading, unexplained), sync count/mean/overhead,
 the anchor's history, efficiency against the ideal, and the final metrics. ``fdl run`` prints
 the same report when a run that used fdl.Trainer finishes."""
 
@@ -46,10 +46,11 @@ def render(doc: dict[str, Any]) -> None:
                  f"backend {doc['backend']}")
     rows = [[r, num(x["samples_per_s"]), pct(x["share"]), num(x["step_ms"], ".1f"),
              num(x["time_s"]["compute"], ".2f"), num(x["time_s"]["sync_wait"], ".2f"),
-             num(x["time_s"]["epoch_boundary"], ".2f"), num(x["time_s"]["unexplained"], ".2f"),
+             num(x["time_s"]["epoch_boundary"], ".2f"),
+             num(x["time_s"].get("data_loading"), ".2f"), num(x["time_s"]["unexplained"], ".2f"),
              pct(x["idle_fraction"])] for r, x in enumerate(doc["ranks"])]
     console.print_table(["rank", "samples/s", "share", "ms/step", "compute s", "sync wait s",
-                         "epoch ends s", "unexplained s", "idle"], rows)
+                         "epoch ends s", "data s", "other s", "idle"], rows)
     sync = doc["sync"]
     anchors = ", ".join(f"round {r}: {a} ({why})" for r, a, why in doc["anchor_history"][-5:])
     console.print_pairs([

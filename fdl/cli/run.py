@@ -22,7 +22,7 @@ _E = "El Che engine"
 
 
 def run(
-    script: Annotated[str, typer.Argument(help="The training script (or module with --module).")],
+    script: Annotated[Optional[str], typer.Argument(help="The training script (or module with --module); with --resume, the run's own by default.")] = None,  # noqa: UP045
     args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,  # noqa: UP045
     nproc_per_node: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Workers per node: N, 'auto' (one per GPU, else 2 CPU workers) or 'cpu'.",
@@ -45,6 +45,8 @@ def run(
     batch_size: Annotated[Optional[str], typer.Option(help="Batch size per worker per step.", rich_help_panel=_E)] = None,  # noqa: UP045
     seed: Annotated[Optional[str], typer.Option(help="Seed for init and data order.", rich_help_panel=_E)] = None,  # noqa: UP045
     run_dir: Annotated[Optional[str], typer.Option(help="Run directory (default runs/<UTC>-<stem>-<policy>).")] = None,  # noqa: UP045
+    checkpoint_every: Annotated[Optional[str], typer.Option(help="Checkpoint every N epochs, or a time: 10m, 90s, 2h.", rich_help_panel=_E)] = None,  # noqa: UP045
+    resume: Annotated[Optional[str], typer.Option(help="Continue RUN_DIR from its last valid checkpoint.", metavar="RUN_DIR")] = None,  # noqa: UP045
     quiet_ranks: Annotated[bool, typer.Option(help="Show only rank 0's output on the terminal.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the launch spec and exit.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="With --dry-run: print JSON.")] = False,
@@ -63,7 +65,8 @@ def run(
         standalone=standalone, master_addr=master_addr, master_port=master_port,
         max_restarts=max_restarts, devices=devices, policy=policy, backend=backend,
         simulate_slowdown=simulate_slowdown, epochs=epochs, batch_size=batch_size, seed=seed,
-        run_dir=run_dir, quiet_ranks=quiet_ranks, dry_run=dry_run, json_output=json_output)
+        run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
+        quiet_ranks=quiet_ranks, dry_run=dry_run, json_output=json_output)
     claimed, script_args = split_script_args(tuple(args or ()))
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
         if options[key] in (None, False):
@@ -88,7 +91,30 @@ def _execute(spec: LaunchSpec) -> int:
                  f"run directory {spec.run_dir}")
     result = launch(spec)
     _report(result, spec)
+    _write_timeline(spec)
     return result.exit_code
+
+
+def _write_timeline(spec: LaunchSpec) -> None:
+    """Merge this node's timelines and samples into timeline.json/.csv/.html (and the curves
+    PNG), also after a failure: that is when the timeline is most wanted."""
+    from fdl import console
+    from fdl.launch.timeline_merge import write_timeline
+
+    if not (spec.run_dir / "timeline").is_dir():
+        return
+    try:
+        written = write_timeline(spec.run_dir)
+    except (OSError, ValueError) as exc:
+        console.warn(f"timeline not written: {exc}")
+        return
+    html = spec.run_dir / "timeline" / "timeline.html"
+    if html in written:
+        console.info(f"fdl run: timeline {html}")
+    has_epochs = (spec.run_dir / "metrics.jsonl").is_file()
+    if has_epochs and not any(p.suffix == ".png" for p in written):
+        console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "
+                     "(pip install 'fdl[report]')")
 
 
 def _report(result: LaunchResult, spec: LaunchSpec) -> None:

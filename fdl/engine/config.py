@@ -18,7 +18,8 @@ from fdl.errors import UsageError
 from fdl.launch.settings import ENV_NAMES, PARSERS, SOURCES_ENV, Setting
 
 DEFAULTS: dict[str, Any] = {"policy": "cadence", "backend": "auto", "epochs": 5,
-                            "batch_size": 64, "seed": 42, "simulate_slowdown": None}
+                            "batch_size": 64, "seed": 42, "simulate_slowdown": None,
+                            "checkpoint_every": None}
 # Relative distance of a replica from the average above which the divergence guard counts a
 # round as diverging (three rounds in a row halve the anchor). FDL_DIVERGENCE_THRESHOLD
 # overrides it.
@@ -36,6 +37,7 @@ class EngineConfig:
     batch_size: int
     seed: int
     simulate_slowdown: tuple[float, ...] | None
+    checkpoint_every: str | None  # "N" epochs or "<seconds>s" (settings.parse_checkpoint_every)
     max_grad_norm: float | None
     run_dir: Path | None
     divergence_threshold: float

@@ -66,6 +66,7 @@ class Worker:
     timeline: Timeline
     averager: Averager | None
     on_epoch_end: Callable[[int, Worker], None]
+    checkpointer: Callable[[PlanState, Worker], None] | None = None  # at epoch ends (not the last)
     slowdown: float = 1.0
     verify: bool = False
     totals: Totals = field(default_factory=Totals)
@@ -112,6 +113,8 @@ def train(worker: Worker, state: PlanState) -> PlanState:
             if worker.config.policy == "sync" and worker.averager is not None:
                 _boundary(worker, plan, timer, None, blocking=True)
             worker.on_epoch_end(plan.epoch, worker)
+            if worker.checkpointer is not None and not state.finished:
+                worker.checkpointer(state, worker)
     return state
 
 
@@ -128,13 +131,17 @@ def run_slice(worker: Worker, plan: RoundPlan, state: PlanState) -> StepTimer:
         any(s.steps == 0 for s in plan.slices)
     join = worker.step_model.join() if uneven else contextlib.nullcontext()
     started = time.perf_counter()
+    data_s = 0.0  # fetching and collating batches, inside the round's compute time
     with join:
-        for index, batch in enumerate(batches):
+        for index in range(mine.steps):
+            fetch = time.perf_counter()
+            batch = to_device(next(batches), worker.device)
+            data_s += time.perf_counter() - fetch
             if worker.schedule is not None:
                 done = state.samples_seen + plan.num_samples * index / max(1, mine.steps)
                 _set_lr(worker, worker.schedule(min(1.0, done / total)))
             timer.start()
-            loss = _step(worker, to_device(batch, worker.device))
+            loss = _step(worker, batch)
             timer.stop(sync_device=worker.device)
             worker.epoch_loss[0] += loss
             worker.epoch_loss[1] += 1
@@ -145,7 +152,7 @@ def run_slice(worker: Worker, plan: RoundPlan, state: PlanState) -> StepTimer:
     totals.sleep_s += timer.sleep_s
     worker.timeline.event("round", round=plan.round_index, epoch=plan.epoch, steps=timer.steps,
                           samples=mine.num_samples, compute_s=time.perf_counter() - started,
-                          step_ms=timer.step_ms, sleep_s=timer.sleep_s, anchor=plan.anchor)
+                          data_s=data_s, step_ms=timer.step_ms, sleep_s=timer.sleep_s, anchor=plan.anchor)
     return timer
 
 

@@ -53,6 +53,13 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(record, default=str) + "\n")
 
 
+def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace ``path`` with ``records`` atomically (a resumed run drops the epochs it redoes)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def save_model(path: Path, model: nn.Module) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)

@@ -2,13 +2,18 @@
 
 Events (``t`` is seconds since the epoch, ``rank`` the global rank):
 
-* ``round``  — ``round``, ``epoch``, ``steps``, ``samples``, ``compute_s``, ``step_ms``,
-  ``sleep_s`` (emulated slowdown), ``anchor``
+* ``start``  — ``attempt`` (0, or the elastic restart count), ``world_size``, ``resumed_from``
+  (checkpoint name or null), ``epoch``, ``round``, ``skipped`` (invalid newer checkpoints)
+* ``round``  — ``round``, ``epoch``, ``steps``, ``samples``, ``compute_s`` (the step loop's wall
+  time), ``data_s`` (fetching batches, inside compute_s), ``step_ms``, ``sleep_s`` (emulated
+  slowdown, inside compute_s), ``anchor``; written when the round's compute ends
 * ``sync``   — ``round``, ``start``, ``end``, ``wait_s`` (time blocked), ``bytes``, ``policy``,
   ``checksum`` (when FDL_VERIFY_REPLICAS=1, or the final average)
 * ``anchor`` — ``round``, ``anchor``, ``reason`` (tuning and divergence-guard halvings)
 * ``guard``  — ``round``, ``distance`` (max over ranks), ``streak``
 * ``epoch``  — ``epoch``, ``samples``, ``train_loss``, ``eval``
+* ``checkpoint`` — ``round``, ``epoch``, ``name``, ``bytes``, ``write_s``
+* ``final``  — ``checksum``, ``anchor``
 
 Without a run directory (``python train.py`` solo) events are dropped.
 """

@@ -26,10 +26,12 @@ from torch import nn
 
 from fdl.engine import summary as artifacts
 from fdl.engine.averaging import Averager, broadcast_from_rank0, checksum
+from fdl.engine.checkpoint import CheckpointEvery
 from fdl.engine.config import EngineConfig, resolve_config
 from fdl.engine.evaluation import all_reduce_sum, evaluate_model
-from fdl.engine.plan import PlanConfig, initial_state
+from fdl.engine.plan import PlanConfig, PlanState, initial_state
 from fdl.engine.policies import NUM_STATS, Worker, train
+from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
 from fdl.engine.timeline import Timeline
 from fdl.errors import UsageError
 
@@ -58,21 +60,27 @@ class Trainer:
     policy: str = "cadence"
     backend: str = "auto"
     seed: int = 42
+    checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    _resumed_from: str | None = field(default=None, init=False, repr=False)
 
     def fit(self) -> TrainResult:
         config = resolve_config(script={
             "policy": self.policy, "backend": self.backend, "epochs": self.epochs,
-            "batch_size": self.batch_size, "seed": self.seed}, max_grad_norm=self.max_grad_norm)
+            "batch_size": self.batch_size, "seed": self.seed,
+            "checkpoint_every": self.checkpoint_every}, max_grad_norm=self.max_grad_norm)
         rank, world_size, local_rank = _dist_env()
         self._validate(config, world_size)
         device = _pick_device(local_rank, config.backend)
         backend = _resolve_backend(config.backend, device)
         created_group = _init_group(backend, device, world_size)
+        sampler = _node_sampler(config.run_dir, local_rank=local_rank, device=device)
         try:
             return self._fit(config, rank=rank, world_size=world_size, device=device,
                              backend=backend)
         finally:
+            if sampler is not None:
+                sampler.stop()
             if created_group and dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -129,8 +137,9 @@ class Trainer:
         plan_config = PlanConfig(world_size=world_size, batch_size=config.batch_size,
                                  dataset_size=len(self.train_data), epochs=config.epochs,
                                  policy=config.policy, overhead_target=config.overhead_target)
+        state = self._start(worker, plan_config, config, epochs_log)
         started = time.perf_counter()
-        state = train(worker, initial_state(plan_config))
+        state = train(worker, state)
         wall_s = time.perf_counter() - started - epochs_log.eval_s
         worker.step_model = step_model = model  # drop DDP before the process group goes
         final_checksum = checksum(model)
@@ -143,6 +152,38 @@ class Trainer:
             artifacts.save_model(run_dir / "model.pt", model)
         model.cpu()
         return TrainResult(model, epochs_log.last_eval, list(self.history), summary, run_dir)
+
+    def _start(self, worker: Worker, plan_config: PlanConfig, config: EngineConfig,
+               epochs_log: _EpochLog) -> PlanState:
+        """The state training starts from: fresh, or a checkpoint's after a crash or with
+        ``fdl run --resume`` (see fdl.engine.recovery). Logs a ``start`` event either way."""
+        run_dir, attempt = config.run_dir, restart_attempt()
+        checkpoint, skipped = find_resume_checkpoint(run_dir)
+        state, resumed_from = initial_state(plan_config), None
+        if checkpoint is not None:
+            resumed = resume(checkpoint, worker, plan_config)
+            if resumed.state.epoch >= plan_config.epochs:
+                raise UsageError(f"{checkpoint.path} is at epoch {resumed.state.epoch} and this "
+                                 f"run has {plan_config.epochs} epochs: nothing left to train",
+                                 hint=f"pass --epochs N with N > {resumed.state.epoch}")
+            state, resumed_from = resumed.state, checkpoint.name
+            self._resumed_from = resumed_from
+            self.history[:] = resumed.history
+            epochs_log.restore(resumed.history, start_epoch=state.epoch)
+        if worker.rank == 0 and (attempt > 0 or checkpoint is not None) and run_dir is not None:
+            artifacts.rewrite_jsonl(run_dir / "metrics.jsonl", self.history)
+            for line in skipped:
+                _warn(f"checkpoint skipped: {line}")
+            if checkpoint is not None:
+                _info(f"resuming from {checkpoint.path} (epoch {state.epoch}, round "
+                      f"{state.round_index})")
+        worker.timeline.event("start", attempt=attempt, world_size=worker.world_size,
+                              resumed_from=resumed_from, epoch=state.epoch,
+                              round=state.round_index, skipped=skipped)
+        every = CheckpointEvery.parse(config.checkpoint_every)
+        if every is not None and run_dir is not None:
+            worker.checkpointer = Checkpointer(run_dir, every, self.history)
+        return state
 
     def _summary(self, worker: Worker, config: EngineConfig, backend: str, wall_s: float,
                  state: Any, final_checksum: str, epochs_log: _EpochLog) -> dict[str, Any]:
@@ -162,7 +203,8 @@ class Trainer:
             extra={"eval_s": epochs_log.eval_s, "seed": config.seed,
                    "anchor_history": [list(item) for item in state.anchor_history],
                    "final_anchor": state.anchor, "checksum": final_checksum,
-                   "emulated_sleep_s": [r[2] for r in per_rank]},
+                   "emulated_sleep_s": [r[2] for r in per_rank],
+                   "attempt": restart_attempt(), "resumed_from": self._resumed_from},
         )
 
 
@@ -179,7 +221,13 @@ class _EpochLog:
     eval_s: float = 0.0
     last_eval: dict[str, float] = field(default_factory=dict)
     last_loss: float | None = None
+    start_epoch: int = 0  # > 0 when resumed: this attempt's throughput counts its own epochs
     started: float = field(default_factory=time.perf_counter)
+
+    def restore(self, history: list[dict[str, Any]], *, start_epoch: int) -> None:
+        self.start_epoch = start_epoch
+        if history:
+            self.last_eval, self.last_loss = history[-1]["eval"], history[-1]["train_loss"]
 
     def epoch_end(self, epoch: int, worker: Worker) -> None:
         loss_sum, count = all_reduce_sum(worker.epoch_loss, device=worker.device)
@@ -194,8 +242,10 @@ class _EpochLog:
         self.eval_s += time.perf_counter() - begin
         elapsed = time.perf_counter() - self.started - self.eval_s
         samples = (epoch + 1) * len(self.trainer.train_data)
+        done_here = (epoch + 1 - self.start_epoch) * len(self.trainer.train_data)
         record = {"epoch": epoch + 1, "samples": samples, "train_loss": self.last_loss,
-                  "eval": self.last_eval, "samples_per_s": samples / elapsed if elapsed else None}
+                  "eval": self.last_eval,
+                  "samples_per_s": done_here / elapsed if elapsed else None}
         self.trainer.history.append(record)
         worker.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
                               eval=self.last_eval)
@@ -205,6 +255,18 @@ class _EpochLog:
             _progress_line(record, self.config.epochs)
 
 
+def _warn(message: str) -> None:
+    from fdl import console
+
+    console.warn(message)
+
+
+def _info(message: str) -> None:
+    from fdl import console
+
+    console.info(message)
+
+
 def _progress_line(record: dict[str, Any], epochs: int) -> None:
     from fdl import console
 
@@ -212,6 +274,20 @@ def _progress_line(record: dict[str, Any], epochs: int) -> None:
     loss = record["train_loss"]
     console.info(f"epoch {record['epoch']}/{epochs}  loss {loss:.4f}  "
                  f"{record['samples_per_s']:.0f} samples/s" + (f"  {metrics}" if metrics else ""))
+
+
+def _node_sampler(run_dir: Path | None, *, local_rank: int, device: torch.device) -> Any:
+    """Local rank 0's utilisation sampler (timeline/samples-node<n>.jsonl). It must never stop
+    training: a run directory it cannot write to only costs the utilisation curves."""
+    from fdl.engine.sampler import start_node_sampler
+
+    try:
+        return start_node_sampler(run_dir, local_rank=local_rank,
+                                  node=int(os.environ.get("GROUP_RANK", "0")), device=device,
+                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except OSError as exc:
+        _warn(f"utilisation sampler not started: {exc}")
+        return None
 
 
 def _dist_env() -> tuple[int, int, int]:

@@ -86,7 +86,7 @@ def launch(spec: LaunchSpec) -> LaunchResult:
     logs_dir = spec.run_dir / "logs"
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
-    with _environ(spec.env):
+    with _environ({**_agent_env(spec), **spec.env}):
         try:
             launch_agent(_launch_config(spec, logs_dir), sys.executable, args)
         except ChildFailedError as exc:
@@ -96,6 +96,16 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         except KeyboardInterrupt:
             return LaunchResult(130, interrupted=True)
     return LaunchResult(0)
+
+
+def _agent_env(spec: LaunchSpec) -> dict[str, str]:
+    """With restarts, the workers of each attempt get a store of their own. torch's c10d
+    rendezvous otherwise hands every attempt the agent's one shared store without a per-attempt
+    prefix, and a restarted worker can read the previous attempt's addresses and fail to
+    connect (pytorch/pytorch#135712, #167288: "Connection refused" in gloo or NCCL init)."""
+    if spec.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {}
 
 
 def _launch_config(spec: LaunchSpec, logs_dir: Path) -> Any:

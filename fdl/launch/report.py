@@ -4,9 +4,10 @@ torch is not needed.
 
 Per rank: samples, share of the work, samples/s, mean step time, and the wall time split into
 compute (steps, including emulated slowdown), waiting at sync (the averaging boundaries),
-epoch boundaries (loss reduction and bookkeeping between the last round of an epoch and the
-next one; evaluation itself is excluded from the run's wall time) and unexplained (data
-loading between steps is inside compute; what remains is Python and scheduling).
+epoch boundaries (loss reduction, checkpoints and bookkeeping between the last round of an
+epoch and the next one; evaluation itself is excluded from the run's wall time), data loading
+(fetching and collating batches between steps: the rounds' ``data_s``) and unexplained (what
+remains: Python and scheduling).
 
 Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
 rate (``batch_size / step time``, from the measured step times) — what the ranks would deliver
@@ -66,7 +67,8 @@ def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict
     rounds = [e for e in events if e["kind"] == "round"]
     syncs = [e for e in events if e["kind"] == "sync"]
     steps = sum(e["steps"] for e in rounds)
-    compute = sum(e["compute_s"] for e in rounds)
+    data = sum(e.get("data_s", 0.0) for e in rounds)
+    compute = sum(e["compute_s"] for e in rounds) - data
     waiting = sum(e["wait_s"] for e in syncs)
     boundary = _epoch_boundaries(events)
     step_s = compute / steps if steps else None
@@ -77,7 +79,8 @@ def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict
         "step_ms": step_s * 1000 if step_s else None,
         "solo_samples_per_s": batch_size / step_s if step_s else None,
         "time_s": {"compute": compute, "sync_wait": waiting, "epoch_boundary": boundary,
-                   "unexplained": max(0.0, wall - compute - waiting - boundary)},
+                   "data_loading": data,
+                   "unexplained": max(0.0, wall - compute - waiting - boundary - data)},
         "idle_fraction": max(0.0, 1 - compute / wall) if wall > 0 else None,
     }
 

@@ -10,7 +10,8 @@ Keys (and their ``FDL_*`` variables): ``policy`` (``FDL_POLICY``), ``backend``
 (``FDL_BACKEND``), ``epochs`` (``FDL_EPOCHS``), ``batch_size`` (``FDL_BATCH_SIZE``), ``seed``
 (``FDL_SEED``), ``simulate_slowdown`` (``FDL_SLOWDOWN``, e.g. ``1,2.5``), ``run_dir``
 (``FDL_RUN_DIR``), ``nproc_per_node`` (``FDL_NPROC_PER_NODE``), ``max_restarts``
-(``FDL_MAX_RESTARTS``). An unknown key or a value of the wrong type is a usage error naming the
+(``FDL_MAX_RESTARTS``), ``checkpoint_every`` (``FDL_CHECKPOINT_EVERY``: ``N`` epochs, or a time
+such as ``10m``, ``90s``, ``2h``). An unknown key or a value of the wrong type is a usage error naming the
 file and the key.
 """
 
@@ -30,7 +31,8 @@ POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("auto", "nccl", "cpu")
 
 # The settings the engine reads in every worker; fdl run passes them as FDL_* variables.
-ENGINE_KEYS = ("policy", "backend", "epochs", "batch_size", "seed", "simulate_slowdown")
+ENGINE_KEYS = ("policy", "backend", "epochs", "batch_size", "seed", "simulate_slowdown",
+               "checkpoint_every")
 SOURCES_ENV = "FDL_SOURCES"  # JSON {key: source} so workers can record provenance
 
 
@@ -95,6 +97,25 @@ def parse_slowdown(value: Any) -> tuple[float, ...]:
     return factors
 
 
+TIME_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_checkpoint_every(value: Any) -> str:
+    """``3`` (every 3 epochs) or a time ``10m`` / ``90s`` / ``1.5h``, in canonical text: ``"3"``
+    or ``"600s"`` (what workers receive in ``FDL_CHECKPOINT_EVERY``)."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else ""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in TIME_UNITS else (text, "")
+    try:
+        amount = float(number) if unit else int(number)
+    except ValueError:
+        amount = 0
+    if not 0 < amount < math.inf:
+        raise UsageError(f"checkpoint_every must be a number of epochs or a time, got {value!r}",
+                         hint="e.g. --checkpoint-every 2 (epochs) or --checkpoint-every 10m "
+                              "(units s, m, h)")
+    return f"{amount * TIME_UNITS[unit]:g}s" if unit else str(amount)
+
+
 def parse_nproc(value: Any) -> int | str:
     text = str(value).strip().lower()
     if text in ("auto", "gpu", "cpu"):
@@ -123,6 +144,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "run_dir": parse_run_dir,
     "nproc_per_node": parse_nproc,
     "max_restarts": parse_non_negative_int("max_restarts"),
+    "checkpoint_every": parse_checkpoint_every,
 }
 ENV_NAMES = {key: f"FDL_{key.upper()}" for key in PARSERS}
 ENV_NAMES["simulate_slowdown"] = "FDL_SLOWDOWN"

@@ -30,6 +30,7 @@ from fdl.system.gpus import GpuSurvey
 DEFAULTS: dict[str, Any] = {
     "policy": "cadence", "backend": "auto", "epochs": 5, "batch_size": 64, "seed": 42,
     "simulate_slowdown": None, "run_dir": None, "nproc_per_node": "auto", "max_restarts": 0,
+    "checkpoint_every": None,
 }
 
 
@@ -37,7 +38,7 @@ DEFAULTS: dict[str, Any] = {
 class RunRequest:
     """The flags of ``fdl run`` as given (None: not given)."""
 
-    script: str
+    script: str | None
     script_args: tuple[str, ...] = ()
     module: bool = False
     nproc_per_node: str | None = None
@@ -58,6 +59,8 @@ class RunRequest:
     batch_size: int | None = None
     seed: int | None = None
     run_dir: str | None = None
+    checkpoint_every: str | None = None
+    resume: str | None = None  # a run directory to continue (fdl.launch.resume)
     quiet_ranks: bool = False
 
 
@@ -117,6 +120,10 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
                       file_values: Mapping[str, Any], file_path: Path | None, cwd: Path,
                       now: datetime, run_id: str, logical_cores: int) -> LaunchSpec:
     """Resolve every flag against env, config file and defaults. Pure: all inputs are given."""
+    if request.resume is not None:
+        from fdl.launch.resume import resume_request
+
+        request = resume_request(request, cwd=cwd)
     script = _script_path(request, cwd)
     settings = resolve(flags=_flag_values(request), env=env, file_values=file_values,
                        file_path=file_path, defaults=DEFAULTS)
@@ -129,7 +136,8 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
                        policy=settings["policy"].value)
     return LaunchSpec(script, request.script_args, request.module, devices, rendezvous,
                       settings["max_restarts"].value, run_dir, settings,
-                      _worker_env(settings, devices, run_dir, env), request.quiet_ranks)
+                      _worker_env(settings, devices, run_dir, env, resume=request.resume),
+                      request.quiet_ranks)
 
 
 def _flag_values(request: RunRequest) -> dict[str, Any]:
@@ -137,6 +145,9 @@ def _flag_values(request: RunRequest) -> dict[str, Any]:
 
 
 def _script_path(request: RunRequest, cwd: Path) -> Path:
+    if request.script is None:
+        raise UsageError("missing SCRIPT", hint="fdl run [OPTIONS] SCRIPT [ARGS...], or fdl run "
+                                                "--resume RUN_DIR to continue a run")
     if request.module:
         return Path(request.script)
     path = (cwd / request.script).resolve()
@@ -204,10 +215,12 @@ def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: st
 
 
 def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path,
-                parent: Mapping[str, str]) -> dict[str, str]:
+                parent: Mapping[str, str], *, resume: str | None = None) -> dict[str, str]:
     # A user's own OMP_NUM_THREADS wins, as with torchrun; else each worker's share of cores.
     threads = parent.get("OMP_NUM_THREADS") or str(devices.threads_per_worker)
     env = {**worker_env(settings), "FDL_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": threads}
+    if resume is not None:
+        env["FDL_RESUME"] = "1"
     if devices.kind == "cuda":
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = devices.cuda_visible_devices or ""
@@ -224,7 +237,8 @@ VALUE_FLAGS = {"--policy": "policy", "--backend": "backend",
                "--node-rank": "node_rank", "--rdzv-endpoint": "rdzv_endpoint",
                "--rdzv-backend": "rdzv_backend", "--rdzv-id": "rdzv_id",
                "--max-restarts": "max_restarts", "--master-addr": "master_addr",
-               "--master-port": "master_port", "--devices": "devices"}
+               "--master-port": "master_port", "--devices": "devices",
+               "--checkpoint-every": "checkpoint_every", "--resume": "resume"}
 BOOL_FLAGS = {"--standalone": "standalone", "--quiet-ranks": "quiet_ranks",
               "--dry-run": "dry_run", "--json": "json_output"}
 INT_FIELDS = ("node_rank", "master_port")

@@ -17,7 +17,8 @@ SUMMARY = {"policy": "cadence", "backend": "cpu", "world_size": 2, "devices": ["
            "sync": {"rounds": 2, "mean_ms": 100.0, "overhead": 0.02}, "idle_fraction": [0, 0],
            "eval": {"accuracy": 0.9}, "final_loss": 0.25,
            "anchor_history": [[1, 8, "overhead 0.2 > 0.05"]]}
-# rank 0: 30 steps of 10 samples in 8 s (0.2667 s/step) ... all times hand-chosen
+# rank 0: 30 steps of 10 samples in 8 s (0.2667 s/step) ... all times hand-chosen; rank 1's
+# second round spent 0.5 s of its 4.5 s fetching batches (rank 0's rounds predate data_s)
 TIMELINES = [
     [{"t": 104.0, "kind": "round", "steps": 15, "samples": 150, "compute_s": 4.0},
      {"t": 105.0, "kind": "sync", "wait_s": 1.0},
@@ -27,7 +28,7 @@ TIMELINES = [
     [{"t": 104.5, "kind": "round", "steps": 5, "samples": 50, "compute_s": 4.5},
      {"t": 105.0, "kind": "sync", "wait_s": 0.5},
      {"t": 105.5, "kind": "epoch"},
-     {"t": 110.5, "kind": "round", "steps": 5, "samples": 50, "compute_s": 4.5},
+     {"t": 110.5, "kind": "round", "steps": 5, "samples": 50, "compute_s": 4.5, "data_s": 0.5},
      {"t": 110.5, "kind": "sync", "wait_s": 0.0}],
 ]
 
@@ -49,14 +50,17 @@ def test_report_numbers_from_a_hand_made_run(tmp_path):
     fast, slow = doc["ranks"]
     assert fast["samples"] == 300 and slow["samples"] == 100
     assert fast["share"] == pytest.approx(0.75) and slow["share"] == pytest.approx(0.25)
-    assert fast["step_ms"] == pytest.approx(8000 / 30) and slow["step_ms"] == pytest.approx(900)
+    assert fast["step_ms"] == pytest.approx(8000 / 30) and slow["step_ms"] == pytest.approx(850)
     assert fast["time_s"] == pytest.approx({"compute": 8.0, "sync_wait": 1.5,
-                                            "epoch_boundary": 0.5, "unexplained": 0.0})
+                                            "epoch_boundary": 0.5, "data_loading": 0.0,
+                                            "unexplained": 0.0})
     # rank 1's second round started at 110.5 - 4.5 = 106.0, half a second after its epoch event
-    assert slow["time_s"]["epoch_boundary"] == pytest.approx(0.5)
-    assert slow["time_s"]["unexplained"] == pytest.approx(10 - 9 - 0.5 - 0.5)
+    assert slow["time_s"] == pytest.approx({"compute": 8.5, "sync_wait": 0.5,
+                                            "epoch_boundary": 0.5, "data_loading": 0.5,
+                                            "unexplained": 0.0})
     assert fast["idle_fraction"] == pytest.approx(0.2)
-    ideal = 10 / (8 / 30) + 10 / 0.9
+    assert slow["idle_fraction"] == pytest.approx(0.15)
+    ideal = 10 / (8 / 30) + 10 / 0.85
     assert doc["ideal_samples_per_s"] == pytest.approx(ideal)
     assert doc["efficiency"] == pytest.approx(40 / ideal)
     assert doc["anchor_history"] == [[1, 8, "overhead 0.2 > 0.05"]]

@@ -1,0 +1,201 @@
+"""Checkpoints: what a crashed or stopped run needs to go on, written so a crash at any moment
+leaves the previous checkpoint usable.
+
+``<run_dir>/checkpoints/ckpt-r<round>/`` holds:
+
+* ``model.pt``   — the consensus ``state_dict`` (taken right after an averaging, so every rank
+  holds the same one; rank 0 writes it);
+* ``rank<r>.pt`` — rank r's optimizer state, RNG states and slowdown-emulation mean (each rank
+  writes its own);
+* ``engine.json`` — the plan state (round, epoch, stream position, anchor and its history,
+  per-rank speed estimates), the epoch history and the world size;
+* ``manifest.json`` — written last: size and SHA-256 of every file above.
+
+Every rank writes into ``checkpoints/.tmp-ckpt-r<round>/``; after a barrier rank 0 writes the
+manifest and renames the directory into place, then removes all but the newest
+:data:`KEEP` checkpoints. A directory without a manifest, or whose files do not match it, is not
+a checkpoint: :func:`latest_checkpoint` skips it (saying why) and takes the one before. The
+directory is assumed visible to every rank (one node, or a shared filesystem).
+
+When (``checkpoint_every``): ``"N"`` = at the end of every N-th epoch; ``"<seconds>s"`` = at the
+first epoch end at least that long after the previous checkpoint (or the start), decided on the
+ranks' mean clock so every rank agrees. Checkpoints are taken at epoch ends, where every policy
+holds a consensus model; a crash loses at most the work since the last one.
+
+torch is imported inside the functions that save and load: the launcher uses
+:func:`latest_checkpoint` (JSON and hashes only) to check ``fdl run --resume`` before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DIRNAME = "checkpoints"
+KEEP = 2
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class CheckpointEvery:
+    """Parsed ``checkpoint_every``: exactly one of ``epochs`` and ``seconds`` is set."""
+
+    epochs: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> CheckpointEvery | None:
+        if not text:
+            return None
+        if text.endswith("s"):
+            return cls(seconds=float(text[:-1]))
+        return cls(epochs=int(text))
+
+    def due(self, *, epochs_done: int, elapsed_s: float) -> bool:
+        """Whether the epoch end after ``epochs_done`` epochs takes a checkpoint."""
+        if self.epochs is not None:
+            return epochs_done % self.epochs == 0
+        assert self.seconds is not None
+        return elapsed_s >= self.seconds
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    def engine_state(self) -> dict[str, Any]:
+        return json.loads((self.path / "engine.json").read_text(encoding="utf-8"))
+
+
+def checkpoint_name(round_index: int) -> str:
+    return f"ckpt-r{round_index:08d}"
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: int,
+                     model_state: dict[str, Any] | None, rank_state: dict[str, Any],
+                     engine_state: dict[str, Any],
+                     gather: Callable[[Any], list[Any]]) -> Path:
+    """Write one checkpoint; every rank calls it at the same point.
+
+    ``gather(obj)`` returns every rank's ``obj`` in rank order (an all-gather; it doubles as
+    the barrier). ``model_state`` and ``engine_state`` are used on rank 0 only.
+    """
+    import torch
+
+    root = run_dir / DIRNAME
+    name = checkpoint_name(round_index)
+    staging = root / f".tmp-{name}"
+    staging.mkdir(parents=True, exist_ok=True)
+    files = {f"rank{rank}.pt": _save(torch, rank_state, staging / f"rank{rank}.pt")}
+    if rank == 0:
+        assert model_state is not None
+        files["model.pt"] = _save(torch, model_state, staging / "model.pt")
+        _write_text(staging / "engine.json", json.dumps(engine_state, indent=1))
+        files["engine.json"] = file_digest(staging / "engine.json")
+    every = gather(files)
+    final = root / name
+    if rank == 0:
+        manifest = {"schema": 1, "name": name, "round": round_index, "world_size": world_size,
+                    "epoch": engine_state.get("epoch"),
+                    "files": {k: v for part in every for k, v in part.items()}}
+        _write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+        if final.exists():  # a crashed attempt got this far before: replace it
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _prune(root, keep=KEEP)
+    gather(None)  # nobody goes on (or reports the checkpoint) before it is in place
+    return final
+
+
+def _save(torch: Any, obj: Any, path: Path) -> dict[str, Any]:
+    tmp = path.with_name(path.name + ".part")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+    return file_digest(path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, *, keep: int) -> None:
+    complete = sorted(p for p in root.glob("ckpt-r*") if (p / MANIFEST).is_file())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-ckpt-r*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint whose files all match its manifest, and why newer ones were
+    skipped (one line each)."""
+    skipped: list[str] = []
+    root = run_dir / DIRNAME
+    for path in sorted(root.glob("ckpt-r*"), reverse=True):
+        problem = _verify(path)
+        if problem is None:
+            return Checkpoint(path, json.loads((path / MANIFEST).read_text("utf-8"))), skipped
+        skipped.append(f"{path.name}: {problem}")
+    return None, skipped
+
+
+def _verify(path: Path) -> str | None:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        int(manifest["world_size"])
+    except FileNotFoundError:
+        return "no manifest (the write did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable manifest ({exc})"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["size"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
+        if file_digest(file)["sha256"] != expected["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest"
+    return None
+
+
+def load_rank_state(checkpoint: Checkpoint, *, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model state and rank ``rank``'s own state. With a different world size than the
+    checkpoint's, rank r takes rank ``r % old_world_size``'s optimizer state (momentum of a
+    replica that started from the same consensus model)."""
+    import torch
+
+    model_state = torch.load(checkpoint.path / "model.pt", map_location="cpu",
+                             weights_only=True)
+    source = rank % checkpoint.world_size
+    rank_state = torch.load(checkpoint.path / f"rank{source}.pt", map_location="cpu",
+                            weights_only=False)
+    return model_state, rank_state

@@ -1,0 +1,164 @@
+"""Taking checkpoints during ``fit()`` and resuming from one.
+
+A worker resumes when ``fdl run --resume RUN_DIR`` asked for it (``FDL_RESUME=1``) or when
+torch.distributed.elastic restarted the group after a crash (``TORCHELASTIC_RESTART_COUNT`` >
+0), and the run directory holds a valid checkpoint (see :mod:`fdl.engine.checkpoint`). It loads
+the consensus model, its optimizer state and RNG states, and continues the plan where the
+checkpoint left it: same epoch, stream position, anchor and anchor history. If the world size
+changed, the speed estimates are dropped (re-measured in the first round) and rank r takes the
+optimizer state of rank ``r % old_world_size``: the plan adapts to the workers there are.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fdl.engine.checkpoint import (
+    Checkpoint,
+    CheckpointEvery,
+    latest_checkpoint,
+    load_rank_state,
+    write_checkpoint,
+)
+from fdl.engine.evaluation import all_reduce_sum
+from fdl.engine.plan import PlanConfig, PlanState, initial_state
+from fdl.engine.policies import Worker
+from fdl.engine.speed import RunningMean
+from fdl.errors import UsageError
+
+
+def restart_attempt(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def find_resume_checkpoint(run_dir: Path | None, *, env: Mapping[str, str] | None = None
+                           ) -> tuple[Checkpoint | None, list[str]]:
+    """The checkpoint this worker starts from (None: start fresh), and the skipped ones."""
+    env = os.environ if env is None else env
+    wanted = env.get("FDL_RESUME") == "1" or restart_attempt(env) > 0
+    if run_dir is None or not wanted:
+        return None, []
+    return latest_checkpoint(run_dir)
+
+
+@dataclass
+class Resumed:
+    checkpoint: Checkpoint
+    state: PlanState
+    history: list[dict[str, Any]]
+
+
+def resume(checkpoint: Checkpoint, worker: Worker, plan_config: PlanConfig) -> Resumed:
+    """Load ``checkpoint`` into ``worker`` (model, optimizer, RNG) and rebuild the plan state."""
+    engine = checkpoint.engine_state()
+    if engine["dataset_size"] != plan_config.dataset_size:
+        raise UsageError(f"cannot resume from {checkpoint.path}: it was trained on "
+                         f"{engine['dataset_size']} samples, this run has "
+                         f"{plan_config.dataset_size}",
+                         hint="resume with the same training data, or start a new run")
+    model_state, rank_state = load_rank_state(checkpoint, rank=worker.rank)
+    worker.model.load_state_dict(model_state)
+    worker.optimizer.load_state_dict(rank_state["optimizer"])
+    _restore_rng(rank_state["rng"], worker.device)
+    worker._step_mean = RunningMean(*rank_state["step_mean"])
+    worker._guard_streak = int(rank_state["guard_streak"])
+    return Resumed(checkpoint, _plan_state(engine, plan_config), list(engine["history"]))
+
+
+def _plan_state(engine: dict[str, Any], config: PlanConfig) -> PlanState:
+    state = initial_state(config)
+    same_shape = (engine["world_size"] == config.world_size
+                  and engine["policy"] == config.policy)
+    history = tuple(tuple(item) for item in engine["anchor_history"])
+    state = replace(state, round_index=engine["round_index"], epoch=engine["epoch"],
+                    position=engine["position"], anchor_history=history)  # type: ignore[arg-type]
+    if engine["policy"] == config.policy:
+        anchor = min(max(engine["anchor"], config.min_anchor), config.max_anchor)
+        state = replace(state, anchor=anchor)
+    if same_shape:
+        state = replace(state, speed_ms=tuple(engine["speed_ms"]),
+                        prev_counts=tuple(engine["prev_counts"]) if engine["prev_counts"]
+                        else None)
+    return state
+
+
+@dataclass
+class Checkpointer:
+    """Called by the round loop at every epoch end (but the last); writes a checkpoint when
+    ``every`` says it is due and logs it to the timeline."""
+
+    run_dir: Path
+    every: CheckpointEvery
+    history: list[dict[str, Any]]
+    last: float = field(default_factory=time.perf_counter)
+
+    def __call__(self, state: PlanState, worker: Worker) -> None:
+        elapsed = time.perf_counter() - self.last
+        if self.every.seconds is not None and worker.world_size > 1:
+            # Every rank must decide alike: the mean of the ranks' clocks.
+            elapsed = all_reduce_sum([elapsed], device=worker.device)[0] / worker.world_size
+        if not self.every.due(epochs_done=state.epoch, elapsed_s=elapsed):
+            return
+        begin = time.perf_counter()
+        path = write_checkpoint(
+            self.run_dir, round_index=state.round_index, rank=worker.rank,
+            world_size=worker.world_size,
+            model_state=worker.model.state_dict() if worker.rank == 0 else None,
+            rank_state=_rank_state(worker), engine_state=_engine_state(state, self.history),
+            gather=_gatherer(worker.world_size))
+        worker.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
+                              name=path.name, bytes=_size(path),
+                              write_s=time.perf_counter() - begin)
+        self.last = time.perf_counter()
+
+
+def _gatherer(world_size: int) -> Any:
+    def gather(obj: Any) -> list[Any]:
+        if world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    return gather
+
+
+def _rank_state(worker: Worker) -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if worker.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(worker.device)
+    return {"optimizer": worker.optimizer.state_dict(), "rng": rng,
+            "step_mean": (worker._step_mean.count, worker._step_mean.total),
+            "guard_streak": worker._guard_streak}
+
+
+def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _engine_state(state: PlanState, history: list[dict[str, Any]]) -> dict[str, Any]:
+    config = state.config
+    return {"round_index": state.round_index, "epoch": state.epoch, "position": state.position,
+            "anchor": state.anchor, "speed_ms": list(state.speed_ms),
+            "anchor_history": [list(item) for item in state.anchor_history],
+            "prev_counts": list(state.prev_counts) if state.prev_counts else None,
+            "policy": config.policy, "world_size": config.world_size,
+            "dataset_size": config.dataset_size, "batch_size": config.batch_size,
+            "epochs": config.epochs, "history": history}
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())

@@ -1,0 +1,143 @@
+"""Checkpoint files: atomic writes, verification against the manifest, the fallback to the
+previous checkpoint, pruning, and when one is due. Single process (gather = [obj]); the
+multi-worker path runs in test_recovery_runs.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fdl.engine import checkpoint as ckpt
+from fdl.engine.checkpoint import CheckpointEvery, latest_checkpoint, load_rank_state
+from fdl.errors import UsageError
+from fdl.launch.settings import parse_checkpoint_every
+
+
+def solo_gather(obj):
+    return [obj]
+
+
+def write(run_dir: Path, round_index: int, value: float) -> Path:
+    model = {"weight": torch.full((4, 4), value)}
+    rank_state = {"optimizer": {"step": round_index}, "rng": torch.get_rng_state()}
+    return ckpt.write_checkpoint(run_dir, round_index=round_index, rank=0, world_size=1,
+                                 model_state=model, rank_state=rank_state,
+                                 engine_state={"epoch": round_index, "history": []},
+                                 gather=solo_gather)
+
+
+def test_a_checkpoint_holds_every_file_with_its_hash(tmp_path):
+    path = write(tmp_path, 3, 1.5)
+    assert path == tmp_path / "checkpoints" / "ckpt-r00000003"
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model.pt", "rank0.pt", "engine.json"}
+    assert manifest["round"] == 3 and manifest["world_size"] == 1
+    for name, entry in manifest["files"].items():
+        assert ckpt.file_digest(path / name) == entry
+    found, skipped = latest_checkpoint(tmp_path)
+    assert found is not None and found.path == path and skipped == []
+    model, rank_state = load_rank_state(found, rank=0)
+    assert torch.equal(model["weight"], torch.full((4, 4), 1.5))
+    assert rank_state["optimizer"] == {"step": 3}
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # no staging left behind
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
+    write(tmp_path, 1, 1.0)
+    newest = write(tmp_path, 2, 2.0)
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[-10] ^= 0xFF  # same size, different content
+    (newest / "model.pt").write_bytes(bytes(data))
+    found, skipped = latest_checkpoint(tmp_path)
+    assert found is not None and found.name == "ckpt-r00000001"
+    assert skipped == ["ckpt-r00000002: model.pt does not match its SHA-256 in the manifest"]
+
+
+def test_a_truncated_or_missing_file_is_detected(tmp_path):
+    write(tmp_path, 1, 1.0)
+    newest = write(tmp_path, 2, 2.0)
+    size = (newest / "rank0.pt").stat().st_size
+    with (newest / "rank0.pt").open("r+b") as handle:
+        handle.truncate(size // 2)
+    found, skipped = latest_checkpoint(tmp_path)
+    assert found.name == "ckpt-r00000001"
+    assert skipped == [f"ckpt-r00000002: rank0.pt has {size // 2} bytes, the manifest says {size}"]
+    (newest / "rank0.pt").unlink()
+    assert latest_checkpoint(tmp_path)[1] == ["ckpt-r00000002: rank0.pt is missing"]
+
+
+def test_a_directory_without_manifest_is_not_a_checkpoint(tmp_path):
+    write(tmp_path, 1, 1.0)
+    partial = tmp_path / "checkpoints" / "ckpt-r00000009"
+    partial.mkdir()
+    (partial / "model.pt").write_bytes(b"half")
+    found, skipped = latest_checkpoint(tmp_path)
+    assert found.name == "ckpt-r00000001"
+    assert skipped == ["ckpt-r00000009: no manifest (the write did not finish)"]
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_alone(tmp_path, monkeypatch):
+    first = write(tmp_path, 1, 1.0)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    real_save = torch.save
+
+    def crash_on_model(obj, path, *args, **kwargs):
+        if Path(path).name.startswith("model.pt"):
+            Path(path).write_bytes(b"partial")
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", crash_on_model)
+    with pytest.raises(OSError, match="disk full"):
+        write(tmp_path, 2, 2.0)
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoints" / "ckpt-r00000002").exists()
+    found, skipped = latest_checkpoint(tmp_path)
+    assert found.path == first and skipped == []
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    write(tmp_path, 3, 3.0)  # the next checkpoint clears the crashed staging directory
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_only_the_newest_two_are_kept(tmp_path):
+    for round_index in (1, 2, 3, 4):
+        write(tmp_path, round_index, float(round_index))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["ckpt-r00000003", "ckpt-r00000004"]
+
+
+def test_a_different_world_size_maps_rank_states_modulo(tmp_path):
+    path = tmp_path / "checkpoints" / "ckpt-r00000001"
+    path.mkdir(parents=True)
+    torch.save({"w": torch.zeros(1)}, path / "model.pt")
+    for rank in (0, 1):
+        torch.save({"optimizer": {"rank": rank}}, path / f"rank{rank}.pt")
+    found = ckpt.Checkpoint(path, {"world_size": 2})
+    assert [load_rank_state(found, rank=r)[1]["optimizer"]["rank"] for r in range(3)] == [0, 1, 0]
+
+
+def test_when_a_checkpoint_is_due():
+    every_two = CheckpointEvery.parse("2")
+    assert [every_two.due(epochs_done=e, elapsed_s=0) for e in (1, 2, 3, 4)] == \
+        [False, True, False, True]
+    ten_minutes = CheckpointEvery.parse("600s")
+    assert not ten_minutes.due(epochs_done=1, elapsed_s=599.9)
+    assert ten_minutes.due(epochs_done=1, elapsed_s=600.0)
+    assert CheckpointEvery.parse(None) is None
+
+
+@pytest.mark.parametrize(("text", "canonical"), [
+    ("3", "3"), (2, "2"), ("10m", "600s"), ("90s", "90s"), ("1.5h", "5400s"), (" 2M ", "120s"),
+])
+def test_checkpoint_every_parses_epochs_and_times(text, canonical):
+    assert parse_checkpoint_every(text) == canonical
+    assert CheckpointEvery.parse(canonical) is not None
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "1.5", "m", "10x", "", "0s", "inf", True])
+def test_checkpoint_every_rejects_bad_values(bad):
+    with pytest.raises(UsageError, match="checkpoint_every must be"):
+        parse_checkpoint_every(bad)
