@@ -1,6 +1,14 @@
-"""Shared fixtures."""
+"""Shared fixtures: ``flodl_home`` and ``http_server``, a real HTTP server on 127.0.0.1 (port 0)
+that can be told to misbehave, for download tests."""
 
 from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -10,3 +18,106 @@ def flodl_home(tmp_path, monkeypatch):
     home = tmp_path / "flodl-home"
     monkeypatch.setenv("FLODL_HOME", str(home))
     return home
+
+
+@dataclass
+class Act:
+    """How to answer one request; fields left unset mean "behave"."""
+
+    status: int | None = None  # answer this status (with a short body) instead of the file
+    cut_after: int | None = None  # send this many body bytes, then drop the connection
+    delay_s: float = 0.0  # wait this long after the headers, before the body
+
+
+@dataclass
+class FileServer:
+    """What the handler serves and how; tests set the switches and read ``requests``."""
+
+    Act: ClassVar[type[Act]] = Act  # so tests build acts without importing this conftest
+    files: dict[str, bytes] = field(default_factory=dict)
+    script: deque[Act] = field(default_factory=deque)  # one Act per request, first in first out
+    default: Act = field(default_factory=Act)  # once the script is used up
+    ignore_range: bool = False  # answer 200 with the whole file even when asked for a range
+    requests: list[dict[str, str | None]] = field(default_factory=list)
+    port: int = 0
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
+
+    def next_act(self, path: str, range_header: str | None) -> Act:
+        self.requests.append({"path": path, "range": range_header})
+        return self.script.popleft() if self.script else self.default
+
+
+def _handler(server_state: FileServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args):  # keep pytest output clean
+            pass
+
+        def do_GET(self):
+            act = server_state.next_act(self.path, self.headers.get("Range"))
+            data = server_state.files.get(self.path.lstrip("/"))
+            if act.status is not None or data is None:
+                self._answer_error(act.status or 404)
+                return
+            start = self._range_start()
+            if start is None or server_state.ignore_range:
+                self.send_response(200)
+                start = 0
+            else:
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(len(data) - start))
+            self.end_headers()
+            time.sleep(act.delay_s)
+            self._send_body(data[start:], act)
+
+        def _range_start(self) -> int | None:
+            spec = self.headers.get("Range")
+            if not spec or not spec.startswith("bytes=") or not spec.endswith("-"):
+                return None
+            return int(spec[len("bytes="):-1])
+
+        def _answer_error(self, status: int) -> None:
+            body = f"error {status}\n".encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _send_body(self, body: bytes, act: Act) -> None:
+            if act.cut_after is not None:
+                self.wfile.write(body[:act.cut_after])
+                self.wfile.flush()
+                self.close_connection = True  # the client sees a body shorter than promised
+                return
+            for i in range(0, len(body), 1 << 16):
+                self.wfile.write(body[i:i + (1 << 16)])
+
+    return Handler
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):  # a client that hung up on a slow answer
+        pass
+
+
+@pytest.fixture
+def http_server():
+    """A ``FileServer`` listening on a free port on 127.0.0.1 for the length of one test."""
+    state = FileServer()
+    server = _QuietServer(("127.0.0.1", 0), _handler(state))
+    state.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -1,0 +1,1 @@
+"""fdl bench: the benchmark suite (models, datasets, sweeps, reports)."""
