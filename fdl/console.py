@@ -90,22 +90,26 @@ def print_pairs(pairs: Sequence[tuple[str, Any]]) -> None:
 
 
 @contextmanager
-def progress(*, transient: bool = False) -> Iterator[Progress]:
-    """A rich progress display on stderr (bytes, rate and ETA columns for downloads)."""
+def progress(*, transient: bool = False, unit: str = "bytes") -> Iterator[Progress]:
+    """A rich progress display on stderr: bytes, rate and ETA columns for downloads, or
+    ``done/total``, elapsed and ETA columns for counted work (``unit="items"``)."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
+        MofNCompleteColumn,
         Progress,
         TextColumn,
+        TimeElapsedColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
+    columns = (DownloadColumn(), TransferSpeedColumn()) if unit == "bytes" else \
+        (MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        *columns,
         TimeRemainingColumn(),
         console=_console(stderr=True),
         transient=transient,

@@ -119,6 +119,10 @@ def _register() -> None:
     libtorch.libtorch_app.command("build")(libtorch_build.build)
     app.add_typer(libtorch.libtorch_app, name="libtorch")
 
+    from fdl.cli import bench
+
+    app.add_typer(bench.bench_app, name="bench")
+
 
 _register()
 

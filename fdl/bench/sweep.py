@@ -1,0 +1,481 @@
+"""The ``fdl bench`` sweep: which cells to train (pure planning) and a thin executor that trains
+each one under ``fdl run`` and records it.
+
+A **cell** is one model on one dataset in one **mode** with one seed. Modes:
+
+* ``solo@<f>x``: one worker slowed down f times (``--simulate-slowdown f``), one per distinct
+  factor of the slowdown list — the solo baselines whose throughputs add up to the ideal;
+  on a host with two or more GPUs, ``solo@gpu<i>``: one worker on GPU i (real speeds, nothing
+  emulated).
+* ``<policy>-<backend>``: one worker per slowdown factor (or per GPU) with El Che's ``sync``,
+  ``cadence`` or ``async`` policy; backend ``cpu`` always, ``nccl`` only with two or more GPUs.
+
+Every cell runs ``python -m fdl run ... -m fdl.bench.worker`` in its own run directory
+``<out>/runs/<key>`` (output in ``<out>/runs/<key>.log``). A finished cell appends one line to
+``<out>/results.jsonl`` (flushed and fsynced: a killed sweep loses at most the cell it was
+running); a failed one appends its exit code and log tail to ``<out>/failures.jsonl`` and the
+sweep goes on. Rerunning the same sweep skips every cell whose key is in results.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fdl.bench.datasets import dataset_status
+from fdl.bench.models import MODELS, BenchModel, get_model
+from fdl.errors import FdlError, UsageError
+
+POLICIES = ("sync", "cadence", "async")
+QUICK_MODELS = ("mlp", "lenet5")
+OFFLINE = ("cached", "bundled", "generated")
+# --quick wants the same data on every machine, whatever its cache holds, and no network.
+QUICK_OFFLINE = ("bundled", "generated")
+# The offline sets are small (digits: 1438 training samples, 23 steps an epoch): one epoch is
+# over in well under a second, too short to tell policies apart or to learn the task. At 20
+# epochs the whole --quick sweep took about 3 minutes on a busy 2-core CPU host (budget: 15).
+QUICK_MIN_EPOCHS = 20
+SCHEMA = 1
+# The engine settings every cell passes as flags; the same names in the environment are dropped
+# so that a user's FDL_SLOWDOWN (say) cannot leak into a cell that sets no slowdown.
+_ENGINE_ENV = ("FDL_POLICY", "FDL_BACKEND", "FDL_EPOCHS", "FDL_BATCH_SIZE", "FDL_SEED",
+               "FDL_SLOWDOWN", "FDL_RUN_DIR", "FDL_NPROC_PER_NODE", "FDL_MAX_RESTARTS")
+_LOG_TAIL_LINES = 30
+_STOP_GRACE_S = 30
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How a cell trains: ``policy`` is "solo" or an El Che policy; ``backend`` None for solo;
+    ``slowdown`` the emulated factor per rank (None on real GPUs); ``devices`` GPU indices;
+    ``threads`` each worker's CPU threads when emulating (None: the launcher decides)."""
+
+    name: str
+    policy: str
+    backend: str | None
+    world_size: int
+    slowdown: tuple[float, ...] | None
+    devices: tuple[int, ...] | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    dataset: str
+    mode: str
+    policy: str
+    backend: str | None
+    seed: int
+    world_size: int
+    slowdown: tuple[float, ...] | None
+    epochs: int
+    devices: tuple[int, ...] | None = None
+    threads: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Unique within a sweep and safe as a file name; names the run directory, so a record's
+        ``run_dir`` gives its key back (resume reads it from there)."""
+        factors = "_".join(_factor(f) for f in self.slowdown) if self.slowdown else "real"
+        return f"{self.model}.{self.dataset}.{self.mode}.x{factors}.seed{self.seed}.ep{self.epochs}"
+
+    @property
+    def emulated(self) -> bool:
+        return self.slowdown is not None and any(f != 1.0 for f in self.slowdown)
+
+
+@dataclass(frozen=True)
+class DatasetChoice:
+    model: str
+    dataset: str
+    status: str
+    reason: str
+
+
+def parse_slowdown(text: str) -> tuple[float, ...]:
+    """``"1,2.5"`` -> ``(1.0, 2.5)``: two or more finite factors > 0, one per worker."""
+    try:
+        factors = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        factors = ()
+    if len(factors) < 2 or not all(0 < f < float("inf") for f in factors):
+        raise UsageError(f"--simulate-slowdown: bad factor list {text!r}",
+                         hint="two or more numbers > 0, one per worker, e.g. 1,2.5")
+    return factors
+
+
+def plan_modes(*, slowdown: Sequence[float], gpus: int,
+               cores: int | None = None) -> tuple[list[Mode], list[str]]:
+    """Every mode this host can run, and notes on what was left out and why.
+
+    Emulating, every worker of every mode — solo included — gets the same share of the
+    ``cores`` (default: this host's): a solo run stands for one of the emulated devices, so it
+    must not get the whole machine that the multi-worker runs split between their workers."""
+    if gpus >= 2:
+        devices = tuple(range(gpus))
+        modes = [Mode(f"solo@gpu{i}", "solo", None, 1, None, (i,)) for i in devices]
+        modes += [Mode(f"{p}-{b}", p, b, gpus, None, devices)
+                  for b in ("cpu", "nccl") for p in POLICIES]
+        return modes, [f"{gpus} GPUs: real speeds, no emulated slowdown"]
+    factors = tuple(float(f) for f in slowdown)
+    threads = max(1, (cores or os.cpu_count() or 1) // len(factors))
+    distinct = list(dict.fromkeys(factors))
+    modes = [Mode(f"solo@{_factor(f)}x", "solo", None, 1, (f,), None, threads) for f in distinct]
+    modes += [Mode(f"{p}-cpu", p, "cpu", len(factors), factors, None, threads) for p in POLICIES]
+    found = "no GPU" if gpus == 0 else "1 GPU"
+    return modes, [f"nccl modes not planned: they need 2 or more GPUs and this host has {found}",
+                   f"slowdown emulated with factors {','.join(_factor(f) for f in factors)}, "
+                   f"{threads} CPU thread(s) per worker in every mode"]
+
+
+def choose_dataset(model: BenchModel, *, data_dir: Path, download: bool, quick: bool = False,
+                   only: str | None = None) -> DatasetChoice:
+    """The first of ``model.datasets`` (or just ``only``) that can be used now: on disk,
+    bundled or generated, or downloadable when ``download``; with ``quick`` only bundled or
+    generated data."""
+    if only is not None and only not in model.datasets:
+        raise UsageError(f"--dataset {only!r} does not fit model {model.name!r}; it trains on: "
+                         f"{', '.join(model.datasets)}")
+    usable = QUICK_OFFLINE if quick and only is None else OFFLINE
+    passed: list[str] = []
+    for name in (only,) if only else model.datasets:
+        status = dataset_status(name, data_dir=data_dir)
+        if status in usable or (download and usable is OFFLINE and status == "downloadable"):
+            why = f"{name} is {status}" + (f" ({'; '.join(passed)})" if passed else "")
+            return DatasetChoice(model.name, name, status, why)
+        if quick and status in (*OFFLINE, "downloadable"):
+            status += ", but --quick uses bundled or generated data"
+        elif status == "downloadable":
+            status += ", but downloads are off"
+        passed.append(f"{name}: {status}")
+    raise FdlError(f"model {model.name!r}: none of its datasets can be used "
+                   f"({'; '.join(passed)})",
+                   hint="allow downloads (drop --no-download) or see docs/bench.md")
+
+
+def plan_sweep(*, models: Sequence[str], modes: Sequence[str], seeds: Sequence[int],
+               epochs: int | None, quick: bool, slowdown: Sequence[float], gpus: int,
+               data_dir: Path, download: bool = True, dataset: str | None = None,
+               cores: int | None = None) -> list[Cell]:
+    """The cells to run, model by model, seed by seed, mode by mode. Empty ``models``/``modes``
+    mean all (``--quick``: mlp and lenet5); of all models, those without a usable dataset are
+    left out (plan_notes says so), a named one is an error. ``--quick`` trains on bundled or
+    generated data for the model's ``quick_epochs``, at least QUICK_MIN_EPOCHS; ``dataset``
+    forces one dataset for every model. Raises UsageError for an unknown model or mode, or a
+    dataset a model cannot use."""
+    available, _ = plan_modes(slowdown=slowdown, gpus=gpus, cores=cores)
+    picked = select_modes(available, modes)
+    cells = []
+    for model, choice in _datasets(models, quick=quick, data_dir=data_dir, download=download,
+                                   dataset=dataset):
+        if isinstance(choice, str):
+            continue
+        num_epochs = epochs or (max(model.quick_epochs, QUICK_MIN_EPOCHS) if quick
+                                else model.epochs)
+        for seed in seeds:
+            cells += [Cell(model.name, choice.dataset, m.name, m.policy, m.backend, seed,
+                           m.world_size, m.slowdown, num_epochs, m.devices, m.threads)
+                      for m in picked]
+    return cells
+
+
+def plan_notes(*, models: Sequence[str], quick: bool, slowdown: Sequence[float], gpus: int,
+               data_dir: Path, download: bool = True, dataset: str | None = None,
+               cores: int | None = None) -> list[str]:
+    """What plan_sweep decided and why: the modes left out, each model's dataset."""
+    _, notes = plan_modes(slowdown=slowdown, gpus=gpus, cores=cores)
+    for model, choice in _datasets(models, quick=quick, data_dir=data_dir, download=download,
+                                   dataset=dataset):
+        notes.append(f"{model.name}: left out, {choice}" if isinstance(choice, str)
+                     else f"{model.name}: dataset {choice.reason}")
+    return notes
+
+
+def _datasets(models: Sequence[str], *, quick: bool, data_dir: Path, download: bool,
+              dataset: str | None) -> list[tuple[BenchModel, DatasetChoice | str]]:
+    """Each model with its dataset, or (all models only) why it has none."""
+    pairs: list[tuple[BenchModel, DatasetChoice | str]] = []
+    for name in models or (QUICK_MODELS if quick else MODELS):
+        model = get_model(name)
+        if not models and dataset is not None and dataset not in model.datasets:
+            pairs.append((model, f"it does not train on {dataset}"))
+            continue
+        try:
+            choice: DatasetChoice | str = choose_dataset(
+                model, data_dir=data_dir, download=download, quick=quick, only=dataset)
+        except UsageError:
+            raise
+        except FdlError as exc:
+            if models:
+                raise
+            choice = exc.message
+        pairs.append((model, choice))
+    return pairs
+
+
+def select_modes(available: Sequence[Mode], names: Sequence[str]) -> list[Mode]:
+    by_name = {mode.name: mode for mode in available}
+    for name in names:
+        if name not in by_name:
+            why = " (nccl needs 2 or more GPUs)" if name.endswith("-nccl") else ""
+            raise UsageError(f"unknown mode {name!r}{why}; available here: {', '.join(by_name)}",
+                             hint="solo@<f>x takes f from --simulate-slowdown")
+    return [by_name[name] for name in dict.fromkeys(names)] if names else list(available)
+
+
+def split_done(cells: Sequence[Cell], *, out_dir: Path) -> tuple[list[Cell], list[Cell]]:
+    """(cells still to run, cells already in results.jsonl)."""
+    done = done_keys(out_dir)
+    return [c for c in cells if c.key not in done], [c for c in cells if c.key in done]
+
+
+# --- execution ---------------------------------------------------------------------------
+
+
+class CellFailed(FdlError):
+    def __init__(self, cell: Cell, exit_code: int, log: Path):
+        super().__init__(f"cell {cell.key} failed with exit code {exit_code}",
+                         hint=f"its log: {log}")
+        self.cell, self.returncode, self.log = cell, exit_code, log
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    results: list[dict[str, Any]]
+    failures: list[CellFailed]
+    skipped: list[Cell]
+
+
+def prepare_datasets(cells: Iterable[Cell], *, data_dir: Path, download: bool,
+                     progress: Any = None) -> None:
+    """Download (when allowed) and verify every dataset the cells use, once, before any cell."""
+    from fdl.bench.datasets import load_dataset
+
+    for name in dict.fromkeys(cell.dataset for cell in cells):
+        load_dataset(name, data_dir=data_dir, download=download, progress=progress)
+
+
+def run_sweep(cells: Sequence[Cell], *, out_dir: Path, data_dir: Path, args: dict[str, Any],
+              on_cell: Callable[[int, Cell], None] | None = None,
+              machine: dict[str, Any] | None = None) -> SweepOutcome:
+    """Run the cells not yet in results.jsonl, in order; ``on_cell(i, cell)`` before each."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo, skipped = split_done(cells, out_dir=out_dir)
+    write_sweep_json(out_dir, machine=machine_facts() if machine is None else machine, args=args,
+                     num_cells=len(cells), num_skipped=len(skipped))
+    results, failures = [], []
+    for index, cell in enumerate(todo):
+        if on_cell is not None:
+            on_cell(index, cell)
+        try:
+            results.append(run_cell(cell, out_dir=out_dir, data_dir=data_dir))
+        except CellFailed as failure:
+            failures.append(failure)
+    return SweepOutcome(results, failures, skipped)
+
+
+def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict[str, Any]:
+    """Train one cell under ``fdl run``; append its record to results.jsonl and return it.
+    Raises CellFailed (after appending to failures.jsonl) if the run fails."""
+    from fdl.bench.datasets import default_data_dir
+
+    out_dir = out_dir.resolve()
+    run_dir = out_dir / "runs" / cell.key
+    log = out_dir / "runs" / f"{cell.key}.log"
+    if run_dir.exists():  # left by an interrupted sweep: never mix two attempts
+        shutil.rmtree(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    argv = cell_argv(cell, run_dir=run_dir, data_dir=(data_dir or default_data_dir()).resolve())
+    started = time.time()
+    with log.open("w", encoding="utf-8") as handle:
+        # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
+        child = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, cwd=out_dir,
+                                 env=cell_env(cell))
+        code = _wait(child)
+    if code == 0 and (run_dir / "summary.json").is_file():
+        record = build_record(cell, run_dir=run_dir, out_dir=out_dir)
+        append_record(out_dir / "results.jsonl", record)
+        return record
+    failure = CellFailed(cell, code or 1, log)
+    append_record(out_dir / "failures.jsonl", {
+        "key": cell.key, **asdict(cell), "exit_code": code, "started": started,
+        "wall_s": time.time() - started, "log": str(log.relative_to(out_dir)),
+        "log_tail": _tail(log)})
+    raise failure
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    """The child's exit code. On Ctrl-C, hand fdl run a SIGINT of its own (it may not share our
+    terminal) so that it stops its workers, give it a moment, then kill it."""
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
+
+
+def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:
+    """The ``fdl run`` command line of a cell (every engine setting given as a flag)."""
+    model = get_model(cell.model)
+    argv = [sys.executable, "-m", "fdl", "run", "--nproc-per-node", str(cell.world_size),
+            "--policy", "cadence" if cell.policy == "solo" else cell.policy,
+            "--backend", cell.backend or "auto", "--epochs", str(cell.epochs),
+            "--seed", str(cell.seed), "--batch-size", str(model.batch_size),
+            "--run-dir", str(run_dir), "--quiet-ranks"]
+    if cell.slowdown is not None:
+        argv += ["--simulate-slowdown", ",".join(_factor(f) for f in cell.slowdown)]
+    if cell.devices is not None:
+        argv += ["--devices", ",".join(str(i) for i in cell.devices)]
+    return [*argv, "-m", "fdl.bench.worker", "--", "--model", cell.model,
+            "--dataset", cell.dataset, "--data-dir", str(data_dir)]
+
+
+def cell_env(cell: Cell) -> dict[str, str]:
+    """This environment without the engine's FDL_* settings, plus the cell's thread count
+    (a user's own OMP_NUM_THREADS wins: it is the same for every cell)."""
+    env = {k: v for k, v in os.environ.items() if k not in _ENGINE_ENV}
+    if cell.threads is not None and not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(cell.threads)
+    return env
+
+
+def _tail(log: Path) -> list[str]:
+    try:
+        return log.read_text(encoding="utf-8", errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    except OSError:
+        return []
+
+
+def _factor(value: float) -> str:
+    return f"{value:g}"
+
+
+def cell_to_json(cell: Cell) -> dict[str, Any]:
+    """A cell as JSON (``--dry-run --json``): its key and fields."""
+    return {"key": cell.key, **asdict(cell)}
+
+
+# --- records -----------------------------------------------------------------------------
+
+
+def build_record(cell: Cell, *, run_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """The results.jsonl line of a finished cell, from its summary.json, metrics.jsonl and the
+    per-rank timelines (``fdl.launch.report.build_report``: the ideal and idle time)."""
+    from fdl.launch.report import build_report, load_run
+
+    model = get_model(cell.model)
+    summary, timelines, _ = load_run(run_dir)
+    report = build_report(summary, timelines, batch_size=model.batch_size)
+    solo = cell.policy == "solo"
+    idle = [r["idle_fraction"] for r in report["ranks"] if r["idle_fraction"] is not None]
+    reference = model.references.get(cell.dataset)
+    history = [{"epoch": row["epoch"], "train_loss": row["train_loss"],
+                "eval": row["eval"].get(model.metric)}
+               for row in _read_jsonl(run_dir / "metrics.jsonl")]
+    return {
+        "model": cell.model, "dataset": cell.dataset, "mode": cell.mode,
+        "policy": cell.policy, "backend": cell.backend, "seed": cell.seed,
+        "world_size": summary["world_size"],
+        "slowdown": list(cell.slowdown) if cell.slowdown is not None else None,
+        "metric": model.metric, "higher_is_better": model.higher_is_better,
+        "eval": summary["eval"].get(model.metric),
+        "reference": reference[0] if reference else None,
+        "reference_source": reference[1] if reference else None,
+        "wall_s": summary["wall_s"], "samples": summary["samples"],
+        "samples_per_s": summary["throughput"]["samples_per_s"],
+        "syncs": None if solo else summary["sync"]["rounds"],
+        "sync_overhead": None if solo else summary["sync"]["overhead"],
+        "idle_fraction": None if solo or not idle else sum(idle) / len(idle),
+        "ideal_samples_per_s": None if solo else report["ideal_samples_per_s"],
+        "history": history, "emulated": cell.emulated,
+        "run_dir": run_dir.relative_to(out_dir).as_posix(),
+    }
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line, flushed and fsynced before returning: the line is the cell's commit."""
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def done_keys(out_dir: Path) -> set[str]:
+    """Keys of the cells recorded in results.jsonl (a record's run_dir ends with its key). A
+    torn last line — the sweep killed while writing it — counts as not done."""
+    return {Path(row["run_dir"]).name for row in _read_jsonl(out_dir / "results.jsonl")
+            if isinstance(row.get("run_dir"), str)}
+
+
+def write_sweep_json(out_dir: Path, *, machine: dict[str, Any], args: dict[str, Any],
+                     num_cells: int, num_skipped: int) -> None:
+    """sweep.json: the machine, the arguments and when this sweep (and each resume) started."""
+    from fdl.launch.rundir import write_json_atomic
+
+    path = out_dir / "sweep.json"
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        previous = {}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    sessions = [*previous.get("sessions", []),
+                {"started": now, "cells": num_cells, "skipped": num_skipped}]
+    write_json_atomic(path, {"schema": SCHEMA, "started": previous.get("started", now),
+                             "machine": machine, "args": args, "sessions": sessions})
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the numbers depend on: CPU, cores, RAM, GPUs, torch, OS, Python."""
+    import torch
+
+    from fdl.system.gpus import probe_gpus
+    from fdl.system.host import probe_host
+
+    host = probe_host(tool_timeout_s=2.0)
+    gpus = probe_gpus()
+    return {
+        "cpu_model": host.cpu_model, "physical_cores": host.physical_cores,
+        "logical_cores": host.logical_cores, "ram_gib": round(host.ram_mib / 1024, 1),
+        "gpus": [{"index": g.index, "name": g.name, "compute_capability": g.cc,
+                  "memory_mib": g.memory_mib} for g in gpus.gpus],
+        "gpu_driver": gpus.driver_version, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "os": f"{host.os_name} {host.os_release}".strip(),
+        "kernel": host.kernel, "python": host.python_version,
+    }
+
+
+def count_gpus() -> int:
+    """CUDA devices the workers will see (0 with a CPU-only torch, whatever the host has)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
