@@ -409,8 +409,10 @@ def _synthetic() -> Splits:
     """10 fixed 8x8 prototypes; each sample is its class's prototype plus unit Gaussian noise.
 
     Prototypes are scaled so that classes overlap a little: a linear model learns most of it,
-    none reaches 100%, so accuracy still tells models and policies apart."""
-    num_train, num_test = 4096, 1024
+    none reaches 100%, so accuracy still tells models and policies apart. 16384 training
+    samples: an epoch long enough that ``fdl bench --quick`` measures the policies' steady state
+    rather than their epoch-end averages."""
+    num_train, num_test = 16384, 2048
     rng = np.random.default_rng(_SYNTHETIC_SEED)
     prototypes = rng.normal(scale=0.45, size=(10, 1, 8, 8))
     labels = rng.integers(0, 10, size=num_train + num_test)

@@ -298,12 +298,12 @@ MODELS: dict[str, BenchModel] = {m.name: m for m in (
                metric="accuracy", higher_is_better=True,
                references={"mnist": (0.98, "MLP with 2 hidden layers on MNIST, ~97-98% "
                                            "(LeCun et al. 1998 and later reports)")},
-               optimizer="sgd", lr=0.05, momentum=0.9, batch_size=64, epochs=10, quick_epochs=1),
+               optimizer="sgd", lr=0.05, momentum=0.9, batch_size=64, epochs=10, quick_epochs=8),
     BenchModel(name="lenet5", network=build_lenet5, task="classify", datasets=IMAGE_DATASETS,
                metric="accuracy", higher_is_better=True,
                references={"mnist": (0.99, "LeNet-5 on MNIST, 0.95% test error "
                                            "(LeCun et al. 1998)")},
-               optimizer="sgd", lr=0.05, momentum=0.9, batch_size=64, epochs=10, quick_epochs=1),
+               optimizer="sgd", lr=0.05, momentum=0.9, batch_size=64, epochs=10, quick_epochs=4),
     BenchModel(name="autoencoder", network=build_autoencoder, task="reconstruct",
                datasets=IMAGE_DATASETS, metric="mse", higher_is_better=False, references={},
                optimizer="adam", lr=1e-3, batch_size=64, epochs=10, quick_epochs=1),

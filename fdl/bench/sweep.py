@@ -38,12 +38,9 @@ from fdl.errors import FdlError, UsageError
 POLICIES = ("sync", "cadence", "async")
 QUICK_MODELS = ("mlp", "lenet5")
 OFFLINE = ("cached", "bundled", "generated")
-# --quick wants the same data on every machine, whatever its cache holds, and no network.
-QUICK_OFFLINE = ("bundled", "generated")
-# The offline sets are small (digits: 1438 training samples, 23 steps an epoch): one epoch is
-# over in well under a second, too short to tell policies apart or to learn the task. At 20
-# epochs the whole --quick sweep took about 3 minutes on a busy 2-core CPU host (budget: 15).
-QUICK_MIN_EPOCHS = 20
+# --quick trains on the generated dataset: the same data on every machine, whatever its cache
+# holds, with no network, and epochs long enough (16384 samples) to show the steady state.
+QUICK_DATASET = "synthetic"
 SCHEMA = 1
 # The engine settings every cell passes as flags; the same names in the environment are dropped
 # so that a user's FDL_SLOWDOWN (say) cannot leak into a cell that sets no slowdown.
@@ -138,24 +135,21 @@ def plan_modes(*, slowdown: Sequence[float], gpus: int,
                    f"{threads} CPU thread(s) per worker in every mode"]
 
 
-def choose_dataset(model: BenchModel, *, data_dir: Path, download: bool, quick: bool = False,
+def choose_dataset(model: BenchModel, *, data_dir: Path, download: bool,
                    only: str | None = None) -> DatasetChoice:
     """The first of ``model.datasets`` (or just ``only``) that can be used now: on disk,
-    bundled or generated, or downloadable when ``download``; with ``quick`` only bundled or
-    generated data."""
+    bundled or generated, or downloadable when ``download``."""
     if only is not None and only not in model.datasets:
         raise UsageError(f"--dataset {only!r} does not fit model {model.name!r}; it trains on: "
                          f"{', '.join(model.datasets)}")
-    usable = QUICK_OFFLINE if quick and only is None else OFFLINE
+    usable = OFFLINE
     passed: list[str] = []
     for name in (only,) if only else model.datasets:
         status = dataset_status(name, data_dir=data_dir)
         if status in usable or (download and usable is OFFLINE and status == "downloadable"):
             why = f"{name} is {status}" + (f" ({'; '.join(passed)})" if passed else "")
             return DatasetChoice(model.name, name, status, why)
-        if quick and status in (*OFFLINE, "downloadable"):
-            status += ", but --quick uses bundled or generated data"
-        elif status == "downloadable":
+        if status == "downloadable":
             status += ", but downloads are off"
         passed.append(f"{name}: {status}")
     raise FdlError(f"model {model.name!r}: none of its datasets can be used "
@@ -169,8 +163,8 @@ def plan_sweep(*, models: Sequence[str], modes: Sequence[str], seeds: Sequence[i
                cores: int | None = None) -> list[Cell]:
     """The cells to run, model by model, seed by seed, mode by mode. Empty ``models``/``modes``
     mean all (``--quick``: mlp and lenet5); of all models, those without a usable dataset are
-    left out (plan_notes says so), a named one is an error. ``--quick`` trains on bundled or
-    generated data for the model's ``quick_epochs``, at least QUICK_MIN_EPOCHS; ``dataset``
+    left out (plan_notes says so), a named one is an error. ``--quick`` trains on
+    QUICK_DATASET for the model's ``quick_epochs``; ``dataset``
     forces one dataset for every model. Raises UsageError for an unknown model or mode, or a
     dataset a model cannot use."""
     available, _ = plan_modes(slowdown=slowdown, gpus=gpus, cores=cores)
@@ -180,8 +174,7 @@ def plan_sweep(*, models: Sequence[str], modes: Sequence[str], seeds: Sequence[i
                                    dataset=dataset):
         if isinstance(choice, str):
             continue
-        num_epochs = epochs or (max(model.quick_epochs, QUICK_MIN_EPOCHS) if quick
-                                else model.epochs)
+        num_epochs = epochs or (model.quick_epochs if quick else model.epochs)
         for seed in seeds:
             cells += [Cell(model.name, choice.dataset, m.name, m.policy, m.backend, seed,
                            m.world_size, m.slowdown, num_epochs, m.devices, m.threads)
@@ -211,8 +204,10 @@ def _datasets(models: Sequence[str], *, quick: bool, data_dir: Path, download: b
             pairs.append((model, f"it does not train on {dataset}"))
             continue
         try:
+            only = dataset if dataset is not None else \
+                QUICK_DATASET if quick and QUICK_DATASET in model.datasets else None
             choice: DatasetChoice | str = choose_dataset(
-                model, data_dir=data_dir, download=download, quick=quick, only=dataset)
+                model, data_dir=data_dir, download=download, only=only)
         except UsageError:
             raise
         except FdlError as exc:

@@ -13,6 +13,7 @@ docs/elche.md for the policies, the plan and the formulas.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -82,6 +83,10 @@ class Trainer:
             if sampler is not None:
                 sampler.stop()
             if created_group and dist.is_initialized():
+                # DDP's reducer sits in reference cycles: free it while its process group still
+                # exists, not at interpreter exit (a worker once aborted there with "terminate
+                # called without an active exception").
+                gc.collect()
                 dist.destroy_process_group()
 
     def _validate(self, config: EngineConfig, world_size: int) -> None:

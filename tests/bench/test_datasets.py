@@ -335,7 +335,7 @@ def test_synthetic_is_deterministic_and_learnable(tmp_path):
     splits = load_dataset("synthetic", data_dir=tmp_path)
     x, y = splits.train.tensors
     tx, ty = splits.test.tensors
-    assert x.shape == (4096, 1, 8, 8) and tx.shape == (1024, 1, 8, 8)
+    assert x.shape == (16384, 1, 8, 8) and tx.shape == (2048, 1, 8, 8)
     assert x.dtype == torch.float32 and y.dtype == torch.int64
     assert sorted(set(y.tolist())) == list(range(10))
     again = load_dataset("synthetic", data_dir=tmp_path)

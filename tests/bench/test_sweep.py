@@ -118,10 +118,9 @@ def test_quick_plan(tmp_path):
     cells = plan(tmp_path, quick=True)
     assert [(c.model, c.mode) for c in cells] == [
         (model, mode) for model in ("mlp", "lenet5") for mode in CPU_MODES]
-    assert {c.dataset for c in cells} == {"digits"}
+    assert {c.dataset for c in cells} == {"synthetic"}
     assert {c.seed for c in cells} == {0}
-    assert all(c.epochs == max(MODELS[c.model].quick_epochs, sweep.QUICK_MIN_EPOCHS)
-               for c in cells)
+    assert all(c.epochs == MODELS[c.model].quick_epochs for c in cells)
     assert {c.epochs for c in plan(tmp_path, quick=True, epochs=2)} == {2}
 
 
