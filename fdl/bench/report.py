@@ -225,9 +225,9 @@ def write_report(directory: Path) -> list[Path]:
     pngs = _render_plots(report, records)
     markdown = render_markdown(report, title_note=_title_note(meta))
     if pngs is None:
-        markdown += "Plots skipped: matplotlib is not installed (pip install 'fdl[report]').\n"
+        markdown += "\nPlots skipped: matplotlib is not installed (pip install 'fdl[report]').\n"
     else:
-        markdown += "## Plots\n\n" + "\n\n".join(f"![{name}]({name})" for name in pngs) + "\n"
+        markdown += "\n## Plots\n\n" + "\n\n".join(f"![{name}]({name})" for name in pngs) + "\n"
     written = [_write_atomic(directory / "report.json",
                              (json.dumps(report, indent=2) + "\n").encode()),
                _write_atomic(directory / "report.md", markdown.encode())]
