@@ -1,6 +1,6 @@
 """``fdl bench``: train a zoo of small models in every mode and compare them.
 
-    fdl bench --quick                          # mlp + lenet5 on bundled data, a few minutes
+    fdl bench --quick                          # mlp + lenet5 on generated data, a few minutes
     fdl bench --model lenet5 --seeds 3         # one model, every mode, three seeds
     fdl bench --mode solo@1x --mode async-cpu  # just these modes
     fdl bench --dry-run [--json]               # the plan: cells, datasets, what was left out
@@ -50,7 +50,7 @@ def bench(
     simulate_slowdown: Annotated[str, typer.Option(
         help="Emulated speed factors, one per worker (CPU hosts and single-GPU hosts).")] = "1,2.5",
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A short sweep: mlp and lenet5 on bundled/generated data.")] = False,
+        "--quick", help="A short sweep: mlp and lenet5 on the generated dataset, a few minutes.")] = False,
     out: Annotated[Path, typer.Option(help="Sweep directory.")] = DEFAULT_OUT,
     data_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="Dataset cache (default: <fdl cache>/datasets).")] = None,
