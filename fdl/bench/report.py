@@ -203,7 +203,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     return [row["mode"], evaluation, _fmt(row["reference"], "{:.4f}"),
             _fmt(row["wall_s"], "{:.1f}"), _fmt(row["samples_per_s"], "{:,.0f}"),
             _fmt(row["speedup_vs_fast_solo"], "{:.2f}x"),
-            _fmt(row["efficiency_vs_ideal"], "{:.1%}"), _fmt(row["syncs"], "{:g}"),
+            _fmt(row["efficiency_vs_ideal"], "{:.1%}"), _fmt(row["syncs"], "{:.3g}"),
             _fmt(row["sync_overhead"], "{:.1%}"), _fmt(row["idle_fraction"], "{:.1%}")]
 
 
