@@ -4,6 +4,7 @@ OUT.json --hidden 1536 ...`. Rank 0 writes the training throughput (eval exclude
 """
 
 import argparse
+import gc
 import json
 import time
 
@@ -44,6 +45,10 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as handle:
             json.dump({"samples_per_s": samples / wall, "wall_s": wall}, handle)
+    # Free DDP (its reducer holds gloo work objects in reference cycles) while the group is
+    # alive: left to interpreter exit, it can abort the process after a successful run.
+    del ddp, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

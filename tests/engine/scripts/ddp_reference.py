@@ -2,6 +2,7 @@
 stream (epoch e = randperm seeded seed + e; step i gives rank r the r-th batch of the i-th
 2*B samples). Writes OUT/rank<r>.pt."""
 
+import gc
 import os
 import sys
 
@@ -26,4 +27,6 @@ for epoch in range(epochs):
         train_step(ddp, data[order[low:low + batch]]).backward()
         optimizer.step()
 torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+del ddp, optimizer  # free DDP while the group is alive (see tests/launch/scripts/ddp_train.py)
+gc.collect()
 dist.destroy_process_group()

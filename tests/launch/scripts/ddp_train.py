@@ -1,6 +1,7 @@
 """A plain torch DDP script written the torchrun way (no fdl): trains a tiny model on gloo and
 writes its final parameters and its environment to OUT_DIR/rank<r>.{pt,json}."""
 
+import gc
 import json
 import os
 import sys
@@ -29,4 +30,8 @@ torch.save(model.module.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
     json.dump(dict(os.environ), fh)
 print(f"rank {rank} final loss {loss.item():.4f}")
+# Free DDP (its reducer holds gloo work objects, in reference cycles) while the group is alive:
+# left to interpreter exit, it can abort the process after a successful run.
+del model, opt
+gc.collect()
 dist.destroy_process_group()
