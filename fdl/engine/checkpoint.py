@@ -5,8 +5,8 @@ leaves the previous checkpoint usable.
 
 * ``model.pt``   — the consensus ``state_dict`` (taken right after an averaging, so every rank
   holds the same one; rank 0 writes it);
-* ``rank<r>.pt`` — rank r's optimizer state, RNG states and slowdown-emulation mean (each rank
-  writes its own);
+* ``rank<r>.pt`` — rank r's optimizer state, RNG states, slowdown-emulation mean and the
+  epoch's loss sums so far (each rank writes its own);
 * ``engine.json`` — the plan state (round, epoch, stream position, anchor and its history,
   per-rank speed estimates), the epoch history and the world size;
 * ``manifest.json`` — written last: size and SHA-256 of every file above.
@@ -18,9 +18,11 @@ a checkpoint: :func:`latest_checkpoint` skips it (saying why) and takes the one 
 directory is assumed visible to every rank (one node, or a shared filesystem).
 
 When (``checkpoint_every``): ``"N"`` = at the end of every N-th epoch; ``"<seconds>s"`` = at the
-first epoch end at least that long after the previous checkpoint (or the start), decided on the
-ranks' mean clock so every rank agrees. Checkpoints are taken at epoch ends, where every policy
-holds a consensus model; a crash loses at most the work since the last one.
+first point at least that long after the previous checkpoint (or the start) where every rank
+holds the same model: an epoch end, or within an epoch a round that ended with a blocking
+average (cadence: every round, async: its blocking rounds; sync averages its buffers only at
+epoch ends) — decided on the ranks' mean clock so every rank agrees (see
+fdl.engine.recovery). A crash loses at most the work since the last checkpoint.
 
 torch is imported inside the functions that save and load: the launcher uses
 :func:`latest_checkpoint` (JSON and hashes only) to check ``fdl run --resume`` before it starts.

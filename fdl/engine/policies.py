@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -49,6 +49,15 @@ class Totals:
     comm_ms: list[float] = field(default_factory=list)  # min-over-ranks wait per averaging
 
 
+class CheckpointHook(Protocol):
+    """Where the round loop offers a checkpoint (fdl.engine.recovery.Checkpointer): after a
+    round whose average left every rank with the same model, and at epoch ends."""
+
+    def at_round(self, state: PlanState, worker: Worker) -> None: ...
+
+    def at_epoch_end(self, state: PlanState, worker: Worker) -> None: ...
+
+
 @dataclass
 class Worker:
     """One rank's training state: what the round loop reads and updates."""
@@ -66,7 +75,7 @@ class Worker:
     timeline: Timeline
     averager: Averager | None
     on_epoch_end: Callable[[int, Worker], None]
-    checkpointer: Callable[[PlanState, Worker], None] | None = None  # at epoch ends (not the last)
+    checkpointer: CheckpointHook | None = None
     slowdown: float = 1.0
     verify: bool = False
     totals: Totals = field(default_factory=Totals)
@@ -97,6 +106,9 @@ def train(worker: Worker, state: PlanState) -> PlanState:
         timer = run_slice(worker, plan, state)
         if worker.config.policy == "sync" or worker.averager is None:
             stats = RoundStats((NAN,) * worker.world_size, NAN, NAN)
+            # Solo, every round ends with "the" model; under sync, buffers differ until the
+            # epoch end's average.
+            consensus = worker.averager is None
         else:
             # async averages in the background, except in round 0 (to measure what a whole
             # average costs) and at epoch ends (evaluation and the final model need the
@@ -104,6 +116,7 @@ def train(worker: Worker, state: PlanState) -> PlanState:
             blocking = worker.config.policy == "cadence" or plan.last_in_epoch or \
                 plan.round_index == 0
             stats, pending = _boundary(worker, plan, timer, pending, blocking=blocking)
+            consensus = blocking
         advanced = advance(state, plan, stats)
         if advanced.anchor != state.anchor:
             worker.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
@@ -114,7 +127,9 @@ def train(worker: Worker, state: PlanState) -> PlanState:
                 _boundary(worker, plan, timer, None, blocking=True)
             worker.on_epoch_end(plan.epoch, worker)
             if worker.checkpointer is not None and not state.finished:
-                worker.checkpointer(state, worker)
+                worker.checkpointer.at_epoch_end(state, worker)
+        elif consensus and worker.checkpointer is not None:
+            worker.checkpointer.at_round(state, worker)
     return state
 
 

@@ -72,6 +72,10 @@ def resume(checkpoint: Checkpoint, worker: Worker, plan_config: PlanConfig) -> R
     _restore_rng(rank_state["rng"], worker.device)
     worker._step_mean = RunningMean(*rank_state["step_mean"])
     worker._guard_streak = int(rank_state["guard_streak"])
+    # A mid-epoch checkpoint carries the epoch's loss so far; with another world size the
+    # ranks' partial sums no longer add up, and the epoch's loss counts from the resume.
+    same_world = checkpoint.world_size == worker.world_size
+    worker.epoch_loss = list(rank_state["epoch_loss"]) if same_world else [0.0, 0]
     return Resumed(checkpoint, _plan_state(engine, plan_config), list(engine["history"]))
 
 
@@ -92,23 +96,42 @@ def _plan_state(engine: dict[str, Any], config: PlanConfig) -> PlanState:
     return state
 
 
+# A time-based interval is checked at every CHECK_ROUNDS-th round that ends with one model on
+# every rank (cadence: every round; async: its blocking ones; solo: every round). Checking
+# costs an all-reduce of one number; a fixed round stride keeps every rank deciding at the same
+# rounds without a message.
+CHECK_ROUNDS = 8
+
+
 @dataclass
 class Checkpointer:
-    """Called by the round loop at every epoch end (but the last); writes a checkpoint when
-    ``every`` says it is due and logs it to the timeline."""
+    """Takes checkpoints where the round loop offers them (``CheckpointHook``): at epoch ends
+    (but the last) for ``N`` epochs or a time; with a time, also within an epoch, so a long
+    epoch does not lose more than the interval. Each is logged to the timeline."""
 
     run_dir: Path
     every: CheckpointEvery
     history: list[dict[str, Any]]
     last: float = field(default_factory=time.perf_counter)
 
-    def __call__(self, state: PlanState, worker: Worker) -> None:
+    def at_epoch_end(self, state: PlanState, worker: Worker) -> None:
+        if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(worker)):
+            self._write(state, worker)
+
+    def at_round(self, state: PlanState, worker: Worker) -> None:
+        if self.every.seconds is None or state.round_index % CHECK_ROUNDS:
+            return
+        if self._elapsed(worker) >= self.every.seconds:
+            self._write(state, worker)
+
+    def _elapsed(self, worker: Worker) -> float:
         elapsed = time.perf_counter() - self.last
         if self.every.seconds is not None and worker.world_size > 1:
             # Every rank must decide alike: the mean of the ranks' clocks.
             elapsed = all_reduce_sum([elapsed], device=worker.device)[0] / worker.world_size
-        if not self.every.due(epochs_done=state.epoch, elapsed_s=elapsed):
-            return
+        return elapsed
+
+    def _write(self, state: PlanState, worker: Worker) -> None:
         begin = time.perf_counter()
         path = write_checkpoint(
             self.run_dir, round_index=state.round_index, rank=worker.rank,
@@ -117,7 +140,7 @@ class Checkpointer:
             rank_state=_rank_state(worker), engine_state=_engine_state(state, self.history),
             gather=_gatherer(worker.world_size))
         worker.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
-                              name=path.name, bytes=_size(path),
+                              position=state.position, name=path.name, bytes=_size(path),
                               write_s=time.perf_counter() - begin)
         self.last = time.perf_counter()
 
@@ -139,7 +162,7 @@ def _rank_state(worker: Worker) -> dict[str, Any]:
         rng["cuda"] = torch.cuda.get_rng_state(worker.device)
     return {"optimizer": worker.optimizer.state_dict(), "rng": rng,
             "step_mean": (worker._step_mean.count, worker._step_mean.total),
-            "guard_streak": worker._guard_streak}
+            "guard_streak": worker._guard_streak, "epoch_loss": list(worker.epoch_loss)}
 
 
 def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:

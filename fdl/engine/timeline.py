@@ -12,7 +12,8 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
 * ``anchor`` — ``round``, ``anchor``, ``reason`` (tuning and divergence-guard halvings)
 * ``guard``  — ``round``, ``distance`` (max over ranks), ``streak``
 * ``epoch``  — ``epoch``, ``samples``, ``train_loss``, ``eval``
-* ``checkpoint`` — ``round``, ``epoch``, ``name``, ``bytes``, ``write_s``
+* ``checkpoint`` — ``round``, ``epoch``, ``position`` (in the epoch's stream), ``name``,
+  ``bytes``, ``write_s``
 * ``final``  — ``checksum``, ``anchor``
 
 Without a run directory (``python train.py`` solo) events are dropped.

@@ -174,7 +174,7 @@ class Trainer:
             state, resumed_from = resumed.state, checkpoint.name
             self._resumed_from = resumed_from
             self.history[:] = resumed.history
-            epochs_log.restore(resumed.history, start_epoch=state.epoch)
+            epochs_log.restore(resumed.history, start_samples=state.samples_seen)
         if worker.rank == 0 and (attempt > 0 or checkpoint is not None) and run_dir is not None:
             artifacts.rewrite_jsonl(run_dir / "metrics.jsonl", self.history)
             for line in skipped:
@@ -226,11 +226,11 @@ class _EpochLog:
     eval_s: float = 0.0
     last_eval: dict[str, float] = field(default_factory=dict)
     last_loss: float | None = None
-    start_epoch: int = 0  # > 0 when resumed: this attempt's throughput counts its own epochs
+    start_samples: int = 0  # > 0 when resumed: this attempt's throughput counts its own samples
     started: float = field(default_factory=time.perf_counter)
 
-    def restore(self, history: list[dict[str, Any]], *, start_epoch: int) -> None:
-        self.start_epoch = start_epoch
+    def restore(self, history: list[dict[str, Any]], *, start_samples: int) -> None:
+        self.start_samples = start_samples
         if history:
             self.last_eval, self.last_loss = history[-1]["eval"], history[-1]["train_loss"]
 
@@ -247,7 +247,7 @@ class _EpochLog:
         self.eval_s += time.perf_counter() - begin
         elapsed = time.perf_counter() - self.started - self.eval_s
         samples = (epoch + 1) * len(self.trainer.train_data)
-        done_here = (epoch + 1 - self.start_epoch) * len(self.trainer.train_data)
+        done_here = samples - self.start_samples
         record = {"epoch": epoch + 1, "samples": samples, "train_loss": self.last_loss,
                   "eval": self.last_eval,
                   "samples_per_s": done_here / elapsed if elapsed else None}

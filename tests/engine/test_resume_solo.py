@@ -28,12 +28,13 @@ def train_step(model, batch):
     return F.cross_entropy(model(features), labels)
 
 
-def trainer(epochs: int = 3) -> fdl.Trainer:
+def trainer(epochs: int = 3, *, num_samples: int = 512,
+            checkpoint_every: int | str = 1) -> fdl.Trainer:
     return fdl.Trainer(
         model=lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.3), nn.Linear(32, 2)),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        train_step=train_step, train_data=make_data(512, seed=1), batch_size=32, epochs=epochs,
-        seed=3, checkpoint_every=1)
+        train_step=train_step, train_data=make_data(num_samples, seed=1), batch_size=32,
+        epochs=epochs, seed=3, checkpoint_every=checkpoint_every)
 
 
 @pytest.fixture
@@ -59,6 +60,26 @@ def test_a_resumed_run_ends_bitwise_where_the_uninterrupted_one_does(solo_env, m
     assert resumed.summary["resumed_from"] == checkpoints[0].name
     records = [json.loads(line) for line in (solo_env / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
+
+
+def test_a_time_interval_checkpoints_within_an_epoch_and_resumes_there_exactly(solo_env,
+                                                                               monkeypatch):
+    # 2048 samples: 64 steps, 16 rounds of 4 an epoch; the clock is checked every 8th round, and
+    # with a 1 ms interval every check is due: rounds 8 (mid-epoch 0), 16 (epoch end), 24.
+    def run():
+        return trainer(epochs=2, num_samples=2048, checkpoint_every="0.001s").fit()
+
+    full = run()
+    newest, _ = latest_checkpoint(solo_env)
+    engine = newest.engine_state()
+    assert (engine["round_index"], engine["epoch"], engine["position"]) == (24, 1, 1024)
+    monkeypatch.setenv("FDL_RESUME", "1")
+    resumed = run()
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+    # the resumed epoch's loss includes the half trained before the checkpoint
+    assert resumed.history[-1]["train_loss"] == full.history[-1]["train_loss"]
+    assert resumed.summary["resumed_from"] == newest.name
 
 
 def test_no_resume_without_being_asked(solo_env):
