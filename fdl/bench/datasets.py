@@ -7,7 +7,7 @@
   ``(x, y)`` windows;
 * ``digits``: scikit-learn's bundled 8x8 digits (the ``fdl[bench]`` extra), float32 [N,1,8,8],
   a seeded 80/20 split (1438/359);
-* ``synthetic``: 4096/1024 samples shaped like digits, generated offline from a fixed seed.
+* ``synthetic``: 16384/2048 samples shaped like digits, generated offline from a fixed seed.
 
 Labels are int64 class indices. Images are normalised ``(x/255 - mean) / std`` with the usual
 constants (``MNIST_MEAN`` ...); digits are scaled to 0..1 and normalised with their training
@@ -38,13 +38,11 @@ Example::
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.util
 import os
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -53,9 +51,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from fdl import paths
+from fdl.bench import fetch
+from fdl.bench.fetch import Progress
 from fdl.errors import FdlError, UsageError
-
-Progress = Callable[[int, int | None], None]
 
 NAMES = ("mnist", "cifar10", "shakespeare", "digits", "synthetic")
 
@@ -182,9 +180,10 @@ def _ensure_files(name: str, *, folder: Path, download: bool, progress: Progress
         for file in _FILES[name]:
             path = folder / file
             if path.is_file():
-                _verify_cached(path)
+                fetch.verify_cached(path, expected=CHECKSUMS[file])
                 continue
-            _download(_urls(name, file), path, progress=progress)
+            fetch.download(_urls(name, file), path, expected=CHECKSUMS[file],
+                           progress=progress)
             fetched = True
         batches = folder / _CIFAR_DIR
         if name == "cifar10" and (fetched or not batches.is_dir()):
@@ -197,89 +196,6 @@ def _urls(name: str, file: str) -> list[str]:
     if mirror:
         return [f"{mirror.rstrip('/')}/{file}"]
     return [base + file for base in BASE_URLS[name]]
-
-
-def _marker(path: Path) -> Path:
-    return path.with_name(f".{path.name}.verified")
-
-
-def _fingerprint(path: Path, expected: str) -> list[str]:
-    """What a marker records: the checksum matched, and the file's size and mtime then."""
-    info = path.stat()
-    return [expected, str(info.st_size), str(info.st_mtime_ns)]
-
-
-def _mark_verified(path: Path, expected: str) -> None:
-    _marker(path).write_text(" ".join(_fingerprint(path, expected)) + "\n")
-
-
-def _verify_cached(path: Path) -> None:
-    expected = CHECKSUMS[path.name]
-    marker = _marker(path)
-    if marker.is_file() and marker.read_text().split() == _fingerprint(path, expected):
-        return
-    algorithm, want = expected.split(":", 1)
-    hasher = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            hasher.update(chunk)
-    if hasher.hexdigest() != want:
-        raise FdlError(f"cached file {path} does not match its checksum: expected {algorithm} "
-                       f"{want}, got {hasher.hexdigest()}",
-                       hint="delete it and run again to download a fresh copy")
-    _mark_verified(path, expected)
-
-
-def _download(urls: list[str], dest: Path, *, progress: Progress | None) -> None:
-    """Fetch ``dest`` from the first of ``urls`` that answers; verify; rename into place."""
-    import httpx
-
-    failures = []
-    with httpx.Client(timeout=30.0, follow_redirects=True) as client:
-        for url in urls:
-            try:
-                _fetch_verified(client, url, dest, progress=progress)
-                return
-            except httpx.TransportError as exc:
-                failures.append(f"{url}: {type(exc).__name__}: {exc}")
-            except _HttpStatus as exc:
-                failures.append(f"{url}: {exc}")
-    raise FdlError(f"cannot download {dest.name}: {'; '.join(failures)}",
-                   hint="check the network, or set FDL_DATA_MIRROR to a base URL that serves "
-                        f"{dest.name}")
-
-
-class _HttpStatus(Exception):
-    """The server answered something other than 200."""
-
-
-def _fetch_verified(client, url: str, dest: Path, *, progress: Progress | None) -> None:
-    algorithm, want = CHECKSUMS[dest.name].split(":", 1)
-    hasher = hashlib.new(algorithm)
-    fd, staging = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as out, client.stream("GET", url) as response:
-            if response.status_code != 200:
-                raise _HttpStatus(f"HTTP {response.status_code}")
-            length = response.headers.get("Content-Length")
-            total, done = (int(length) if length else None), 0
-            for chunk in response.iter_raw(_CHUNK):  # raw: hash the bytes as published
-                out.write(chunk)
-                hasher.update(chunk)
-                done += len(chunk)
-                if progress is not None:
-                    progress(done, total)
-        got = hasher.hexdigest()
-        if got != want:
-            raise FdlError(f"checksum mismatch for {dest.name} from {url}: expected {algorithm} "
-                           f"{want}, got {got}",
-                           hint="the download was deleted; the server may hold a different "
-                                "file (check FDL_DATA_MIRROR), or run again")
-        os.replace(staging, dest)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-    _mark_verified(dest, f"{algorithm}:{want}")
 
 
 def _read_idx(path: Path, *, magic: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from fdl.bench import datasets
+from fdl.bench import datasets, fetch
 from fdl.bench.datasets import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -372,6 +372,7 @@ def test_default_data_dir_is_under_the_cache_dir(tmp_path, monkeypatch):
 def test_real_mnist_labels_match_the_published_md5(tmp_path, monkeypatch):
     monkeypatch.delenv("FDL_DATA_MIRROR", raising=False)
     dest = tmp_path / "t10k-labels-idx1-ubyte.gz"
-    datasets._download(datasets._urls("mnist", dest.name), dest, progress=None)
+    fetch.download(datasets._urls("mnist", dest.name), dest,
+                   expected=datasets.CHECKSUMS[dest.name], progress=None)
     labels = datasets._read_idx(dest, magic=0x00000801)
     assert labels.shape == (10000,) and labels[:3].tolist() == [7, 2, 1]
