@@ -29,15 +29,14 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
 import statistics
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from fdl.errors import FdlError
+from fdl.files import write_atomic
 
 SCHEMA = 1
 POLICY_ORDER = {"solo": 0, "sync": 1, "cadence": 2, "async": 3}
@@ -228,28 +227,16 @@ def write_report(directory: Path) -> list[Path]:
         markdown += "\nPlots skipped: matplotlib is not installed (pip install 'fdl[report]').\n"
     else:
         markdown += "\n## Plots\n\n" + "\n\n".join(f"![{name}]({name})" for name in pngs) + "\n"
-    written = [_write_atomic(directory / "report.json",
+    written = [write_atomic(directory / "report.json",
                              (json.dumps(report, indent=2) + "\n").encode()),
-               _write_atomic(directory / "report.md", markdown.encode())]
-    written += [_write_atomic(directory / name, data) for name, data in (pngs or {}).items()]
+               write_atomic(directory / "report.md", markdown.encode())]
+    written += [write_atomic(directory / name, data) for name, data in (pngs or {}).items()]
     return written
 
 
 def _title_note(meta: dict[str, Any]) -> str:
     args = meta.get("args") or {}
     return "Sweep: " + ", ".join(f"{key}={value}" for key, value in args.items()) if args else ""
-
-
-def _write_atomic(path: Path, data: bytes) -> Path:
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _render_plots(report: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, bytes] | None:

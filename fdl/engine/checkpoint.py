@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl.files import write_atomic
+
 DIRNAME = "checkpoints"
 KEEP = 2
 MANIFEST = "manifest.json"
@@ -115,7 +117,7 @@ def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: 
     if rank == 0:
         assert model_state is not None
         files["model.pt"] = _save(torch, model_state, staging / "model.pt")
-        _write_text(staging / "engine.json", json.dumps(engine_state, indent=1))
+        write_atomic(staging / "engine.json", json.dumps(engine_state, indent=1), durable=True)
         files["engine.json"] = file_digest(staging / "engine.json")
     every = gather(files)
     final = root / name
@@ -123,7 +125,7 @@ def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: 
         manifest = {"schema": 1, "name": name, "round": round_index, "world_size": world_size,
                     "epoch": engine_state.get("epoch"),
                     "files": {k: v for part in every for k, v in part.items()}}
-        _write_text(staging / MANIFEST, json.dumps(manifest, indent=1))
+        write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1), durable=True)
         if final.exists():  # a crashed attempt got this far before: replace it
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -137,15 +139,6 @@ def _save(torch: Any, obj: Any, path: Path) -> dict[str, Any]:
     torch.save(obj, tmp)
     os.replace(tmp, path)
     return file_digest(path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _prune(root: Path, *, keep: int) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdl.files import write_atomic
 from fdl.launch.rundir import write_json_atomic
 
 
@@ -55,9 +56,7 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     """Replace ``path`` with ``records`` atomically (a resumed run drops the epochs it redoes)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, default=str) + "\n" for r in records))
 
 
 def save_model(path: Path, model: nn.Module) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
+from fdl.files import write_atomic
 
 
 def prepare_run_dir(run_dir: Path, *, config: dict[str, Any]) -> Path:
@@ -30,10 +31,8 @@ def prepare_run_dir(run_dir: Path, *, config: dict[str, Any]) -> Path:
 
 
 def write_json_atomic(path: Path, document: Any) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Write ``document`` as JSON, atomically (fdl.files.write_atomic)."""
+    write_atomic(path, json.dumps(document, indent=2, default=str) + "\n")
 
 
 def tail_lines(path: Path, count: int = 20) -> list[str]:

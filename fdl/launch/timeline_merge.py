@@ -48,11 +48,11 @@ import csv
 import io
 import json
 import math
-import os
 import re
-import secrets
 from pathlib import Path
 from typing import Any
+
+from fdl.files import write_atomic
 
 SCHEMA = 1
 CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
@@ -161,19 +161,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             records.append(record)
     return records
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
-    # Not mkstemp: its files are private (0600); a report is as readable as the run directory.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with tmp.open("xb") as handle:
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _matching(directory: Path, pattern: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:

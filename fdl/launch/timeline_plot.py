@@ -23,7 +23,7 @@ def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    from fdl.launch.timeline_merge import write_atomic
+    from fdl.files import write_atomic
 
     losses, others = _curves(epochs)
     if not losses and not others:

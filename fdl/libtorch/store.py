@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import FdlError, MissingTorchError, UsageError
+from fdl.files import write_atomic
 
 KINDS = ("precompiled", "builds", "python")
 SHELLS = ("bash", "zsh", "fish", "powershell")
@@ -107,7 +108,7 @@ class Store:
     def activate(self, name: str) -> Variant:
         with self.lock():
             variant = self.find(name)
-            _write_atomic(self.root / ACTIVE_FILE, variant.id + "\n")
+            write_atomic(self.root / ACTIVE_FILE, variant.id + "\n", durable=True)
         return variant
 
     def remove(self, name: str, *, force: bool = False) -> Variant:
@@ -167,7 +168,8 @@ class Store:
                 shutil.rmtree(staged, ignore_errors=True)
             meta = {**meta, "installed_at": datetime.now(timezone.utc).isoformat(
                 timespec="seconds")}
-            _write_atomic(target / META_FILE, json.dumps(meta, indent=2, default=str) + "\n")
+            write_atomic(target / META_FILE, json.dumps(meta, indent=2, default=str) + "\n",
+                         durable=True)
         if source != Path(tree):
             _remove_if_empty(Path(tree))
         return Variant(kind=kind, name=name, path=target, meta=meta)
@@ -231,21 +233,6 @@ def _read_meta(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a unique temp file beside ``path``, flush it to disk, rename it over."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the store is readable like any install
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_name(*, kind: str, name: str) -> None:
