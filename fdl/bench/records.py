@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fdl.bench.models import get_model
+from fdl.files import read_jsonl
 
 if TYPE_CHECKING:
     from fdl.bench.sweep import Cell
@@ -36,7 +37,7 @@ def build_record(cell: Cell, *, run_dir: Path, out_dir: Path) -> dict[str, Any]:
     reference = model.references.get(cell.dataset)
     history = [{"epoch": row["epoch"], "train_loss": row["train_loss"],
                 "eval": row["eval"].get(model.metric)}
-               for row in _read_jsonl(run_dir / "metrics.jsonl")]
+               for row in read_jsonl(run_dir / "metrics.jsonl")]
     return {
         "model": cell.model, "dataset": cell.dataset, "mode": cell.mode,
         "policy": cell.policy, "backend": cell.backend, "seed": cell.seed,
@@ -68,7 +69,7 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 def done_keys(out_dir: Path) -> set[str]:
     """Keys of the cells recorded in results.jsonl (a record's run_dir ends with its key). A
     torn last line — the sweep killed while writing it — counts as not done."""
-    return {Path(row["run_dir"]).name for row in _read_jsonl(out_dir / "results.jsonl")
+    return {Path(row["run_dir"]).name for row in read_jsonl(out_dir / "results.jsonl")
             if isinstance(row.get("run_dir"), str)}
 
 
@@ -114,18 +115,3 @@ def count_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-

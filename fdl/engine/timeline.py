@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from fdl.files import read_jsonl
+
 
 class Timeline:
     def __init__(self, run_dir: Path | None, *, rank: int):
@@ -52,5 +54,6 @@ class Timeline:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """All events of one rank's timeline file."""
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    """All events of one rank's timeline file (a torn last line, from a killed worker, is
+    skipped)."""
+    return read_jsonl(path)

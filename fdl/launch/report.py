@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
+from fdl.files import read_jsonl
 
 SCHEMA = 1
 
@@ -34,9 +35,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], list[list[dict[str, Any]]],
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     timelines = []
     for rank in range(int(summary.get("world_size", 1))):
-        path = run_dir / "timeline" / f"rank{rank}.jsonl"
-        lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
-        timelines.append([json.loads(line) for line in lines if line.strip()])
+        timelines.append(read_jsonl(run_dir / "timeline" / f"rank{rank}.jsonl"))
     config_path = run_dir / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     return summary, timelines, config

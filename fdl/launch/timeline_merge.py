@@ -52,7 +52,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fdl.files import write_atomic
+from fdl.files import read_jsonl, write_atomic
 
 SCHEMA = 1
 CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
@@ -143,24 +143,6 @@ def strict_json(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
     except ValueError:  # rare: pay for the walk only then
         return json.dumps(_finite(value), separators=(",", ":"), default=str, allow_nan=False)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file, skipping lines that do not parse (a writer killed
-    mid-line) or are not objects; empty when the file does not exist."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def _matching(directory: Path, pattern: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:

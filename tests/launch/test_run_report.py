@@ -80,3 +80,12 @@ def test_report_of_a_directory_without_summary(tmp_path):
         load_run(tmp_path)
     proc = run_fdl("report", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+
+
+def test_a_torn_last_timeline_line_is_skipped(tmp_path):
+    # a worker killed mid-write (then restarted) leaves half a line in its timeline
+    run = make_run(tmp_path)
+    with (run / "timeline" / "rank1.jsonl").open("a") as handle:
+        handle.write('{"t": 111.0, "kind": "rou')
+    _, timelines, _ = load_run(run)
+    assert len(timelines[1]) == len(TIMELINES[1])
