@@ -41,14 +41,20 @@ def restart_attempt(env: Mapping[str, str] | None = None) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def find_resume_checkpoint(run_dir: Path | None, *, env: Mapping[str, str] | None = None
+def find_resume_checkpoint(run_dir: Path | None, *, rank: int, world_size: int,
+                           env: Mapping[str, str] | None = None
                            ) -> tuple[Checkpoint | None, list[str]]:
-    """The checkpoint this worker starts from (None: start fresh), and the skipped ones."""
+    """The checkpoint the workers start from (None: start fresh), and the skipped ones. Rank 0
+    verifies the candidates (hashing every file) and tells the others its choice: one read of
+    a large model instead of one per rank, and every rank resumes from the same checkpoint."""
     env = os.environ if env is None else env
     wanted = env.get("FDL_RESUME") == "1" or restart_attempt(env) > 0
     if run_dir is None or not wanted:
         return None, []
-    return latest_checkpoint(run_dir)
+    found: list[Any] = [latest_checkpoint(run_dir) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 @dataclass

@@ -163,7 +163,8 @@ class Trainer:
         """The state training starts from: fresh, or a checkpoint's after a crash or with
         ``fdl run --resume`` (see fdl.engine.recovery). Logs a ``start`` event either way."""
         run_dir, attempt = config.run_dir, restart_attempt()
-        checkpoint, skipped = find_resume_checkpoint(run_dir)
+        checkpoint, skipped = find_resume_checkpoint(run_dir, rank=worker.rank,
+                                                     world_size=worker.world_size)
         state, resumed_from = initial_state(plan_config), None
         if checkpoint is not None:
             resumed = resume(checkpoint, worker, plan_config)
