@@ -10,13 +10,12 @@ was running, and a torn last line counts as not done.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fdl.bench.models import get_model
-from fdl.files import read_jsonl
+from fdl.files import append_jsonl, read_jsonl
 
 if TYPE_CHECKING:
     from fdl.bench.sweep import Cell
@@ -59,11 +58,9 @@ def build_record(cell: Cell, *, run_dir: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line, flushed and fsynced before returning: the line is the cell's commit."""
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, default=str) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    """One JSON line, on a line of its own and fsynced before returning: the line is the
+    cell's commit."""
+    append_jsonl(path, record, durable=True)
 
 
 def done_keys(out_dir: Path) -> set[str]:
@@ -81,7 +78,9 @@ def write_sweep_json(out_dir: Path, *, machine: dict[str, Any], args: dict[str, 
     path = out_dir / "sweep.json"
     try:
         previous = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # absent, not UTF-8 or not JSON: start the file anew
+        previous = {}
+    if not isinstance(previous, dict) or not isinstance(previous.get("sessions", []), list):
         previous = {}
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sessions = [*previous.get("sessions", []),

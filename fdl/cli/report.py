@@ -1,7 +1,9 @@
 """``fdl report RUN_DIR [--json]``: per-rank throughput and share of the work, where each rank's
 time went (compute, waiting at sync, epoch boundaries, data loading, unexplained), sync count/mean/overhead,
 the anchor's history, efficiency against the ideal, and the final metrics. ``fdl run`` prints
-the same report when a run that used fdl.Trainer finishes."""
+the same report when a run that used fdl.Trainer finishes. A rank whose timeline is incomplete
+gets a ``warning:`` line on stderr saying what its figures cover (exit 0); a summary.json or
+config.json fdl cannot use is an ``error:`` (exit 2)."""
 
 from __future__ import annotations
 
@@ -21,16 +23,25 @@ def report(
     document = run_report(run_dir)
     if json_output:
         console.print_json(document)
+        warn_incomplete(document)
     else:
         render(document)
 
 
 def run_report(run_dir: Path) -> dict[str, Any]:
-    from fdl.launch.report import build_report, load_run
+    from fdl.launch.report import build_report, load_run, report_batch_size
 
     summary, timelines, config = load_run(run_dir)
-    batch = config.get("engine", {}).get("batch_size", {}).get("value") or 1
-    return build_report(summary, timelines, batch_size=int(batch))
+    batch = report_batch_size(config, path=run_dir / "config.json")
+    return build_report(summary, timelines, batch_size=batch)
+
+
+def warn_incomplete(doc: dict[str, Any]) -> None:
+    """One ``warning:`` line on stderr per rank whose timeline does not cover its run."""
+    from fdl import console
+
+    for item in doc["incomplete"]:
+        console.warn(item["message"])
 
 
 def render(doc: dict[str, Any]) -> None:
@@ -65,3 +76,4 @@ def render(doc: dict[str, Any]) -> None:
         ("eval", "  ".join(f"{k} {v:.4f}" for k, v in doc["eval"].items()) or None),
         ("final loss", num(doc["final_loss"], ".4f")),
     ])
+    warn_incomplete(doc)

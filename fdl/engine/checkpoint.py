@@ -13,9 +13,16 @@ leaves the previous checkpoint usable.
 
 Every rank writes into ``checkpoints/.tmp-ckpt-r<round>/``; after a barrier rank 0 writes the
 manifest and renames the directory into place, then removes all but the newest
-:data:`KEEP` checkpoints. A directory without a manifest, or whose files do not match it, is not
-a checkpoint: :func:`latest_checkpoint` skips it (saying why) and takes the one before. The
-directory is assumed visible to every rank (one node, or a shared filesystem).
+:data:`KEEP` checkpoints. A directory without a manifest, with a manifest that does not list
+exactly what a checkpoint holds, or whose files do not match it, is not a checkpoint:
+:func:`latest_checkpoint` skips it (saying why) and takes the one before. The directory is
+assumed visible to every rank (one node, or a shared filesystem).
+
+Nothing read back can run code: every ``.pt`` file is loaded with ``torch.load(...,
+weights_only=True)`` (tensors and plain containers only; optimizer state dicts, torch's RNG
+state and ``random.getstate()`` are such data). Matching the manifest proves a file is the one
+written, not that it is safe: the workers also try-load every file of a candidate before using
+it (:func:`load_file`, fdl.engine.recovery) and skip one that does not load.
 
 When (``checkpoint_every``): ``"N"`` = at the end of every N-th epoch; ``"<seconds>s"`` = at the
 first point at least that long after the previous checkpoint (or the start) where every rank
@@ -33,7 +40,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +53,11 @@ from fdl.files import write_atomic
 DIRNAME = "checkpoints"
 KEEP = 2
 MANIFEST = "manifest.json"
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a file in the checkpoint's own directory
+
+
+class UnloadableFile(Exception):
+    """A checkpoint file that does not load as data (:func:`load_file`); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -149,48 +163,106 @@ def _prune(root: Path, *, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint whose files all match its manifest, and why newer ones were
-    skipped (one line each)."""
+def latest_checkpoint(run_dir: Path, *, check: Callable[[Checkpoint], str | None] | None = None
+                      ) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint whose files all match its manifest (and in which ``check``, when
+    given, finds no problem), and why newer ones were skipped (one line each)."""
     skipped: list[str] = []
     root = run_dir / DIRNAME
     for path in sorted(root.glob("ckpt-r*"), reverse=True):
-        problem = _verify(path)
+        manifest, problem = _verify(path)
+        if problem is None and check is not None:
+            problem = check(Checkpoint(path, manifest))
         if problem is None:
-            return Checkpoint(path, json.loads((path / MANIFEST).read_text("utf-8"))), skipped
+            return Checkpoint(path, manifest), skipped
         skipped.append(f"{path.name}: {problem}")
     return None, skipped
 
 
-def _verify(path: Path) -> str | None:
+def _verify(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-        int(manifest["world_size"])
     except FileNotFoundError:
-        return "no manifest (the write did not finish)"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"unreadable manifest ({exc})"
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != expected["size"]:
-            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
-        if file_digest(file)["sha256"] != expected["sha256"]:
-            return f"{name} does not match its SHA-256 in the manifest"
+        return {}, "no manifest (the write did not finish)"
+    except (OSError, ValueError) as exc:
+        return {}, f"unreadable manifest ({exc})"
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        return {}, problem
+    for name, expected in manifest["files"].items():
+        try:
+            problem = _file_problem(path / name, expected)
+        except OSError as exc:
+            problem = f"{name} cannot be read ({exc.strerror or exc})"
+        if problem is not None:
+            return manifest, problem
+    return manifest, None
+
+
+def _file_problem(file: Path, expected: dict[str, Any]) -> str | None:
+    if not file.is_file():
+        return f"{file.name} is missing"
+    if file.stat().st_size != expected["size"]:
+        return f"{file.name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
+    if file_digest(file)["sha256"] != expected["sha256"]:
+        return f"{file.name} does not match its SHA-256 in the manifest"
     return None
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What makes ``manifest`` unusable: the wrong shape, a file outside the checkpoint, or a
+    file a checkpoint of its world size holds that it does not list."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and _is_int(v.get("size")) and isinstance(v.get("sha256"), str)
+            for v in files.values()):
+        return "unreadable manifest (files must map names to {size, sha256})"
+    world_size = manifest.get("world_size")
+    if not _is_int(world_size) or world_size < 1:
+        return f"unreadable manifest (world_size is {world_size!r}, not a positive integer)"
+    for name in files:
+        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+            return f"the manifest names {name!r}, a file outside the checkpoint"
+    needed = ["model.pt", "engine.json", *(f"rank{r}.pt" for r in range(world_size))]
+    missing = [name for name in needed if name not in files]
+    if missing:
+        return f"the manifest does not list {', '.join(missing[:3])}"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def load_file(path: Path, *, mmap: bool = False) -> Any:
+    """The object saved in ``path``, loaded with ``weights_only=True``: tensors and plain
+    containers, never code. ``mmap`` maps tensor data instead of reading it (to check a file
+    cheaply). Raises :class:`UnloadableFile` naming the file and why."""
+    import torch
+
+    if not zipfile.is_zipfile(path):
+        raise UnloadableFile(f"{path.name} is not a file torch.save wrote (not a zip archive)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # whatever a damaged or hostile file raises: it is not usable
+        raise UnloadableFile(f"{path.name} does not load as tensors and plain data "
+                             f"({_load_error(exc)})") from exc
+
+
+def _load_error(exc: BaseException) -> str:
+    """The informative line of a torch.load error (its weights_only errors wrap it in advice)."""
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(advice)]
+    text = (useful or lines or [type(exc).__name__])[0]
+    return text.removeprefix("WeightsUnpickler error:").strip()[:200] or type(exc).__name__
 
 
 def load_rank_state(checkpoint: Checkpoint, *, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model state and rank ``rank``'s own state. With a different world size than the
     checkpoint's, rank r takes rank ``r % old_world_size``'s optimizer state (momentum of a
-    replica that started from the same consensus model)."""
-    import torch
-
-    model_state = torch.load(checkpoint.path / "model.pt", map_location="cpu",
-                             weights_only=True)
+    replica that started from the same consensus model). Both load with ``weights_only=True``
+    (:func:`load_file`)."""
+    model_state = load_file(checkpoint.path / "model.pt")
     source = rank % checkpoint.world_size
-    rank_state = torch.load(checkpoint.path / f"rank{source}.pt", map_location="cpu",
-                            weights_only=False)
-    return model_state, rank_state
+    return model_state, load_file(checkpoint.path / f"rank{source}.pt")

@@ -7,6 +7,13 @@ the consensus model, its optimizer state and RNG states, and continues the plan 
 checkpoint left it: same epoch, stream position, anchor and anchor history. If the world size
 changed, the speed estimates are dropped (re-measured in the first round) and rank r takes the
 optimizer state of rank ``r % old_world_size``: the plan adapts to the workers there are.
+
+Rank 0 chooses the checkpoint for everyone (:func:`find_resume_checkpoint`): the newest whose
+files match its manifest *and* load — every ``.pt`` file with ``weights_only=True`` (so a
+planted pickle payload never runs), ``engine.json`` and the rank states with the fields this
+module writes. One that does not is skipped with a warning (the ``start`` event's ``skipped``)
+and the one before is used. An explicit ``fdl run --resume`` with nothing usable is an error
+rather than a silent fresh start.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ import torch
 import torch.distributed as dist
 
 from fdl.engine.checkpoint import (
+    DIRNAME,
     Checkpoint,
     CheckpointEvery,
+    UnloadableFile,
     latest_checkpoint,
+    load_file,
     load_rank_state,
     write_checkpoint,
 )
@@ -45,16 +55,95 @@ def find_resume_checkpoint(run_dir: Path | None, *, rank: int, world_size: int,
                            env: Mapping[str, str] | None = None
                            ) -> tuple[Checkpoint | None, list[str]]:
     """The checkpoint the workers start from (None: start fresh), and the skipped ones. Rank 0
-    verifies the candidates (hashing every file) and tells the others its choice: one read of
-    a large model instead of one per rank, and every rank resumes from the same checkpoint."""
+    verifies the candidates (hashing and try-loading every file, :func:`checkpoint_problem`)
+    and tells the others its choice: one read of a large model instead of one per rank, and
+    every rank resumes from the same checkpoint. With ``FDL_RESUME=1`` (``fdl run --resume``)
+    and none usable, every rank raises the same UsageError."""
     env = os.environ if env is None else env
-    wanted = env.get("FDL_RESUME") == "1" or restart_attempt(env) > 0
-    if run_dir is None or not wanted:
+    explicit = env.get("FDL_RESUME") == "1"
+    if run_dir is None or not (explicit or restart_attempt(env) > 0):
         return None, []
-    found: list[Any] = [latest_checkpoint(run_dir) if rank == 0 else None]
+    found: list[Any] = [latest_checkpoint(run_dir, check=checkpoint_problem)
+                        if rank == 0 else None]
     if world_size > 1:
         dist.broadcast_object_list(found, src=0)
-    return found[0]
+    checkpoint, skipped = found[0]
+    if checkpoint is None and explicit:
+        why = "; ".join(skipped) or "none was written"
+        raise UsageError(f"no usable checkpoint in {run_dir / DIRNAME} ({why})",
+                         hint="start a new run, or resume a run directory with a valid "
+                              "checkpoint")
+    return checkpoint, skipped
+
+
+def checkpoint_problem(checkpoint: Checkpoint) -> str | None:
+    """Why the workers cannot resume from ``checkpoint`` although its files match the manifest
+    (None: they can). Loads ``engine.json`` and every ``.pt`` file (tensor data memory-mapped,
+    not read) and checks they hold what :class:`Checkpointer` writes."""
+    try:
+        engine = checkpoint.engine_state()
+    except (OSError, ValueError) as exc:
+        return f"engine.json does not load ({exc})"
+    problem = (_shape_problem(engine, _ENGINE_FIELDS, "engine.json")
+               or _engine_range_problem(engine, world_size=checkpoint.world_size))
+    for name in sorted(checkpoint.manifest["files"]):
+        if problem is None and name.endswith(".pt"):
+            problem = _torch_file_problem(checkpoint.path / name)
+    return problem
+
+
+# What each file of a checkpoint must hold: field -> allowed types (see _engine_state and
+# _rank_state, which write them).
+_ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
+    "round_index": (int,), "epoch": (int,), "position": (int,), "anchor": (int,),
+    "speed_ms": (list,), "anchor_history": (list,), "prev_counts": (list, type(None)),
+    "policy": (str,), "world_size": (int,), "dataset_size": (int,), "history": (list,)}
+_RANK_FIELDS: dict[str, tuple[type, ...]] = {
+    "optimizer": (dict,), "rng": (dict,), "step_mean": (list, tuple), "guard_streak": (int,),
+    "epoch_loss": (list, tuple)}
+
+
+def _engine_range_problem(engine: dict[str, Any], *, world_size: int) -> str | None:
+    if engine["world_size"] != world_size or len(engine["speed_ms"]) != world_size:
+        return (f"engine.json describes {engine['world_size']} ranks with "
+                f"{len(engine['speed_ms'])} speeds, the manifest {world_size} ranks")
+    if not (0 <= engine["position"] <= engine["dataset_size"] and engine["epoch"] >= 0
+            and engine["round_index"] >= 0 and engine["anchor"] >= 1):
+        return "engine.json: round_index, epoch, position or anchor is out of range"
+    return None
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    try:
+        loaded = load_file(path, mmap=True)
+    except UnloadableFile as exc:
+        return str(exc)
+    if path.name == "model.pt":
+        return _shape_problem(loaded, {}, path.name)
+    problem = _shape_problem(loaded, _RANK_FIELDS, path.name)
+    if problem is not None:
+        return problem
+    rng = loaded["rng"]
+    torch_state = rng.get("torch")
+    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
+        return f"{path.name}: rng['torch'] is not torch's RNG state (a uint8 tensor)"
+    try:
+        random.Random().setstate(rng.get("python"))
+    except (TypeError, ValueError, IndexError) as exc:
+        return f"{path.name}: rng['python'] is not a random.getstate() ({exc})"
+    return None
+
+
+def _shape_problem(value: Any, fields: dict[str, tuple[type, ...]], name: str) -> str | None:
+    if not isinstance(value, dict):
+        return f"{name} holds a {type(value).__name__}, not a dict"
+    for key, types in fields.items():
+        if key not in value:
+            return f"{name} has no {key!r}"
+        if not isinstance(value[key], types) or isinstance(value[key], bool):
+            allowed = " or ".join(t.__name__ for t in types)
+            return f"{name}: {key!r} is {value[key]!r:.40}, expected {allowed}"
+    return None
 
 
 @dataclass
@@ -73,8 +162,14 @@ def resume(checkpoint: Checkpoint, worker: Worker, plan_config: PlanConfig) -> R
                          f"{plan_config.dataset_size}",
                          hint="resume with the same training data, or start a new run")
     model_state, rank_state = load_rank_state(checkpoint, rank=worker.rank)
-    worker.model.load_state_dict(model_state)
-    worker.optimizer.load_state_dict(rank_state["optimizer"])
+    try:
+        worker.model.load_state_dict(model_state)
+        worker.optimizer.load_state_dict(rank_state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise UsageError(f"cannot resume from {checkpoint.path}: its model or optimizer does "
+                         f"not fit this run's ({str(exc).splitlines()[0][:300]})",
+                         hint="resume with the same model and optimizer, or start a new "
+                              "run") from exc
     _restore_rng(rank_state["rng"], worker.device)
     worker._step_mean = RunningMean(*rank_state["step_mean"])
     worker._guard_streak = int(rank_state["guard_streak"])

@@ -26,17 +26,18 @@ append mode, so an elastically restarted worker continues the same file.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import psutil
 import torch
+
+from fdl.files import JsonlAppender
 
 _BUS_ID = re.compile(
     r"^(?:(?P<domain>[0-9a-f]{1,8}):)?(?P<bus>[0-9a-f]{1,2}):(?P<device>[0-9a-f]{1,2})"
@@ -143,7 +144,7 @@ class Sampler:
         self._nvml: Any | None = None
         self._gpus: list[tuple[int, Any | None]] = []
         self._host = ""
-        self._file: IO[str] | None = None
+        self._file: JsonlAppender | None = None
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -155,9 +156,9 @@ class Sampler:
             if self._thread is not None or self._stopped:
                 raise RuntimeError("a Sampler can be started only once")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # Line-buffered and appended: a killed worker's samples survive, a restarted one
-            # continues the file.
-            self._file = self.path.open("a", encoding="utf-8", buffering=1)
+            # Appended a line at a time: a killed worker's samples survive, a restarted one
+            # continues the file (on a fresh line after a torn one).
+            self._file = JsonlAppender(self.path)
             self._host = socket.gethostname()
             self._nvml = _load_nvml(self._nvml_arg) if self.cuda_indices else None
             if self._nvml is not None:
@@ -219,9 +220,9 @@ class Sampler:
 
     def _sample_safely(self) -> None:
         try:
-            line = json.dumps(self.sample())
-            if self._file is not None and not self._file.closed:
-                self._file.write(line + "\n")
+            record = self.sample()
+            if self._file is not None:
+                self._file.append(record)
                 self.num_samples += 1
         except Exception:  # disk full, psutil hiccup, ...: never let sampling stop training
             self.num_errors += 1

@@ -1,6 +1,7 @@
 """What a run leaves in its directory: ``summary.json`` (a contract for tools and benchmarks,
 see ARCHITECTURE §4.6), ``metrics.jsonl`` (one line per epoch), ``model.pt`` (the consensus
-state_dict) and the engine section of ``config.json``. Rank 0 writes them, atomically."""
+state_dict) and the engine section of ``config.json``. Rank 0 writes them, atomically
+(``metrics.jsonl`` is appended a line at a time with fdl.files.append_jsonl)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdl.files import append_jsonl as append_jsonl  # re-exported: the trainer appends metrics
 from fdl.files import write_atomic
 from fdl.launch.rundir import write_json_atomic
 
@@ -49,11 +51,6 @@ def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: f
     }
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, default=str) + "\n")
-
-
 def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     """Replace ``path`` with ``records`` atomically (a resumed run drops the epochs it redoes)."""
     write_atomic(path, "".join(json.dumps(r, default=str) + "\n" for r in records))
@@ -69,7 +66,9 @@ def merge_config(path: Path, engine: dict[str, Any]) -> None:
     """Add the engine's resolved settings (with sources) to the launcher's config.json."""
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # absent, not UTF-8 or not JSON: the engine's part only
+        document = {}
+    if not isinstance(document, dict):
         document = {}
     document["engine"] = engine
     write_json_atomic(path, document)

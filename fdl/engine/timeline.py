@@ -21,31 +21,30 @@ Without a run directory (``python train.py`` solo) events are dropped.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from fdl.files import read_jsonl
+from fdl.files import JsonlAppender, read_jsonl
 
 
 class Timeline:
     def __init__(self, run_dir: Path | None, *, rank: int):
         self.rank = rank
-        self._file: IO[str] | None = None
+        self._file: JsonlAppender | None = None
         if run_dir is not None:
             directory = run_dir / "timeline"
             directory.mkdir(parents=True, exist_ok=True)
-            # Line-buffered, appended: a crashed worker's events survive, a restarted worker
-            # adds to its earlier attempt's events instead of replacing them.
-            self._file = (directory / f"rank{rank}.jsonl").open("a", encoding="utf-8",
-                                                                 buffering=1)
+            # Appended a line at a time: a crashed worker's events survive, a restarted worker
+            # adds to its earlier attempt's events (on a fresh line, after the torn one a kill
+            # may leave) instead of replacing them.
+            self._file = JsonlAppender(directory / f"rank{rank}.jsonl", default=float)
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._file is None:
             return
         record = {"t": round(time.time(), 6), "rank": self.rank, "kind": kind, **fields}
-        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.append(record)
 
     def close(self) -> None:
         if self._file is not None:

@@ -9,7 +9,9 @@ Inputs (each optional, so a crashed run still gets a timeline): ``timeline/rank<
 (:mod:`fdl.engine.timeline`; a restarted worker appends to its file, so one file may hold several
 attempts, each opening with a ``start`` event), ``timeline/samples-node<n>.jsonl`` (utilisation
 every 100 ms), ``metrics.jsonl`` (one line per epoch) and ``summary.json``. A line that does not
-parse — typically the last one of a file whose writer was killed mid-line — is skipped.
+parse — typically the last one of a file whose writer was killed mid-line — is skipped, and so
+is a record without a finite ``t``, or a file that cannot be read; a duration field that is not
+a finite number counts as 0.
 
 The document (``schema`` 1). Times are seconds relative to ``t0``, rounded to microseconds;
 ``t0`` is absolute (seconds since the epoch), the earliest instant anything in the document
@@ -52,7 +54,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fdl.files import read_jsonl, write_atomic
+from fdl.files import scan_jsonl, write_atomic
 
 SCHEMA = 1
 CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
@@ -65,8 +67,10 @@ _SPAN_KINDS = ("round", "sync")
 def merge_timeline(run_dir: Path) -> dict[str, Any]:
     """The merged timeline document of ``run_dir`` (see the module docstring)."""
     directory = run_dir / "timeline"
-    by_rank = {int(m.group(1)): read_jsonl(path) for path, m in _matching(directory, _RANK_FILE)}
-    samples = [s for path, _ in _matching(directory, _SAMPLE_FILE) for s in read_jsonl(path)]
+    by_rank = {int(m.group(1)): found.records for path, m in _matching(directory, _RANK_FILE)
+               if (found := scan_jsonl(path)).error is None}
+    samples = [s for path, _ in _matching(directory, _SAMPLE_FILE)
+               for s in scan_jsonl(path).records]
     by_rank = {rank: [e for e in events if _has_time(e)] for rank, events in by_rank.items()}
     samples = [s for s in samples if _has_time(s)]
     t0 = _earliest(by_rank, samples)
@@ -85,7 +89,8 @@ def merge_timeline(run_dir: Path) -> dict[str, Any]:
     return {
         "schema": SCHEMA, "t0": t0, "duration": max(ends, default=0.0),
         "ranks": sorted(by_rank), "spans": spans, "events": events, "samples": samples,
-        "epochs": read_jsonl(run_dir / "metrics.jsonl"), "summary": _read_summary(run_dir),
+        "epochs": scan_jsonl(run_dir / "metrics.jsonl").records,
+        "summary": _read_summary(run_dir),
     }
 
 
@@ -153,7 +158,12 @@ def _matching(directory: Path, pattern: re.Pattern[str]) -> list[tuple[Path, re.
 
 
 def _has_time(record: dict[str, Any]) -> bool:
-    return isinstance(record.get("t"), (int, float)) and not isinstance(record["t"], bool)
+    return _is_finite(record.get("t"))
+
+
+def _is_finite(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _earliest(by_rank: dict[int, list[dict[str, Any]]],
@@ -169,7 +179,7 @@ def _earliest(by_rank: dict[int, list[dict[str, Any]]],
 def _duration(event: dict[str, Any]) -> float:
     field = {"round": "compute_s", "sync": "wait_s"}.get(event.get("kind"))
     value = event.get(field) if field else None
-    return max(0.0, float(value)) if isinstance(value, (int, float)) else 0.0
+    return max(0.0, float(value)) if _is_finite(value) else 0.0
 
 
 def _rel(t: float, t0: float | None) -> float:
@@ -186,8 +196,9 @@ def _busy_spans(events: list[dict[str, Any]], *, rank: int) -> list[dict[str, An
         if kind == "sync":
             spans.append(_span(rank, "sync", start, end, number))
             continue
-        data_s = event.get("data_s") or 0.0
-        split = round(min(end, start + max(0.0, float(data_s))), 6)
+        data_s = event.get("data_s")
+        data_s = float(data_s) if _is_finite(data_s) else 0.0
+        split = round(min(end, start + max(0.0, data_s)), 6)
         if split > start:
             spans.append(_span(rank, "data", start, split, number))
         spans.append(_span(rank, "compute", split, end, number))

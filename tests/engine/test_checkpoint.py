@@ -1,6 +1,7 @@
-"""Checkpoint files: atomic writes, verification against the manifest, the fallback to the
-previous checkpoint, pruning, and when one is due. Single process (gather = [obj]); the
-multi-worker path runs in test_recovery_runs.py."""
+"""Checkpoint files: atomic writes, verification against the manifest, pruning, and when one is
+due. Single process (gather = [obj]); the multi-worker path runs in test_recovery_runs.py, and
+corrupt, partial or hostile checkpoints (the fallback to the previous one) in
+tests/faults/test_checkpoint_faults.py."""
 
 from __future__ import annotations
 
@@ -43,40 +44,6 @@ def test_a_checkpoint_holds_every_file_with_its_hash(tmp_path):
     assert torch.equal(model["weight"], torch.full((4, 4), 1.5))
     assert rank_state["optimizer"] == {"step": 3}
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # no staging left behind
-
-
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
-    write(tmp_path, 1, 1.0)
-    newest = write(tmp_path, 2, 2.0)
-    data = bytearray((newest / "model.pt").read_bytes())
-    data[-10] ^= 0xFF  # same size, different content
-    (newest / "model.pt").write_bytes(bytes(data))
-    found, skipped = latest_checkpoint(tmp_path)
-    assert found is not None and found.name == "ckpt-r00000001"
-    assert skipped == ["ckpt-r00000002: model.pt does not match its SHA-256 in the manifest"]
-
-
-def test_a_truncated_or_missing_file_is_detected(tmp_path):
-    write(tmp_path, 1, 1.0)
-    newest = write(tmp_path, 2, 2.0)
-    size = (newest / "rank0.pt").stat().st_size
-    with (newest / "rank0.pt").open("r+b") as handle:
-        handle.truncate(size // 2)
-    found, skipped = latest_checkpoint(tmp_path)
-    assert found.name == "ckpt-r00000001"
-    assert skipped == [f"ckpt-r00000002: rank0.pt has {size // 2} bytes, the manifest says {size}"]
-    (newest / "rank0.pt").unlink()
-    assert latest_checkpoint(tmp_path)[1] == ["ckpt-r00000002: rank0.pt is missing"]
-
-
-def test_a_directory_without_manifest_is_not_a_checkpoint(tmp_path):
-    write(tmp_path, 1, 1.0)
-    partial = tmp_path / "checkpoints" / "ckpt-r00000009"
-    partial.mkdir()
-    (partial / "model.pt").write_bytes(b"half")
-    found, skipped = latest_checkpoint(tmp_path)
-    assert found.name == "ckpt-r00000001"
-    assert skipped == ["ckpt-r00000009: no manifest (the write did not finish)"]
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_alone(tmp_path, monkeypatch):
