@@ -1,6 +1,7 @@
 """Where fdl keeps things. Every path is computed when asked for, never at import time.
 
-* ``FLODL_HOME`` (default ``~/.flodl``): the libtorch store and other state shared with flodl.
+* ``FLODL_HOME`` (default ``~/.flodl``): the libtorch store and other state shared with flodl;
+  it must be a directory, or not exist yet.
 * cache and config directories: platformdirs' per-user locations for ``fdl``, overridable with
   ``FDL_CACHE_DIR`` / ``FDL_CONFIG_DIR``.
 """
@@ -17,7 +18,18 @@ def flodl_home() -> Path:
 
 
 def libtorch_root() -> Path:
-    return flodl_home() / "libtorch"
+    """``$FLODL_HOME/libtorch``; a ``ConfigError`` (exit 2) when FLODL_HOME, the store or the
+    nearest of their parents that exists is not a directory (nothing can ever be kept there)."""
+    home = flodl_home()
+    root = home / "libtorch"
+    existing = next((p for p in (root, home, *home.parents) if os.path.lexists(p)), None)
+    if existing is not None and not existing.is_dir():
+        from fdl.errors import ConfigError
+
+        raise ConfigError(f"FLODL_HOME={home} cannot hold the libtorch store: {existing} is "
+                          "not a directory",
+                          hint="point FLODL_HOME at a directory (or unset it for ~/.flodl)")
+    return root
 
 
 def cache_dir() -> Path:

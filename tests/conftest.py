@@ -1,5 +1,7 @@
 """Shared fixtures: ``flodl_home`` and ``http_server``, a real HTTP server on 127.0.0.1 (port 0)
-that can be told to misbehave, for download tests."""
+that can be told to misbehave (statuses, cut connections, delays, pauses until released,
+redirects), for download tests. Plain http needs the opt-in (``FDL_ALLOW_HTTP=1`` or
+``allow_http=True``) wherever fdl fetches from it."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ class Act:
     status: int | None = None  # answer this status (with a short body) instead of the file
     cut_after: int | None = None  # send this many body bytes, then drop the connection
     delay_s: float = 0.0  # wait this long after the headers, before the body
+    pause_after: int | None = None  # send this many body bytes, then wait for ``release``
+    release: threading.Event = field(default_factory=threading.Event)  # set it to go on
 
 
 @dataclass
@@ -38,6 +42,7 @@ class FileServer:
     script: deque[Act] = field(default_factory=deque)  # one Act per request, first in first out
     default: Act = field(default_factory=Act)  # once the script is used up
     ignore_range: bool = False  # answer 200 with the whole file even when asked for a range
+    redirects: dict[str, str] = field(default_factory=dict)  # path -> Location of a 302
     requests: list[dict[str, str | None]] = field(default_factory=list)
     port: int = 0
 
@@ -58,6 +63,13 @@ def _handler(server_state: FileServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self):
             act = server_state.next_act(self.path, self.headers.get("Range"))
+            location = server_state.redirects.get(self.path.lstrip("/"))
+            if location is not None:
+                self.send_response(302)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             data = server_state.files.get(self.path.lstrip("/"))
             if act.status is not None or data is None:
                 self._answer_error(act.status or 404)
@@ -88,6 +100,11 @@ def _handler(server_state: FileServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def _send_body(self, body: bytes, act: Act) -> None:
+            if act.pause_after is not None:
+                self.wfile.write(body[:act.pause_after])
+                self.wfile.flush()
+                act.release.wait(timeout=120)  # a guard: the test sets it
+                body = body[act.pause_after:]
             if act.cut_after is not None:
                 self.wfile.write(body[:act.cut_after])
                 self.wfile.flush()

@@ -2,6 +2,9 @@
 its target, hashed as it arrives, and is renamed into place only when it matches its published
 checksum (``algo:hex``); a mismatch deletes it. A file in place is hashed once: the marker
 ``.<file>.verified`` records the checksum it matched and the file's size and mtime then.
+
+Plain ``http`` (a URL, a mirror, or a redirect hop) is refused unless ``FDL_ALLOW_HTTP=1``, as
+for libtorch downloads (``fdl.libtorch.urls``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fdl.errors import FdlError
+from fdl.errors import FdlError, UsageError
 
 Progress = Callable[[int, int | None], None]
 _CHUNK = 1 << 20
@@ -53,12 +56,30 @@ def verify_cached(path: Path, *, expected: str) -> None:
 
 def download(urls: list[str], dest: Path, *, expected: str,
              progress: Progress | None) -> None:
-    """Fetch ``dest`` from the first of ``urls`` that answers; verify; rename into place."""
+    """Fetch ``dest`` from the first of ``urls`` that answers; verify; rename into place.
+
+    A URL the http rule refuses is skipped (named in the error if none works); when every URL
+    is refused, ``UsageError`` (exit 2) before any request."""
     import httpx
 
-    failures = []
-    with httpx.Client(timeout=30.0, follow_redirects=True) as client:
-        for url in urls:
+    from fdl.libtorch.urls import ALLOW_HTTP_ENV, check_url, http_allowed, redirect_guard
+
+    allow_http, opt_in = http_allowed(), f"{ALLOW_HTTP_ENV}=1"
+    failures, usable = [], []
+    for url in urls:
+        try:
+            check_url(url, allow_http=allow_http, opt_in=opt_in)
+            usable.append(url)
+        except UsageError as exc:
+            failures.append(exc.message)
+    if not usable:
+        raise UsageError(f"cannot download {dest.name}: {'; '.join(failures)}",
+                         hint=f"set FDL_DATA_MIRROR to an https base URL, or opt in with {opt_in} "
+                              "for a server you trust (files are still checked against their "
+                              "checksums)")
+    with httpx.Client(timeout=30.0, follow_redirects=True,
+                      event_hooks=redirect_guard(allow_http=allow_http, opt_in=opt_in)) as client:
+        for url in usable:
             try:
                 _fetch_verified(client, url, dest, expected=expected, progress=progress)
                 return
@@ -68,7 +89,8 @@ def download(urls: list[str], dest: Path, *, expected: str,
                 failures.append(f"{url}: {exc}")
     raise FdlError(f"cannot download {dest.name}: {'; '.join(failures)}",
                    hint="check the network, or set FDL_DATA_MIRROR to a base URL that serves "
-                        f"{dest.name}")
+                        f"{dest.name}" + (f" (plain http needs {opt_in})" if len(usable) <
+                                          len(urls) else ""))
 
 
 class _HttpStatus(Exception):

@@ -18,8 +18,11 @@
 
 ``info`` prints ``{"schema": 1, ...}`` with the keys of one entry of ``variants``. The keys
 ``id``, ``kind``, ``name``, ``path`` and ``active`` always come from the store, never from
-variant.json. Exit codes: 0 ok, 1 failure (no active variant, store locked), 2 usage (unknown
-name, unknown shell, refusing to remove the active variant without ``--force``).
+variant.json. A broken entry (a ``variant.json`` or ``.active`` that cannot be read or is not what
+fdl writes) is skipped with one ``warning:`` line on stderr; ``list`` also names each partial
+download kept in ``.staging`` to be resumed. Exit codes: 0 ok, 1 failure (no active variant,
+store locked, disk full), 2 usage (unknown name, unknown shell, refusing to remove the active
+variant without ``--force``, a ``FLODL_HOME`` that is not a directory).
 """
 
 from __future__ import annotations
@@ -49,11 +52,16 @@ libtorch_app = typer.Typer(
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
 
 
-def _store() -> Store:
+def _store(*, warn: bool = True) -> Store:
+    """The store; with ``warn``, one warning line on stderr per broken entry it will skip."""
+    from fdl import console
     from fdl.libtorch.store import Store
     from fdl.paths import libtorch_root
 
-    return Store(libtorch_root())
+    store = Store(libtorch_root())
+    for problem in store.problems() if warn else ():
+        console.warn(f"libtorch store {store.root}: {problem}")
+    return store
 
 
 @libtorch_app.command("list")
@@ -64,6 +72,9 @@ def list_variants(json_output: JsonFlag = False) -> None:
     store = _store()
     variants, active = store.variants(), store.active()
     active_id = active.id if active else None
+    for path, size in store.partial_downloads():
+        console.info(f"partial download: {path} ({size / 2**20:.1f} MiB); unless it is still "
+                     "running, the next `fdl libtorch download` of it resumes it (or delete it)")
     if json_output:
         console.print_json({"schema": 1, "active": active_id,
                             "variants": [_document(v, active_id=active_id) for v in variants]})
@@ -109,7 +120,7 @@ def activate(name: Annotated[str, typer.Argument(metavar="NAME", help="kind/name
     """Make NAME the libtorch that `fdl libtorch env` and builds use."""
     from fdl import console
 
-    variant = _store().activate(name)
+    variant = _store(warn=False).activate(name)
     console.out(f"active libtorch: {variant.id}")
     console.info('set up this shell with: eval "$(fdl libtorch env)"')
 
@@ -122,7 +133,7 @@ def remove(
     """Delete a variant from the store (a linked python variant leaves the wheel alone)."""
     from fdl import console
 
-    variant = _store().remove(name, force=force)
+    variant = _store(warn=False).remove(name, force=force)
     console.out(f"removed {variant.id}")
 
 
@@ -145,10 +156,10 @@ def link_python(
 ) -> None:
     """Register the libtorch inside the torch wheel as python/torch-<version> (symlinks)."""
     from fdl import console
-    from fdl.libtorch.store import link_python as link
+    from fdl.libtorch.link import link_python as link
 
     with console.status("probing the torch wheel..."):
-        variant = link(_store(), python=python)
+        variant = link(_store(warn=False), python=python)
     console.out(f"linked {variant.id} -> {variant.meta.get('wheel_path')}")
     console.info(f"use it with: fdl libtorch activate {variant.id}")
 

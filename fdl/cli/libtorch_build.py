@@ -38,6 +38,9 @@ def build(
     from fdl.libtorch.store import Store
     from fdl.paths import cache_dir, libtorch_root
 
+    if jobs is not None and jobs < 1:
+        raise UsageError(f"--jobs must be a whole number >= 1, got {jobs}",
+                         hint=f"leave it out to use every core ({os.cpu_count() or 1})")
     if archs is None:
         from fdl.system.gpus import probe_gpus
 
@@ -46,7 +49,7 @@ def build(
             raise UsageError("no NVIDIA GPU found to build for", hint='pass --archs "8.6;12.0"')
         archs = ";".join(sorted({g.cc for g in survey.gpus}))
     plan = plan_build(version=version or latest_version(), archs=archs.replace(",", ";").split(";"),
-                      jobs=jobs or os.cpu_count() or 1, mode="docker" if docker else "native",
+                      jobs=(os.cpu_count() or 1) if jobs is None else jobs, mode="docker" if docker else "native",
                       cache_dir=cache_dir(), cuda_home=os.environ.get("CUDA_HOME"))
     if dry_run:
         _print_plan(plan.to_dict(), as_json=json_output)

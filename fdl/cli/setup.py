@@ -8,6 +8,8 @@
 
 CPU-only hosts end with the CPU variant active. Mixed GPUs that no official build covers get
 the options: the variant covering the most GPUs, or a source build (`fdl libtorch build`).
+``--allow-http`` (or ``FDL_ALLOW_HTTP=1``) allows a plain-http ``FDL_LIBTORCH_MIRROR``; without
+it such a plan is refused before anything is written (exit 2).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 if TYPE_CHECKING:
+    from fdl.libtorch.install import ArchiveRequest
     from fdl.libtorch.setup_plan import SetupPlan
     from fdl.libtorch.store import Store
 
@@ -28,6 +31,8 @@ def setup(
     variant: Annotated[Optional[str], typer.Option(help="Catalog variant, e.g. 2.11.0-cu128.")] = None,  # noqa: UP045
     version: Annotated[Optional[str], typer.Option(help="libtorch version (default: newest).")] = None,  # noqa: UP045
     install_torch: Annotated[bool, typer.Option(help="Also pip-install the fitting torch wheel.")] = False,
+    allow_http: Annotated[bool, typer.Option(
+        "--allow-http", help="Allow a plain-http FDL_LIBTORCH_MIRROR (one you trust).")] = False,
 ) -> None:
     """Install and activate the libtorch that covers every GPU; check the torch wheel."""
     import os
@@ -36,10 +41,12 @@ def setup(
     from fdl.libtorch.catalog import MIRROR_ENV
     from fdl.libtorch.setup_plan import plan_setup
     from fdl.libtorch.store import Store
+    from fdl.libtorch.urls import http_allowed
     from fdl.paths import libtorch_root
     from fdl.system.gpus import probe_gpus
     from fdl.system.torchenv import probe_torch
 
+    allow_http = http_allowed(flag=allow_http)
     store = Store(libtorch_root())
     with ThreadPoolExecutor(max_workers=2) as pool:
         survey, torch = pool.submit(probe_gpus), pool.submit(probe_torch)
@@ -48,12 +55,25 @@ def setup(
     plan = plan_setup(survey=survey, torch=torch, installed=[v.id for v in store.variants()],
                       active=active.id if active else None, version=version, variant=variant,
                       base=os.environ.get(MIRROR_ENV))
+    request = _download_request(plan, allow_http=allow_http)  # bad URL or limit: exit 2 now
     _render_plan(plan, survey_line=_survey_line(survey))
     if dry_run or (plan.action in ("present", "none") and not (install_torch and plan.pip_command)):
         return
     if not yes and not _confirm():
         raise typer.Exit(1)
-    _execute(plan, store, install_torch=install_torch)
+    _execute(plan, store, request, install_torch=install_torch, allow_http=allow_http)
+
+
+def _download_request(plan: SetupPlan, *, allow_http: bool) -> ArchiveRequest | None:
+    """The archive the plan downloads, checked (name, URL scheme, extraction limit)."""
+    if plan.action != "download" or plan.archive is None:
+        return None
+    from fdl.cli.libtorch_download import archive_request
+    from fdl.libtorch.install import check_request
+
+    request = archive_request(plan.archive, None)
+    check_request(request, allow_http=allow_http)
+    return request
 
 
 def _survey_line(survey) -> str:
@@ -91,13 +111,14 @@ def _confirm() -> bool:
     return typer.confirm("Proceed?", default=True)
 
 
-def _execute(plan: SetupPlan, store: Store, *, install_torch: bool) -> None:
+def _execute(plan: SetupPlan, store: Store, request: ArchiveRequest | None, *,
+             install_torch: bool, allow_http: bool) -> None:
     from fdl import console
 
-    if plan.action == "download" and plan.archive is not None:
-        from fdl.cli.libtorch_download import archive_request, install_request_with_progress
+    if request is not None:
+        from fdl.cli.libtorch_download import install_request_with_progress
 
-        install_request_with_progress(store, archive_request(plan.archive, None), activate=True)
+        install_request_with_progress(store, request, activate=True, allow_http=allow_http)
     elif plan.action == "activate" and plan.variant_id:
         store.activate(plan.variant_id)
     if install_torch and plan.pip_command:

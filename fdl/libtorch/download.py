@@ -16,6 +16,9 @@ Failures:
 
 ``file://`` URLs are copied with the same hashing and progress reports (air-gapped sites).
 
+Plain ``http`` (a redirect hop included) is refused unless ``allow_http`` is set, and schemes
+other than https, http and file always are, before anything is written (``fdl.libtorch.urls``).
+
 Example::
 
     result = download("https://download.pytorch.org/libtorch/cu126/libtorch-....zip",
@@ -36,6 +39,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from fdl.errors import FdlError
+from fdl.libtorch.urls import check_url, redirect_guard
 
 Progress = Callable[[int, int | None], None]
 
@@ -58,25 +62,38 @@ class _Transient(Exception):
     """A failure worth retrying (short body, 5xx, 429, a range the server would not serve)."""
 
 
+class _TooLarge(FdlError):
+    """The file is larger than the caller allows: never retried, its ``.part`` is deleted."""
+
+
 def sha256_file(path: Path, *, chunk_size: int = 1 << 20) -> str:
     """Hex sha256 of the file at ``path``."""
     return _hash_file(path, chunk_size=chunk_size).hexdigest()
 
 
 def download(url: str, dest: Path, *, expected_sha256: str | None = None,
-             progress: Progress | None = None, retries: int = 4, backoff_s: float = 0.5,
+             progress: Progress | None = None, allow_http: bool = False,
+             max_bytes: int | None = None, retries: int = 4, backoff_s: float = 0.5,
              timeout_s: float = 30.0, chunk_size: int = 1 << 20) -> DownloadResult:
     """Fetch ``url`` into ``dest`` atomically; see the module docstring for the contract.
 
-    ``progress(bytes_done, total_or_None)`` is called as data arrives. Raises ``FdlError``.
+    ``progress(bytes_done, total_or_None)`` is called as data arrives. A file larger than
+    ``max_bytes`` is refused (when announced, before its body is read) and its ``.part``
+    deleted. Raises ``FdlError`` (``UsageError`` for a URL refused by ``check_url``, before
+    anything is written).
     """
+    check_url(url, allow_http=allow_http)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    part = _Part(dest.with_name(dest.name + ".part"), progress=progress)
-    if urlparse(url).scheme == "file":
-        _copy_local(url, part, chunk_size=chunk_size)
-    else:
-        _fetch(url, part, retries=retries, backoff_s=backoff_s, timeout_s=timeout_s,
-               chunk_size=chunk_size)
+    part = _Part(dest.with_name(dest.name + ".part"), progress=progress, max_bytes=max_bytes)
+    try:
+        if urlparse(url).scheme.lower() == "file":
+            _copy_local(url, part, chunk_size=chunk_size)
+        else:
+            _fetch(url, part, allow_http=allow_http, retries=retries, backoff_s=backoff_s,
+                   timeout_s=timeout_s, chunk_size=chunk_size)
+    except _TooLarge:
+        part.path.unlink(missing_ok=True)
+        raise
     digest = part.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256.strip().lower():
         part.path.unlink(missing_ok=True)
@@ -95,9 +112,10 @@ def download(url: str, dest: Path, *, expected_sha256: str | None = None,
 class _Part:
     """The ``.part`` staging file and the running sha256 of the bytes in it."""
 
-    def __init__(self, path: Path, *, progress: Progress | None):
+    def __init__(self, path: Path, *, progress: Progress | None, max_bytes: int | None = None):
         self.path = path
         self.progress = progress
+        self.max_bytes = max_bytes
         self.size = 0
         self.resumed = False
         self._hasher: hashlib._Hash | None = None
@@ -119,6 +137,7 @@ class _Part:
         """Write ``chunks`` after the bytes on disk, hashing and reporting progress."""
         if self._hasher is None:
             self.offset()
+        self._check_size(total or 0)
         hasher = self._hasher
         assert hasher is not None
 
@@ -133,6 +152,7 @@ class _Part:
                 for chunk in chunks:
                     pending.append(chunk)
                     pending_bytes += len(chunk)
+                    self._check_size(self.size + pending_bytes)
                     if pending_bytes >= batch_bytes:
                         self._hand_over(fanout, pending)
                         pending, pending_bytes = [], 0
@@ -143,6 +163,13 @@ class _Part:
                     self._hand_over(fanout, pending)
         if tail:
             self._report(total)
+
+    def _check_size(self, size: int) -> None:
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise _TooLarge(f"refusing a download of more than {self.max_bytes} bytes "
+                            f"(the size limit): {self.path.name} is at least {size} bytes",
+                            hint="a libtorch archive is a few GB; if this one is genuine, "
+                                 "raise FDL_MAX_EXTRACT_BYTES (e.g. 64G)")
 
     def _hand_over(self, fanout: _Fanout, batch: list[bytes]) -> None:
         fanout.put(batch)
@@ -224,12 +251,13 @@ def _copy_local(url: str, part: _Part, *, chunk_size: int) -> None:
                        hint=_URL_HINT) from exc
 
 
-def _fetch(url: str, part: _Part, *, retries: int, backoff_s: float, timeout_s: float,
-           chunk_size: int) -> None:
+def _fetch(url: str, part: _Part, *, allow_http: bool, retries: int, backoff_s: float,
+           timeout_s: float, chunk_size: int) -> None:
     import httpx
 
     last_cause = "no attempt made"
-    with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
+    with httpx.Client(timeout=timeout_s, follow_redirects=True,
+                      event_hooks=redirect_guard(allow_http=allow_http)) as client:
         for attempt in range(retries + 1):
             if attempt:
                 time.sleep(min(backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S))
@@ -246,9 +274,12 @@ def _fetch(url: str, part: _Part, *, retries: int, backoff_s: float, timeout_s: 
                 raise FdlError(f"download failed: cannot write {part.path}: {exc}",
                                hint="check free space and permissions there") from exc
     kept = part.path.stat().st_size if part.path.exists() else 0
+    if not kept:
+        part.path.unlink(missing_ok=True)
+    resume = f"run again to resume from the {kept} bytes kept in {part.path}" if kept \
+        else "run again"
     raise FdlError(f"download failed after {retries + 1} attempts: {last_cause} for {url}",
-                   hint=f"run again to resume from the {kept} bytes kept in {part.path}; "
-                        f"if it keeps failing, {_URL_HINT}")
+                   hint=f"{resume}; if it keeps failing, {_URL_HINT}")
 
 
 def _attempt(client, url: str, part: _Part, *, chunk_size: int) -> None:

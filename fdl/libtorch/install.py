@@ -7,8 +7,15 @@
 4. ``Store.install`` moves the tree into ``precompiled/<name>`` and writes ``variant.json``
    last, under the store lock; then, unless told not to, ``.active`` names it.
 
-A crash or Ctrl-C at any point leaves the previous state intact: the staging files are either
-resumed by the next run or removed, and no half-installed variant is visible.
+Before any of it the name, the URL (https or file; plain http only with ``allow_http``) and
+``FDL_MAX_EXTRACT_BYTES`` are checked, so bad input writes nothing. The whole sequence holds the
+variant's download lock (``Store.download_lock``): a second download of the same variant waits
+for the first and then reuses its install instead of writing into the same ``.part``.
+
+A crash or Ctrl-C at any point leaves the previous state intact and no half-installed variant
+visible. An interrupted download keeps its ``.part`` (``fdl libtorch list`` shows it; the next run
+resumes it); a downloaded archive never outlives the attempt to install it: it is removed when
+extraction fails (truncated, bad CRC, a refused member, too large) as well as after success.
 """
 
 from __future__ import annotations
@@ -31,22 +38,59 @@ class ArchiveRequest:
     meta: dict[str, Any] | None = None  # version, cuda, archs, variant ... for variant.json
 
 
+def check_request(request: ArchiveRequest, *, allow_http: bool) -> int:
+    """Check what ``install_archive`` takes from outside, before anything is written; returns
+    the extraction limit. Raises ``UsageError``/``ConfigError`` (exit 2)."""
+    from fdl.libtorch.extract import max_extract_bytes
+    from fdl.libtorch.urls import check_url
+    from fdl.libtorch.validate import check_variant_name
+
+    check_variant_name(request.name)
+    check_url(request.url, allow_http=allow_http)
+    return max_extract_bytes()
+
+
 def install_archive(store: Store, request: ArchiveRequest, *, activate: bool = True,
-                    progress: Callable[[int, int | None], None] | None = None) -> Variant:
+                    allow_http: bool = False,
+                    progress: Callable[[int, int | None], None] | None = None,
+                    on_wait: Callable[[], None] | None = None) -> Variant:
+    """Download, verify, extract and install ``request`` (see the module docstring); activate
+    it unless told not to. ``on_wait`` is called when another process is installing the same
+    variant and this one waits for it; the install found then (same name, URL and checksum) is
+    reused, not downloaded again."""
+    max_bytes = check_request(request, allow_http=allow_http)
+    with store.download_lock(request.name, on_wait=on_wait):
+        variant = _installed(store, request) or _fetch_and_install(
+            store, request, allow_http=allow_http, max_bytes=max_bytes, progress=progress)
+    return store.activate(variant.id) if activate else variant
+
+
+def _installed(store: Store, request: ArchiveRequest) -> Variant | None:
+    """The variant as another process just installed it from the same URL (and checksum)."""
+    for variant in store.variants():
+        if variant.id == f"precompiled/{request.name}" and variant.meta.get("url") == request.url \
+                and request.sha256 in (None, variant.meta.get("sha256")):
+            return variant
+    return None
+
+
+def _fetch_and_install(store: Store, request: ArchiveRequest, *, allow_http: bool,
+                       max_bytes: int,
+                       progress: Callable[[int, int | None], None] | None) -> Variant:
     from fdl.libtorch.download import download
     from fdl.libtorch.extract import extract_zip
 
     staging = store.staging()
     archive = staging / f"{request.name}.zip"
     tree = staging / f"{request.name}.tree"
-    result = download(request.url, archive, expected_sha256=request.sha256, progress=progress)
-    shutil.rmtree(tree, ignore_errors=True)  # a tree left by an interrupted earlier run
+    result = download(request.url, archive, expected_sha256=request.sha256, progress=progress,
+                      allow_http=allow_http, max_bytes=max_bytes)  # zipped <= unpacked
     try:
-        extract_zip(result.path, tree)
+        shutil.rmtree(tree, ignore_errors=True)  # a tree left by an interrupted earlier run
+        extract_zip(result.path, tree, max_bytes=max_bytes)
         meta = {**(request.meta or {}), "source": "download", "url": request.url,
                 "sha256": result.sha256, "size": result.size}
-        variant = store.install(kind="precompiled", name=request.name, tree=tree, meta=meta)
+        return store.install(kind="precompiled", name=request.name, tree=tree, meta=meta)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
-    result.path.unlink(missing_ok=True)
-    return store.activate(variant.id) if activate else variant
+        result.path.unlink(missing_ok=True)  # gigabytes: never left behind, failed or not

@@ -9,12 +9,16 @@ Layout::
                                               installed_at (+ whatever the installer adds)
     <root>/.active                            one line: the id ("<kind>/<name>") in use
     <root>/.lock  .staging/  .trash/          lock file, work space beside the variants
+    <root>/.staging/<name>.lock               held while <name> downloads (download_lock)
 
 Contract: a variant exists when its ``variant.json`` does. ``install`` moves a finished tree into
 place and writes the metadata last, so a crash leaves either the old state or an invisible
 half-install. Every change (install, activate, remove) runs under ``.lock``; ``.active`` and
 ``variant.json`` are replaced atomically (temp file + ``os.replace``), so a reader never sees a
-torn file. Example::
+torn file; a write that fails (disk full) raises ``FdlError`` and leaves the old file. Names are
+checked (``fdl.libtorch.validate``) before any path is built from them. A broken entry (an
+``.active`` or ``variant.json`` that cannot be read or is not what fdl writes) is skipped by
+``variants``/``active``/``find`` and named, one line each, by ``problems``. Example::
 
     >>> store = Store(libtorch_root())
     >>> store.activate("2.13.0-cu130").id
@@ -31,17 +35,23 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fdl.errors import FdlError, MissingTorchError, UsageError
+from fdl.errors import FdlError, UsageError
 from fdl.files import write_atomic
+from fdl.libtorch.validate import (
+    NAME_RULE,
+    check_variant_name,
+    is_variant_name,
+    read_active_id,
+    scan_kinds,
+)
 
 KINDS = ("precompiled", "builds", "python")
 SHELLS = ("bash", "zsh", "fish", "powershell")
@@ -71,17 +81,26 @@ class Store:
     lock_timeout_s: float = 60.0
 
     def variants(self) -> list[Variant]:
-        """Every complete variant, ordered by kind (as in KINDS) then name."""
-        found = []
-        for kind in KINDS:
-            folder = self.root / kind
-            if not folder.is_dir():
-                continue
-            for path in sorted(folder.iterdir()):
-                meta = _read_meta(path) if not path.name.startswith(".") else None
-                if meta is not None:
-                    found.append(Variant(kind=kind, name=path.name, path=path, meta=meta))
-        return found
+        """Every complete variant, ordered by kind (as in KINDS) then name; broken entries are
+        skipped (``problems`` names them)."""
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[Variant], list[str]]:
+        found, problems = scan_kinds(self.root, KINDS)
+        return [Variant(kind=k, name=p.name, path=p, meta=m) for k, p, m in found], problems
+
+    def problems(self) -> list[str]:
+        """One line per entry the other methods skip: a ``variant.json`` that cannot be read or
+        is not what fdl writes, an unreadable ``.active``, an ``.active`` naming no variant."""
+        variants, problems = self._scan()
+        active_id, why = read_active_id(self.root / ACTIVE_FILE)
+        if why:
+            problems.append(why)
+        elif active_id is not None and active_id not in {v.id for v in variants} and not any(
+                problem.startswith(f"{active_id}:") for problem in problems):  # said already
+            problems.append(f"{ACTIVE_FILE} names {active_id!r}, which is not installed: "
+                            "no libtorch is active")
+        return problems
 
     def find(self, name: str) -> Variant:
         """The variant named ``kind/name``, or ``name`` alone when only one kind has it."""
@@ -93,26 +112,37 @@ class Store:
             ids = ", ".join(v.id for v in matches)
             raise UsageError(f"libtorch name {name!r} is ambiguous: {ids}",
                              hint=f"name it with its kind, e.g. `{matches[0].id}`")
+        kind, slash, plain = name.partition("/")
+        if not (is_variant_name(name) or (slash and kind in KINDS and is_variant_name(plain))):
+            raise UsageError(f"{name!r} is not a libtorch variant name; allowed: NAME or "
+                             f"KIND/NAME with KIND one of {', '.join(KINDS)} and NAME of "
+                             f"{NAME_RULE}",
+                             hint="`fdl libtorch list` shows what is installed")
         installed = ", ".join(v.id for v in variants) or "none"
         raise UsageError(f"no libtorch variant {name!r}; installed: {installed}",
                          hint="`fdl libtorch list` shows what is installed")
 
     def active(self) -> Variant | None:
-        """The variant ``.active`` names; None when there is none or it no longer exists."""
-        try:
-            active_id = (self.root / ACTIVE_FILE).read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
+        """The variant ``.active`` names; None when there is none, it no longer exists or
+        ``.active`` cannot be read (``problems`` says why)."""
+        active_id, _ = read_active_id(self.root / ACTIVE_FILE)
+        if active_id is None:
             return None
         return next((v for v in self.variants() if v.id == active_id), None)
 
     def activate(self, name: str) -> Variant:
+        """Make ``name`` the active variant. ``.active`` is replaced atomically: when it cannot
+        be written (disk full), ``FdlError`` is raised and the previous one stays."""
+        self.find(name)  # an unknown name fails here, before the lock creates anything
         with self.lock():
             variant = self.find(name)
-            write_atomic(self.root / ACTIVE_FILE, variant.id + "\n", durable=True)
+            self._write(self.root / ACTIVE_FILE, variant.id + "\n",
+                        unchanged="the active libtorch is unchanged")
         return variant
 
     def remove(self, name: str, *, force: bool = False) -> Variant:
         """Delete a variant. The active one only with ``force``, which also clears ``.active``."""
+        self.find(name)  # an unknown name fails here, before the lock creates anything
         with self.lock():
             variant = self.find(name)
             active = self.active()
@@ -131,7 +161,7 @@ class Store:
         """Hold ``root/.lock`` (not re-entrant: never nest two ``lock()`` blocks)."""
         from filelock import FileLock, Timeout
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._mkdir(self.root)
         lock = FileLock(self.root / ".lock")
         try:
             lock.acquire(timeout=self.lock_timeout_s)
@@ -144,18 +174,51 @@ class Store:
         finally:
             lock.release()
 
+    @contextmanager
+    def download_lock(self, name: str, *,
+                      on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+        """Hold ``.staging/<name>.lock`` while ``name`` is downloaded and installed.
+
+        A second download of the same variant waits here for as long as the first runs (Ctrl-C
+        ends the wait), calling ``on_wait`` once first, instead of writing into the same staging
+        file; it then finds the first one's install. The store lock is not held meanwhile, so
+        other commands are not blocked by a long download. The lock file stays (empty)."""
+        from filelock import FileLock, Timeout
+
+        name = check_variant_name(name)  # before the name becomes a path
+        lock = FileLock(self.staging() / f"{name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if on_wait is not None:
+                on_wait()
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def partial_downloads(self) -> list[tuple[Path, int]]:
+        """``(path, bytes)`` of each interrupted download kept in ``.staging`` to be resumed."""
+        found = []
+        with suppress(OSError):
+            for path in sorted((self.root / ".staging").glob("*.zip.part")):
+                with suppress(OSError):
+                    found.append((path, path.stat().st_size))
+        return found
+
     def staging(self) -> Path:
         """A work directory on the store's filesystem, so that moving into place is a rename."""
-        path = self.root / ".staging"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        return self._mkdir(self.root / ".staging")
 
     def install(self, *, kind: str, name: str, tree: Path, meta: dict[str, Any]) -> Variant:
         """Move the libtorch ``tree`` (``lib/`` + ``include/``, or one top folder holding them)
         to ``root/kind/name``, replacing what is there, then write ``variant.json`` last."""
-        _check_name(kind=kind, name=name)
+        _check_kind(kind)
+        check_variant_name(name)
         source = _libtorch_tree(Path(tree))
         target = self.root / kind / name
+        meta = {**meta, "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         with self.lock():
             staged = self.staging() / f"{kind}-{name}-{uuid.uuid4().hex[:8]}"
             try:
@@ -164,12 +227,18 @@ class Store:
                 if target.exists() or target.is_symlink():
                     self._discard(target)
                 os.replace(staged, target)
+            except OSError as exc:
+                raise FdlError(f"cannot install {kind}/{name} into {self.root}: "
+                               f"{exc.strerror or exc}",
+                               hint="check free space and permissions there") from exc
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
-            meta = {**meta, "installed_at": datetime.now(timezone.utc).isoformat(
-                timespec="seconds")}
-            write_atomic(target / META_FILE, json.dumps(meta, indent=2, default=str) + "\n",
-                         durable=True)
+            try:
+                self._write(target / META_FILE, json.dumps(meta, indent=2, default=str) + "\n",
+                            unchanged="nothing was installed")
+            except FdlError:
+                self._discard(target)  # no variant.json: invisible, but gigabytes
+                raise
         if source != Path(tree):
             _remove_if_empty(Path(tree))
         return Variant(kind=kind, name=name, path=target, meta=meta)
@@ -177,7 +246,8 @@ class Store:
     def env(self, variant: Variant, *, shell: str = "bash", platform: str | None = None) -> str:
         """Shell lines that point builds (cmake, cargo's tch/flodl) and the loader at ``variant``."""
         if shell not in SHELLS:
-            raise UsageError(f"unknown shell {shell!r}; allowed: {', '.join(SHELLS)}")
+            raise UsageError(f"unknown shell {shell!r}; allowed: {', '.join(SHELLS)}",
+                             hint="e.g. fdl libtorch env --shell fish")
         platform = platform or sys.platform
         path, lib = str(variant.path), str(variant.path / "lib")
         loader = ("DYLD_LIBRARY_PATH" if platform == "darwin"
@@ -191,56 +261,35 @@ class Store:
     def _discard(self, path: Path) -> None:
         """Rename ``path`` into ``.trash`` (one atomic step out of sight), then delete it.
         Symlinks are removed, never followed: a python variant's wheel stays untouched."""
-        trash = self.root / ".trash"
-        trash.mkdir(parents=True, exist_ok=True)
+        trash = self._mkdir(self.root / ".trash")
         doomed = trash / f"{path.name}-{uuid.uuid4().hex[:8]}"
-        os.replace(path, doomed)
+        try:
+            os.replace(path, doomed)
+        except OSError as exc:
+            raise FdlError(f"cannot remove {path}: {exc.strerror or exc}",
+                           hint="check the permissions there") from exc
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def _write(self, path: Path, text: str, *, unchanged: str) -> None:
+        try:
+            write_atomic(path, text, durable=True)
+        except OSError as exc:
+            raise FdlError(f"cannot write {path}: {exc.strerror or exc}",
+                           hint=f"free some space or fix the permissions there; {unchanged}"
+                           ) from exc
 
-def link_python(store: Store, *, python: str | None = None) -> Variant:
-    """Register the libtorch inside ``python``'s torch wheel as ``python/torch-<version>``:
-    symlinks to the wheel's ``lib``, ``include`` and ``share`` (nothing is downloaded).
-    torch is probed in a child interpreter, never imported here."""
-    from fdl.system.torchenv import probe_torch
-
-    info = probe_torch(python=python or sys.executable)
-    if info.error:
-        raise FdlError(f"cannot read the torch of {info.python}: {info.error}",
-                       hint="`fdl diagnose` shows the state of the torch install")
-    if not info.installed or not info.path:
-        raise MissingTorchError("`fdl libtorch link-python`")
-    wheel = Path(info.path).resolve()
-    missing = [part for part in ("lib", "include", "share/cmake/Torch")
-               if not (wheel / part).is_dir()]
-    if missing:
-        raise FdlError(f"the torch wheel at {wheel} has no {', '.join(missing)}; "
-                       "it cannot serve as a libtorch",
-                       hint="use `fdl libtorch download` for a standalone libtorch")
-    staged = Path(tempfile.mkdtemp(prefix="link-", dir=store.staging()))
-    staged.chmod(0o755)
-    for part in ("lib", "include", "share"):
-        (staged / part).symlink_to(wheel / part, target_is_directory=True)
-    meta = {"version": info.version, "cuda": info.cuda_version, "archs": list(info.arch_list),
-            "source": "python", "wheel_path": str(wheel), "python": info.python}
-    return store.install(kind="python", name=f"torch-{info.version}", tree=staged, meta=meta)
+    def _mkdir(self, path: Path) -> Path:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FdlError(f"cannot create {path}: {exc.strerror or exc}",
+                           hint="check FLODL_HOME and the permissions there") from exc
+        return path
 
 
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    """The variant.json of ``path``; None (not a variant) when absent or unreadable."""
-    try:
-        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _check_name(*, kind: str, name: str) -> None:
+def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise UsageError(f"libtorch kind {kind!r} is unknown; allowed: {', '.join(KINDS)}")
-    if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
-        raise UsageError(f"libtorch variant name {name!r} is not a plain directory name",
-                         hint="use letters, digits, '.', '-', '+' and '_', e.g. 2.13.0-cu130")
 
 
 def _libtorch_tree(tree: Path) -> Path:

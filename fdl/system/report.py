@@ -68,21 +68,45 @@ def collect_report(*, env: Mapping[str, str] | None = None) -> DiagnoseReport:
         host = pool.submit(probe_host)
         survey = pool.submit(probe_gpus, env=env)
         torch = pool.submit(probe_torch)
+        libtorch, problems = read_libtorch_store()
         return build_report(host=host.result(), survey=survey.result(), torch=torch.result(),
-                            context=_context(env), libtorch=active_libtorch())
+                            context=_context(env), libtorch=libtorch,
+                            libtorch_problems=problems)
 
 
-def active_libtorch() -> dict[str, Any] | None:
-    """The active variant of the libtorch store, described as data (None when none is)."""
+def read_libtorch_store() -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The active variant of the libtorch store as data (None when none is), and one line per
+    problem with the store. Never raises: ``fdl diagnose`` must not fail because of the store
+    (an unusable FLODL_HOME or a broken entry becomes a problem line)."""
+    from fdl.errors import FdlError
     from fdl.libtorch.store import Store
     from fdl.paths import libtorch_root
 
-    variant = Store(libtorch_root()).active()
+    try:
+        store = Store(libtorch_root())
+        variant, problems = store.active(), tuple(store.problems())
+    except (FdlError, OSError) as exc:
+        return None, (getattr(exc, "message", None) or str(exc),)
     if variant is None:
-        return None
+        return None, problems
     meta = variant.meta
     return {"id": variant.id, "path": str(variant.path), "version": meta.get("version"),
-            "cuda": meta.get("cuda"), "archs": list(meta.get("archs") or [])}
+            "cuda": meta.get("cuda"), "archs": _cuda_archs(meta.get("archs") or [])}, problems
+
+
+def _cuda_archs(archs: list[str]) -> list[str]:
+    """The CUDA entries of a variant's arch list (a ROCm build lists gfx targets)."""
+    from fdl.errors import UsageError
+    from fdl.system.compat import parse_arch_list
+
+    kept = []
+    for arch in archs:
+        try:
+            parse_arch_list([arch])
+        except UsageError:
+            continue
+        kept.append(arch)
+    return kept
 
 
 def _context(env: Mapping[str, str]) -> dict[str, Any]:
@@ -105,8 +129,8 @@ def catalog_platform(host: HostInfo) -> str | None:
 
 
 def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
-                 context: dict[str, Any], libtorch: dict[str, Any] | None = None
-                 ) -> DiagnoseReport:
+                 context: dict[str, Any], libtorch: dict[str, Any] | None = None,
+                 libtorch_problems: tuple[str, ...] = ()) -> DiagnoseReport:
     platform = catalog_platform(host)
     windows = platform == WINDOWS_X86_64
     coverage = None
@@ -125,6 +149,8 @@ def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
     else:
         findings.append(Finding("info", "no libtorch variant is active (C++ builds)",
                                 "fdl setup"))
+    findings += [Finding("warn", f"libtorch store: {problem}", "fdl libtorch list")
+                 for problem in libtorch_problems]
     verdict = _verdict(survey, torch, coverage, advice, findings)
     return DiagnoseReport(context, host, survey, torch, coverage, advice, tuple(findings),
                           verdict, libtorch, libtorch_coverage)

@@ -65,6 +65,7 @@ def serve(http_server, monkeypatch, files: dict[str, bytes], *, algorithm: str =
         monkeypatch.setitem(datasets.CHECKSUMS, name,
                             f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}")
     monkeypatch.setenv("FDL_DATA_MIRROR", http_server.url(""))
+    monkeypatch.setenv("FDL_ALLOW_HTTP", "1")  # the mirror is plain http on 127.0.0.1
 
 
 @pytest.fixture
@@ -252,6 +253,7 @@ def test_every_base_failing_is_one_error_naming_each(http_server, monkeypatch, t
     monkeypatch.setitem(datasets.BASE_URLS, "shakespeare",
                         (http_server.url("a/"), "http://127.0.0.1:9/"))
     monkeypatch.delenv("FDL_DATA_MIRROR", raising=False)
+    monkeypatch.setenv("FDL_ALLOW_HTTP", "1")
     with pytest.raises(FdlError, match=r"cannot download input.txt: .*/a/input.txt: HTTP 404; "
                                        r"http://127.0.0.1:9/input.txt: Connect") as caught:
         load_dataset("shakespeare", data_dir=tmp_path)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from fdl.errors import FdlError, MissingTorchError, UsageError
-from fdl.libtorch.store import KINDS, Store, Variant, link_python
+from fdl.libtorch.link import link_python
+from fdl.libtorch.store import KINDS, Store, Variant
 
 
 def make_tree(where: Path, *, nested: bool = False, marker: str = "v1") -> Path:
@@ -168,7 +169,7 @@ def test_remove_with_force_deletes_and_clears_active(store):
 def test_lock_times_out_with_an_fdl_error(store):
     from filelock import FileLock
 
-    store.root.mkdir(parents=True)
+    add(store, "anything")
     quick = Store(store.root, lock_timeout_s=0.1)
     with FileLock(store.root / ".lock"), pytest.raises(FdlError, match="locked by another"):
         quick.activate("anything")
