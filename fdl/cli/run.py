@@ -45,6 +45,7 @@ def run(
     batch_size: Annotated[Optional[str], typer.Option(help="Batch size per worker per step.", rich_help_panel=_E)] = None,  # noqa: UP045
     seed: Annotated[Optional[str], typer.Option(help="Seed for init and data order.", rich_help_panel=_E)] = None,  # noqa: UP045
     run_dir: Annotated[Optional[str], typer.Option(help="Run directory (default runs/<UTC>-<stem>-<policy>).")] = None,  # noqa: UP045
+    overwrite_run_dir: Annotated[bool, typer.Option(help="Replace the earlier run in the run directory (only a directory fdl run wrote).")] = False,
     checkpoint_every: Annotated[Optional[str], typer.Option(help="Checkpoint every N epochs, or a time: 10m, 90s, 2h.", rich_help_panel=_E)] = None,  # noqa: UP045
     resume: Annotated[Optional[str], typer.Option(help="Continue RUN_DIR from its last valid checkpoint.", metavar="RUN_DIR")] = None,  # noqa: UP045
     quiet_ranks: Annotated[bool, typer.Option(help="Show only rank 0's output on the terminal.")] = False,
@@ -66,12 +67,18 @@ def run(
         max_restarts=max_restarts, devices=devices, policy=policy, backend=backend,
         simulate_slowdown=simulate_slowdown, epochs=epochs, batch_size=batch_size, seed=seed,
         run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
-        quiet_ranks=quiet_ranks, dry_run=dry_run, json_output=json_output)
+        overwrite_run_dir=overwrite_run_dir, quiet_ranks=quiet_ranks, dry_run=dry_run,
+        json_output=json_output)
     claimed, script_args = split_script_args(tuple(args or ()))
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
         if options[key] in (None, False):
             options[key] = value
     dry_run, json_output = options.pop("dry_run"), options.pop("json_output")
+    if json_output and not dry_run:
+        from fdl.errors import UsageError
+
+        raise UsageError("--json only applies to --dry-run",
+                         hint="fdl run --dry-run --json SCRIPT prints the launch spec as JSON")
     request = RunRequest(script=script, script_args=script_args, module=module, **options)
     spec = plan_run(request)
     if dry_run:
@@ -81,15 +88,19 @@ def run(
 
 
 def _execute(spec: LaunchSpec) -> int:
+    """Check everything (nothing written, nothing started), then write the run directory, then
+    start the workers."""
     from fdl import __version__, console
     from fdl.launch.elastic import launch, preflight
-    from fdl.launch.rundir import prepare_run_dir
+    from fdl.launch.rundir import check_run_dir, prepare_run_dir
 
-    preflight(spec)
-    prepare_run_dir(spec.run_dir, config={"fdl_version": __version__, **spec.to_dict()})
+    check_run_dir(spec.run_dir, use=spec.run_dir_use)
+    listener = preflight(spec)
+    prepare_run_dir(spec.run_dir, config={"fdl_version": __version__, **spec.to_dict()},
+                    use=spec.run_dir_use)
     console.info(f"fdl run: {spec.nproc_per_node} worker(s) per node, {spec.devices.reason}; "
                  f"run directory {spec.run_dir}")
-    result = launch(spec)
+    result = launch(spec, listener=listener)
     _report(result, spec)
     _write_timeline(spec)
     return result.exit_code

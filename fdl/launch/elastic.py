@@ -5,7 +5,15 @@ Each worker is ``python -u -m fdl.launch.worker SCRIPT ARGS`` with exactly torch
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_RANK, ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*) plus the
 spec's additions (FDL_*, OMP_NUM_THREADS set to the worker's share of the cores, and on GPU
-hosts CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES).
+hosts CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES) and FDL_LAUNCHER_PID, with which each worker
+ties its life to the launcher's (fdl.launch.worker): a launcher killed outright leaves no worker.
+
+Before anything is written or started, :func:`preflight` checks what needs the outside world
+(torch, the ``-m`` module, the rendezvous host) and, for a one-node run, binds the rendezvous
+port to its address alone (127.0.0.1, or --master-addr). torch's TCPStore listens on every
+interface whatever address it is given; fdl serves torch's stores on sockets it binds itself
+(:func:`_local_store`, :data:`LOOPBACK_C10D`). Runs across nodes keep torch's binding: the
+other nodes must reach the store.
 
 Failure: when a worker exits non-zero or is killed, the agent stops the others (SIGTERM, then
 SIGKILL after ``SHUTDOWN_TIMEOUT_S``), restarts the group while ``max_restarts`` allows, and
@@ -16,6 +24,7 @@ Ctrl-C stops everything and returns 130.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -28,11 +37,21 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import MissingTorchError, UsageError
+from fdl.launch.rendezvous import (
+    Rendezvous,
+    bind_listener,
+    join_endpoint,
+    parse_endpoint,
+    resolve,
+)
 from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
+from fdl.launch.worker import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
+# torch's c10d rendezvous, with the workers' store on the node's address only (one-node runs).
+LOOPBACK_C10D = "fdl-loopback-c10d"
 
 
 @dataclass(frozen=True)
@@ -52,31 +71,32 @@ class LaunchResult:
     interrupted: bool = False
 
 
-def preflight(spec: LaunchSpec) -> None:
-    """Checks that need the outside world; each failure is a usage error, nothing started."""
+def preflight(spec: LaunchSpec) -> socket.socket | None:
+    """Checks that need the outside world, before anything is written or started; each failure
+    is a usage error. Returns the listening socket of a one-node rendezvous (None otherwise):
+    bound here to the rendezvous address only, and held until the store serves on it, so no
+    other process can take the port in between."""
     import importlib.util
+
+    from fdl.launch.worker import module_problem
 
     if importlib.util.find_spec("torch") is None:
         raise MissingTorchError("fdl run")
+    if spec.module:
+        problem = module_problem(str(spec.script), search_path=[os.getcwd(), *sys.path[1:]])
+        if problem:
+            raise UsageError(problem, hint="fdl run -m NAME runs NAME as `python -m NAME` would, "
+                                           "in this directory with this Python")
     rdzv = spec.rendezvous
-    if rdzv.backend == "static" and rdzv.max_nodes == 1:
-        host, _, port = rdzv.endpoint.rpartition(":")
-        if not port_is_free(host, int(port)):
-            raise UsageError(f"--master-port {port} is already in use on {host}",
-                             hint="pick another port, or leave it out for a free one")
+    host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
+                                min_port=0)
+    address = resolve(host, port)
+    return bind_listener(address, host=host) if rdzv.binds_locally else None
 
 
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def launch(spec: LaunchSpec) -> LaunchResult:
-    """Run the workers to completion. Blocks; returns the exit code ``fdl run`` should use."""
+def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> LaunchResult:
+    """Run the workers to completion. Blocks; returns the exit code ``fdl run`` should use.
+    ``listener``: :func:`preflight`'s socket for a one-node rendezvous."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
@@ -86,9 +106,11 @@ def launch(spec: LaunchSpec) -> LaunchResult:
     logs_dir = spec.run_dir / "logs"
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
-    with _environ({**_agent_env(spec), **spec.env}):
+    env = {**_agent_env(spec), **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
+    with _environ(env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
         try:
-            launch_agent(_launch_config(spec, logs_dir), sys.executable, args)
+            launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
+                         sys.executable, args)
         except ChildFailedError as exc:
             return _failed(exc, logs_dir)
         except SignalException as exc:
@@ -96,6 +118,73 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         except KeyboardInterrupt:
             return LaunchResult(130, interrupted=True)
     return LaunchResult(0)
+
+
+@contextmanager
+def _local_store(rdzv: Rendezvous, listener: socket.socket | None) -> Iterator[tuple[str, str]]:
+    """The rendezvous backend and endpoint to give torch's agent. With a ``listener`` (one
+    node), first start the rendezvous's TCPStore server on it: torch's own TCPStore listens on
+    every interface whatever address it is given. torch's stores are multi-tenant, so the
+    agent's TCPStore for this port shares this server; the store the agent creates for the
+    workers goes through :data:`LOOPBACK_C10D`, which binds the same way."""
+    if listener is None:
+        yield rdzv.backend, rdzv.endpoint
+        return
+    host = rdzv.local_addr or "127.0.0.1"
+    port = listener.getsockname()[1]
+    server = serve_store(listener, host=host)
+    if rdzv.backend == "c10d":
+        _register_loopback_c10d()
+    try:
+        yield LOOPBACK_C10D if rdzv.backend == "c10d" else rdzv.backend, join_endpoint(host, port)
+    finally:
+        del server
+
+
+def serve_store(listener: socket.socket, *, host: str) -> Any:
+    """A TCPStore server (multi-tenant) listening on ``listener``, which it takes over."""
+    from torch.distributed import TCPStore
+
+    port = listener.getsockname()[1]
+    return TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                    master_listen_fd=listener.detach())
+
+
+def _register_loopback_c10d() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_C10D, _create_loopback_handler)
+
+
+def _create_loopback_handler(params: Any) -> Any:
+    """torch's c10d handler for ``params``, on the store :func:`_local_store` serves."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes,
+                                params.max_nodes, params.local_addr, **params.config)
+    backend, store = create_backend(c10d)
+    return _loopback_handler_class().from_backend(params.run_id, store, backend,
+                                                  params.min_nodes, params.max_nodes,
+                                                  params.local_addr)
+
+
+@functools.cache
+def _loopback_handler_class() -> type:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
+        """torch's c10d handler, except that the store it shares with the workers
+        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only."""
+
+        def get_backend(self) -> str:
+            return LOOPBACK_C10D
+
+        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+            address = resolve(master_addr, master_port)
+            return serve_store(bind_listener(address, host=master_addr), host=master_addr)
+
+    return LoopbackRendezvousHandler
 
 
 def _agent_env(spec: LaunchSpec) -> dict[str, str]:
@@ -108,7 +197,7 @@ def _agent_env(spec: LaunchSpec) -> dict[str, str]:
     return {}
 
 
-def _launch_config(spec: LaunchSpec, logs_dir: Path) -> Any:
+def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: str) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     rdzv = spec.rendezvous
@@ -118,7 +207,7 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path) -> Any:
     return LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=spec.nproc_per_node,
         logs_specs=run_logs_specs(logs_dir, quiet=spec.quiet_ranks), run_id=rdzv.run_id,
-        role="default", rdzv_endpoint=rdzv.endpoint, rdzv_backend=rdzv.backend,
+        role="default", rdzv_endpoint=endpoint, rdzv_backend=backend,
         rdzv_configs=configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
         start_method="spawn", log_line_prefix_template="[rank ${rank}] ",
         local_addr=rdzv.local_addr, shutdown_timeout=SHUTDOWN_TIMEOUT_S,

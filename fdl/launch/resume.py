@@ -26,7 +26,8 @@ def resume_request(request: RunRequest, *, cwd: Path) -> RunRequest:
     assert request.resume is not None
     run_dir = (cwd / request.resume).resolve()
     if not run_dir.is_dir():
-        raise UsageError(f"--resume {request.resume}: no such run directory")
+        raise UsageError(f"--resume {request.resume}: no such run directory",
+                         hint="--resume takes the run directory of an earlier fdl run")
     if request.run_dir is not None and (cwd / request.run_dir).resolve() != run_dir:
         raise UsageError("--resume and --run-dir name different directories",
                          hint="--resume RUN_DIR continues in RUN_DIR; leave --run-dir out")

@@ -63,7 +63,8 @@ def parse_positive_int(name: str) -> Callable[[Any], int]:
         except ValueError:
             number = None
         if number is None or number <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+            raise UsageError(f"{name} must be a positive integer, got {value!r}",
+                             hint=f"give {name} a whole number >= 1")
         return number
 
     return parse
@@ -76,7 +77,8 @@ def parse_non_negative_int(name: str) -> Callable[[Any], int]:
         except ValueError:
             number = -1
         if number < 0:
-            raise UsageError(f"{name} must be an integer >= 0, got {value!r}")
+            raise UsageError(f"{name} must be an integer >= 0, got {value!r}",
+                             hint=f"give {name} a whole number >= 0")
         return number
 
     return parse
@@ -125,12 +127,14 @@ def parse_nproc(value: Any) -> int | str:
 
 def _bad_nproc(value: Any) -> int:
     raise UsageError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', "
-                     f"got {value!r}")
+                     f"got {value!r}", hint="e.g. --nproc-per-node 2, or auto for one worker "
+                                            "per GPU")
 
 
 def parse_run_dir(value: Any) -> str:
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        raise UsageError(f"run_dir must be a non-empty path, got {value!r}")
+        raise UsageError(f"run_dir must be a non-empty path, got {value!r}",
+                         hint="e.g. --run-dir runs/first")
     return str(value)
 
 
@@ -151,16 +155,37 @@ ENV_NAMES["simulate_slowdown"] = "FDL_SLOWDOWN"
 
 
 def load_config_file(cwd: Path) -> tuple[dict[str, Any], Path | None]:
-    """The raw settings table of ``fdl.toml`` (or ``[tool.fdl]``) in ``cwd``, validated."""
+    """The raw settings table of ``fdl.toml`` (or ``[tool.fdl]``) in ``cwd``, validated.
+
+    A config file that is there but cannot be used is an error, never skipped: a directory
+    named ``fdl.toml``, TOML that does not parse, a ``tool`` or ``tool.fdl`` that is not a
+    table."""
     candidate = cwd / "fdl.toml"
-    if candidate.is_file():
+    if _present(candidate):
         return _validated(_read_toml(candidate), candidate), candidate
     pyproject = cwd / "pyproject.toml"
-    if pyproject.is_file():
-        table = _read_toml(pyproject).get("tool", {}).get("fdl")
-        if isinstance(table, dict):
+    if _present(pyproject):
+        table = _tool_fdl(_read_toml(pyproject), pyproject)
+        if table is not None:
             return _validated(table, pyproject, prefix="tool.fdl."), pyproject
     return {}, None
+
+
+def _present(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _tool_fdl(document: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    tool = document.get("tool")
+    if tool is not None and not isinstance(tool, dict):
+        raise ConfigError(f"{path}: tool must be a table, got {tool!r}",
+                          hint="fdl reads its settings from a [tool.fdl] table")
+    table = None if tool is None else tool.get("fdl")
+    if table is not None and not isinstance(table, dict):
+        raise ConfigError(f"{path}: tool.fdl must be a table, got {table!r}",
+                          hint='write a [tool.fdl] table with one setting a line, e.g. '
+                               'policy = "async"')
+    return table
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -168,10 +193,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file",
+                          hint=f"fdl run reads its settings from {path.name}; remove or rename it")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
+        raise ConfigError(f"cannot read {path}: {exc}",
+                          hint=f"fix {path.name} (TOML), or remove it") from exc
 
 
 def _validated(table: dict[str, Any], path: Path, prefix: str = "") -> dict[str, Any]:

@@ -2,15 +2,7 @@
 will run: devices, rendezvous, worker env, run directory, settings with provenance) before
 anything starts. ``fdl run --dry-run`` prints the spec; :mod:`fdl.launch.elastic` executes it.
 
-Rendezvous rules, as torchrun users expect them:
-
-* single node (default, or ``--standalone``): c10d on ``127.0.0.1`` with a free port chosen by
-  the OS — never a fixed 29500;
-* ``--master-addr/--master-port``: torchrun's static rendezvous at that address;
-* several nodes: the same command on each node with ``--nnodes N`` (or ``MIN:MAX``) and
-  ``--rdzv-endpoint HOST:PORT`` (c10d by default; ``--rdzv-backend static`` needs
-  ``--node-rank``);
-* inside a Slurm allocation the node count, node rank, endpoint and run id come from SLURM_*.
+Rendezvous rules: :mod:`fdl.launch.rendezvous`.
 """
 
 from __future__ import annotations
@@ -23,8 +15,8 @@ from typing import Any
 
 from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
+from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.settings import Setting, resolve, worker_env
-from fdl.launch.slurm import slurm_job
 from fdl.system.gpus import GpuSurvey
 
 DEFAULTS: dict[str, Any] = {
@@ -61,19 +53,8 @@ class RunRequest:
     run_dir: str | None = None
     checkpoint_every: str | None = None
     resume: str | None = None  # a run directory to continue (fdl.launch.resume)
+    overwrite_run_dir: bool = False  # replace the earlier run in run_dir (fdl.launch.rundir)
     quiet_ranks: bool = False
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    backend: str  # "c10d" | "static"
-    endpoint: str
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    node_rank: int | None  # static rendezvous only; c10d assigns node ranks itself
-    local_addr: str | None
-    source: str  # "single node" | "flags" | "slurm"
 
 
 @dataclass(frozen=True)
@@ -88,6 +69,7 @@ class LaunchSpec:
     settings: dict[str, Setting]
     env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
     quiet_ranks: bool = False
+    run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.launch.rundir.check_run_dir)
 
     @property
     def nproc_per_node(self) -> int:
@@ -120,6 +102,7 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
                       file_values: Mapping[str, Any], file_path: Path | None, cwd: Path,
                       now: datetime, run_id: str, logical_cores: int) -> LaunchSpec:
     """Resolve every flag against env, config file and defaults. Pure: all inputs are given."""
+    run_dir_use = _run_dir_use(request)
     if request.resume is not None:
         from fdl.launch.resume import resume_request
 
@@ -130,14 +113,23 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
     devices = plan_devices(survey=survey, devices=request.devices,
                            nproc=settings["nproc_per_node"].value, logical_cores=logical_cores,
                            env=env)
-    rendezvous = _rendezvous(request, env=env, run_id=run_id)
+    rendezvous = plan_rendezvous(request, env=env, run_id=run_id)
     _check_slowdown(settings, devices.nproc * rendezvous.max_nodes)
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value)
     return LaunchSpec(script, request.script_args, request.module, devices, rendezvous,
                       settings["max_restarts"].value, run_dir, settings,
                       _worker_env(settings, devices, run_dir, env, resume=request.resume),
-                      request.quiet_ranks)
+                      request.quiet_ranks, run_dir_use)
+
+
+def _run_dir_use(request: RunRequest) -> str:
+    if request.resume is not None and request.overwrite_run_dir:
+        raise UsageError("--resume and --overwrite-run-dir cannot be combined",
+                         hint="--resume continues the run in RUN_DIR; --overwrite-run-dir "
+                              "replaces it with a new one")
+    return "resume" if request.resume is not None else (
+        "overwrite" if request.overwrite_run_dir else "new")
 
 
 def _flag_values(request: RunRequest) -> dict[str, Any]:
@@ -157,46 +149,6 @@ def _script_path(request: RunRequest, cwd: Path) -> Path:
     return path
 
 
-def _rendezvous(request: RunRequest, *, env: Mapping[str, str], run_id: str) -> Rendezvous:
-    slurm = None if request.standalone else slurm_job(env)
-    min_nodes, max_nodes = _parse_nnodes(request.nnodes or (str(slurm.nnodes) if slurm else "1"))
-    backend = request.rdzv_backend or "c10d"
-    if backend not in ("c10d", "static"):
-        raise UsageError(f"unknown --rdzv-backend {backend!r}", hint="use c10d or static")
-    run_id = request.rdzv_id or (slurm.job_id if slurm else run_id)
-    if request.master_port is not None and not request.rdzv_endpoint and max_nodes == 1:
-        addr = request.master_addr or "127.0.0.1"
-        return Rendezvous("static", f"{addr}:{request.master_port}", run_id, 1, 1, 0, addr,
-                          "flags")
-    if max_nodes == 1 and not request.rdzv_endpoint:
-        return Rendezvous("c10d", "127.0.0.1:0", run_id, 1, 1, None, "127.0.0.1", "single node")
-    endpoint = request.rdzv_endpoint or (slurm.endpoint if slurm else None)
-    if request.master_addr and not endpoint:
-        endpoint = f"{request.master_addr}:{request.master_port or 29400}"
-    if not endpoint:
-        raise UsageError(f"--nnodes {request.nnodes} needs --rdzv-endpoint HOST:PORT",
-                         hint="run the same command on every node, e.g. "
-                              "--nnodes 2 --rdzv-endpoint node0:29400")
-    node_rank = request.node_rank if request.node_rank is not None else (
-        slurm.node_rank if slurm else None)
-    if backend == "static" and node_rank is None:
-        raise UsageError("--rdzv-backend static needs --node-rank")
-    return Rendezvous(backend, endpoint, run_id, min_nodes, max_nodes,
-                      node_rank if backend == "static" else None, None,
-                      "slurm" if slurm and not request.rdzv_endpoint else "flags")
-
-
-def _parse_nnodes(text: str) -> tuple[int, int]:
-    low, _, high = str(text).partition(":")
-    try:
-        bounds = (int(low), int(high or low))
-    except ValueError:
-        bounds = (0, 0)
-    if bounds[0] < 1 or bounds[1] < bounds[0]:
-        raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
-    return bounds
-
-
 def _check_slowdown(settings: dict[str, Setting], world_size: int) -> None:
     factors = settings["simulate_slowdown"].value
     if factors is not None and len(factors) != world_size:
@@ -211,7 +163,12 @@ def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: st
     if explicit:
         return (cwd / explicit).resolve()
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
-    return (cwd / "runs" / f"{stamp}-{stem.replace('.', '_')}-{policy}").resolve()
+    name = f"{stamp}-{stem.replace('.', '_')}-{policy}"
+    path, count = (cwd / "runs" / name).resolve(), 1
+    while path.exists():  # a run of the same script and policy started in the same second
+        count += 1
+        path = path.with_name(f"{name}-{count}")
+    return path
 
 
 def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path,
@@ -240,6 +197,7 @@ VALUE_FLAGS = {"--policy": "policy", "--backend": "backend",
                "--master-port": "master_port", "--devices": "devices",
                "--checkpoint-every": "checkpoint_every", "--resume": "resume"}
 BOOL_FLAGS = {"--standalone": "standalone", "--quiet-ranks": "quiet_ranks",
+              "--overwrite-run-dir": "overwrite_run_dir",
               "--dry-run": "dry_run", "--json": "json_output"}
 INT_FIELDS = ("node_rank", "master_port")
 
@@ -274,4 +232,5 @@ def _typed(field: str, value: str, flag: str) -> object:
     try:
         return int(value)
     except ValueError:
-        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
+        raise UsageError(f"{flag} must be an integer, got {value!r}",
+                         hint=f"e.g. {flag} 1") from None

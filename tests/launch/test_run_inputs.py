@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import GPU_FIXTURES, run_fdl
 
+from fdl.errors import UsageError
+
 HELLO = "print('hello from the worker')\n"
 
 
@@ -27,6 +29,7 @@ def assert_usage_error(proc, *needles: str) -> None:
     assert proc.returncode == 2, proc.stderr + proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("error: ")
+    assert len(lines) == 2 and lines[1].startswith("hint: "), proc.stderr
     for needle in needles:
         assert needle in lines[0]
     assert "Traceback" not in proc.stderr
@@ -201,3 +204,94 @@ def test_fdl_options_after_the_script_are_fdls(project):
 
 def test_el_che_flag_without_a_value_after_the_script(project):
     assert_usage_error(fdl_run(project, "train.py", "--policy"), "--policy needs a value")
+
+
+@pytest.mark.parametrize(("text", "default", "parsed"), [
+    ("node0:29400", None, ("node0", 29400)),
+    ("10.0.0.1", 29400, ("10.0.0.1", 29400)),
+    ("[::1]:1234", None, ("::1", 1234)),
+    ("::1", 5, ("::1", 5)),
+    ("fe80::1:80", None, ("fe80::1:80", None)),  # bare IPv6: no port, as an address
+])
+def test_parse_endpoint_reads_torchs_forms(text, default, parsed):
+    from fdl.launch.rendezvous import parse_endpoint
+
+    if parsed[1] is None:
+        with pytest.raises(UsageError):
+            parse_endpoint(text, flag="--rdzv-endpoint", default_port=default)
+        return
+    assert parse_endpoint(text, flag="--rdzv-endpoint", default_port=default) == parsed
+
+
+@pytest.mark.parametrize("text", ["", ":80", "host:", "host:http", "host:0", "host:65536",
+                                  "[::1", "[::1]x", "bad host:80", "host:٣"])
+def test_parse_endpoint_refuses_the_rest(text):
+    from fdl.launch.rendezvous import parse_endpoint
+
+    with pytest.raises(UsageError) as caught:
+        parse_endpoint(text, flag="--rdzv-endpoint", default_port=29400)
+    assert caught.value.message == (f"--rdzv-endpoint must be HOST:PORT with a port 1-65535, "
+                                    f"got {text!r}")
+    assert caught.value.hint
+
+
+def test_dry_run_ipv6_static_endpoint_is_bracketed(project):
+    spec = dry_run(project, "--master-addr", "::1", "--master-port", "2345")
+    assert spec["rendezvous"]["backend"] == "static"
+    assert spec["rendezvous"]["endpoint"] == "[::1]:2345"
+
+
+def test_overwrite_run_dir_after_the_script_is_fdls(project):
+    proc = fdl_run(project, "--dry-run", "--json", "train.py", "--overwrite-run-dir")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["args"] == []
+
+
+def test_module_check_finds_what_python_m_would(tmp_path):
+    import sys
+
+    from fdl.launch.worker import module_problem
+
+    (tmp_path / "local_mod.py").write_text("")
+    (tmp_path / "local_pkg").mkdir()
+    (tmp_path / "local_pkg" / "__main__.py").write_text("")
+    (tmp_path / "ns_pkg" / "inner").mkdir(parents=True)  # a namespace package
+    (tmp_path / "ns_pkg" / "inner" / "mod.py").write_text("")
+    path = [str(tmp_path), *sys.path[1:]]
+    # fdl itself may come from an editable install: a meta path finder, not a sys.path entry
+    for name in ("local_mod", "local_pkg", "ns_pkg.inner.mod", "json.tool", "fdl",
+                 "fdl.launch.worker"):
+        assert module_problem(name, search_path=path) is None, name
+    assert module_problem("local_mod.sub", search_path=path) == (
+        f"no module named 'local_mod.sub' in {tmp_path} or this Python's path")
+    assert module_problem("bad-name", search_path=path) == "'bad-name' is not a module name"
+
+
+def test_module_check_cannot_judge_a_package_that_computes_its_path(tmp_path):
+    import sys
+
+    from fdl.launch.worker import module_problem
+
+    (tmp_path / "old_ns").mkdir()
+    (tmp_path / "old_ns" / "__init__.py").write_text(
+        "__path__ = __import__('pkgutil').extend_path(__path__, __name__)\n")
+    assert module_problem("old_ns.elsewhere", search_path=[str(tmp_path), *sys.path[1:]]) is None
+
+
+def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
+    from datetime import datetime, timezone
+
+    from fdl.launch.spec import RunRequest, build_launch_spec
+    from fdl.system.gpus import GpuSurvey
+
+    def planned() -> Path:
+        return build_launch_spec(
+            RunRequest("train.py"), survey=GpuSurvey("none", (), None, None), env={},
+            file_values={}, file_path=None, cwd=project,
+            now=datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc), run_id="x",
+            logical_cores=2).run_dir
+
+    first = planned()
+    assert first == project / "runs" / "20300102T030405Z-train-cadence"
+    first.mkdir(parents=True)
+    assert planned() == project / "runs" / "20300102T030405Z-train-cadence-2"

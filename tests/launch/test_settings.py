@@ -245,6 +245,38 @@ def test_invalid_toml_is_a_config_error_naming_the_file(tmp_path: Path, name: st
     assert caught.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tool = 'x'\n", "tool must be a table, got 'x'"),
+        ("[tool]\nfdl = 3\n", "tool.fdl must be a table, got 3"),
+        ("[tool]\nfdl = [1]\n", "tool.fdl must be a table, got [1]"),
+    ],
+)
+def test_pyproject_tool_tables_of_the_wrong_type_are_config_errors(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, "pyproject.toml", text)
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(tmp_path)
+    assert caught.value.message == f"{path}: {message}"
+    assert caught.value.hint and caught.value.exit_code == 2
+
+
+@pytest.mark.parametrize("name", ["fdl.toml", "pyproject.toml"])
+def test_config_file_that_is_not_a_file_is_a_config_error(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).mkdir()
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(tmp_path)
+    assert caught.value.message == f"{tmp_path / name} is not a file"
+
+
+def test_dangling_fdl_toml_link_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "fdl.toml").symlink_to(tmp_path / "gone.toml")
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config_file(tmp_path)
+
+
 # --- precedence ------------------------------------------------------------------------------
 
 
