@@ -131,6 +131,7 @@ def _execute(cells: list[Cell], notes: list[str], request: _Request) -> int:
     from fdl.bench.report import write_report
     from fdl.bench.sweep import run_sweep, split_done
 
+    _check_out_dir(request.out)
     for note in notes:
         console.info(f"fdl bench: {note}")
     todo, done = split_done(cells, out_dir=request.out)
@@ -156,6 +157,22 @@ def _execute(cells: list[Cell], notes: list[str], request: _Request) -> int:
     for path in paths:
         console.out(str(path))
     return 1 if outcome.failures else 0
+
+
+def _check_out_dir(out: Path) -> None:
+    """The sweep directory must be a directory fdl can write (made if absent), before any
+    dataset is fetched or cell started."""
+    import os
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create the sweep directory "
+                         f"({exc.strerror or exc})",
+                         hint="pass --out DIR with a directory you can write") from exc
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: the sweep directory is not writable",
+                         hint="pass --out DIR with a directory you can write")
 
 
 def _prepare(todo: list[Cell], request: _Request) -> None:

@@ -1,0 +1,88 @@
+"""Faults in ``fdl bench``'s inputs and in the sweep directory it reads back: one line, the
+right exit code, nothing started."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_fdl
+
+from fdl.bench.records import write_sweep_json
+from fdl.bench.report import check_record, load_results
+from fdl.errors import FdlError
+
+GOOD = {"model": "mlp", "mode": "solo@1x", "policy": "solo", "backend": "cpu", "seed": 0,
+        "world_size": 1, "slowdown": [1.0], "eval": 0.9, "wall_s": 1.0, "samples_per_s": 10.0,
+        "history": [{"epoch": 1, "train_loss": 0.5, "eval": 0.9}]}
+
+
+def _one_error_line(result) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr, result.stderr
+    assert [line.split(":")[0] for line in lines] == ["error", "hint"], result.stderr
+
+
+@pytest.mark.parametrize("out", ["afile/sub", "afile"])
+def test_an_unusable_out_dir_is_one_line_before_anything_runs(tmp_path, out):
+    (tmp_path / "afile").write_text("not a directory\n")
+    result = run_fdl("bench", "--model", "logreg", "--dataset", "synthetic", "--mode",
+                     "solo@1x", "--out", out, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    _one_error_line(result)
+    assert "--out" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made, no runs/
+
+
+def test_a_sweep_json_that_is_not_utf8_is_one_line(tmp_path):
+    (tmp_path / "results.jsonl").write_text(json.dumps(GOOD) + "\n")
+    (tmp_path / "sweep.json").write_bytes(b"\xff\xfe{}")
+    result = run_fdl("bench", "report", str(tmp_path))
+    assert result.returncode == 1
+    _one_error_line(result)
+    assert "sweep.json is not UTF-8" in result.stderr
+
+
+@pytest.mark.parametrize(("meta", "problem"), [
+    ("[1, 2]", "expected an object"),
+    ('{"machine": "x"}', "expected an object"),
+    ("{", "not JSON"),
+])
+def test_a_malformed_sweep_json_is_named(tmp_path, meta, problem):
+    (tmp_path / "results.jsonl").write_text(json.dumps(GOOD) + "\n")
+    (tmp_path / "sweep.json").write_text(meta)
+    with pytest.raises(FdlError, match=problem):
+        load_results(tmp_path)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"mode": 3}, "mode"),
+    ({"model": ""}, "model"),
+    ({"samples_per_s": "fast"}, "samples_per_s"),
+    ({"eval": True}, "eval"),
+    ({"world_size": 1e9}, "world_size"),
+    ({"world_size": 10**9}, "world_size"),
+    ({"slowdown": "1,2.5"}, "slowdown"),
+    ({"slowdown": [1, 0]}, "slowdown"),
+    ({"history": {"epoch": 1}}, "history"),
+    ({"history": [{"epoch": "one", "train_loss": 1.0}]}, "history"),
+])
+def test_a_record_with_a_wrong_field_is_reported_by_line_and_field(tmp_path, change, field):
+    lines = [json.dumps(GOOD), json.dumps({**GOOD, **change}), json.dumps(GOOD)]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(FdlError, match=rf"results.jsonl:2: field '{field}'"):
+        load_results(tmp_path)
+
+
+def test_the_records_fdl_writes_pass_the_check_including_a_diverged_loss():
+    assert check_record(GOOD) is None
+    assert check_record({**GOOD, "eval": float("nan"), "slowdown": None, "history": None}) is None
+    assert check_record([GOOD]) == "expected a JSON object, got list"
+
+
+@pytest.mark.parametrize("previous", [b"\xff\xfe", b"[1]", b'{"sessions": 3}'])
+def test_a_hostile_sweep_json_is_started_anew_by_the_next_sweep(tmp_path, previous):
+    (tmp_path / "sweep.json").write_bytes(previous)
+    write_sweep_json(tmp_path, machine={}, args={"models": ["mlp"]}, num_cells=2, num_skipped=0)
+    meta = json.loads((tmp_path / "sweep.json").read_text())
+    assert [s["cells"] for s in meta["sessions"]] == [2]
