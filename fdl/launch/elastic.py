@@ -204,14 +204,25 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: 
     configs: dict[str, Any] = {"timeout": 900}
     if rdzv.node_rank is not None:
         configs["rank"] = rdzv.node_rank
+    optional = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S}
     return LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=spec.nproc_per_node,
         logs_specs=run_logs_specs(logs_dir, quiet=spec.quiet_ranks), run_id=rdzv.run_id,
         role="default", rdzv_endpoint=endpoint, rdzv_backend=backend,
         rdzv_configs=configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
         start_method="spawn", log_line_prefix_template="[rank ${rank}] ",
-        local_addr=rdzv.local_addr, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        local_addr=rdzv.local_addr, **supported_fields(LaunchConfig, optional),
     )
+
+
+def supported_fields(config_class: type, fields: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``fields`` that ``config_class`` (a dataclass) has. torch 2.13's
+    LaunchConfig takes ``shutdown_timeout``, 2.11's does not (seen on a GPU host): an older
+    torch keeps its own shutdown timeout instead of failing every launch on the keyword."""
+    import dataclasses
+
+    known = {field.name for field in dataclasses.fields(config_class)}
+    return {name: value for name, value in fields.items() if name in known}
 
 
 def run_logs_specs(logs_dir: Path, *, quiet: bool) -> Any:

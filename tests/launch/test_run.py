@@ -192,3 +192,19 @@ def test_two_nodes_on_loopback(tmp_path):
     envs = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert {e["WORLD_SIZE"] for e in envs} == {"2"}
     assert sorted(e["GROUP_RANK"] for e in envs) == ["0", "1"]
+
+
+def test_launch_config_fields_an_older_torch_lacks_are_left_out():
+    """torch 2.11's LaunchConfig has no shutdown_timeout: passing it failed every fdl run."""
+    from dataclasses import dataclass
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from fdl.launch.elastic import supported_fields
+
+    @dataclass
+    class OlderLaunchConfig:
+        min_nodes: int
+
+    assert supported_fields(OlderLaunchConfig, {"shutdown_timeout": 5}) == {}
+    assert supported_fields(LaunchConfig, {"shutdown_timeout": 5}) == {"shutdown_timeout": 5}
