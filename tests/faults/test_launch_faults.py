@@ -24,6 +24,9 @@ from helpers import clean_env, run_fdl
 
 FAIL_SCRIPT = Path(__file__).parents[1] / "launch" / "scripts" / "fail.py"
 GUARD_S = 60
+# Two CPU workers on any host: a GPU host would otherwise start one worker per GPU.
+TWO_CPU_WORKERS = ("--nproc-per-node", "2")
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BLOCKING = """\
 import json, os, sys, time
 out = sys.argv[1]
@@ -54,9 +57,9 @@ def blocking(tmp_path: Path) -> tuple[Path, Path]:
 def started_run(tmp_path: Path, *args: str) -> Iterator[subprocess.Popen]:
     """A running `fdl run ARGS`; on the way out its workers are released and it is waited for
     (killed, with every process it started, if it overruns the guard)."""
-    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", *args], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=clean_env())
+    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", *TWO_CPU_WORKERS, *args],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=clean_env(CPU_ONLY))
     try:
         yield proc
     finally:
@@ -134,8 +137,8 @@ def test_sigkill_of_the_launcher_stops_its_workers(tmp_path, blocking):
 def test_sigkill_of_a_worker_fails_the_run_naming_rank_and_signal(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    proc = run_fdl("run", "--run-dir", str(tmp_path / "run"), str(FAIL_SCRIPT), "kill", "1",
-                   str(out), cwd=tmp_path, timeout=180)
+    proc = run_fdl("run", *TWO_CPU_WORKERS, "--run-dir", str(tmp_path / "run"), str(FAIL_SCRIPT),
+                   "kill", "1", str(out), cwd=tmp_path, timeout=180, env=CPU_ONLY)
     assert proc.returncode == 128 + 9, proc.stderr
     assert "error: worker rank 1 was killed by SIGKILL; the other workers were stopped" \
         in proc.stderr
@@ -178,9 +181,9 @@ def ipv6_loopback_port() -> int:
 def test_ipv6_loopback_master_addr(tmp_path, blocking):
     script, out = blocking
     (out / "release").touch()
-    proc = run_fdl("run", "--master-addr", "::1", "--master-port", str(ipv6_loopback_port()),
-                   "--run-dir", str(tmp_path / "run"), str(script), str(out), "--process-group",
-                   cwd=tmp_path)
+    proc = run_fdl("run", *TWO_CPU_WORKERS, "--master-addr", "::1", "--master-port",
+                   str(ipv6_loopback_port()), "--run-dir", str(tmp_path / "run"), str(script),
+                   str(out), "--process-group", cwd=tmp_path, env=CPU_ONLY)
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 released" in proc.stdout
 
