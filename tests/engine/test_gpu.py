@@ -1,5 +1,6 @@
-"""GPU / NCCL layer (opt-in): skipped without CUDA. This task had no GPU machine, so these have
-not run yet; they are the checks to run on one (`pytest -m gpu tests/engine/test_gpu.py`)."""
+"""GPU / NCCL layer (opt-in): skipped without CUDA (`pytest -m gpu tests/engine/test_gpu.py`).
+The one-GPU tests ran on an H100 with torch 2.11+cu130 (2026-11-23); the two-GPU ones have not
+run yet (no machine with two GPUs was available)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,23 @@ def test_two_gpus_replicas_identical(tmp_path, policy, backend):
     checks = [[e["checksum"] for e in ev if e["kind"] == "sync" and "checksum" in e]
               for ev in events]
     assert checks[0] == checks[1]
+
+
+def test_a_cuda_run_resumes_from_its_checkpoint_loaded_as_data(tmp_path):
+    """Checkpoints of a CUDA run (CUDA RNG state, optimizer state of CUDA tensors) load with
+    weights_only=True, and `fdl run --resume` continues the run on the GPU."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    script = str(SCRIPTS / "recovery_train.py")
+    first = run_fdl("run", "--nproc-per-node", "1", "--backend", "nccl", "--epochs", "2",
+                    "--checkpoint-every", "1", "--run-dir", str(run_dir), script, str(out),
+                    "2048", cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rank_state = torch.load(next((run_dir / "checkpoints").glob("ckpt-r*")) / "rank0.pt",
+                            weights_only=True)
+    assert rank_state["rng"]["cuda"].dtype == torch.uint8
+    again = run_fdl("run", "--resume", str(run_dir), "--epochs", "3", cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    result = json.loads((out / "rank0.json").read_text())
+    assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
+    assert result["summary"]["resumed_from"].startswith("ckpt-r")
