@@ -38,6 +38,12 @@ class FdlGroup(TyperGroup):
     fdl`` and typer's CliRunner behave identically.
     """
 
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:  # typer would turn it into a silent Exit(130)
+            raise typer.Abort() from exc
+
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         try:

@@ -526,6 +526,7 @@ def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(ht
         hold.release.set()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted"
     doc = listing(env)
     assert doc["active"] == "precompiled/2.13.0-cpu"
     assert [v["id"] for v in doc["variants"]] == ["precompiled/2.13.0-cpu"]
