@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fdl.errors import FdlError
+from fdl.bench.results import load_results
 from fdl.files import write_atomic
 
 SCHEMA = 1
@@ -43,111 +43,6 @@ POLICY_ORDER = {"solo": 0, "sync": 1, "cadence": 2, "async": 3}
 _AVERAGED = ("wall_s", "samples_per_s")
 _MULTI_WORKER_ONLY = ("syncs", "sync_overhead", "idle_fraction")
 _GPU_SOLO = re.compile(r"solo@gpu(\d+)")
-
-
-def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The cell records of ``results.jsonl`` and the sweep's ``sweep.json`` ({} if absent).
-
-    A last line that does not parse is a cell cut off mid-write and is skipped; a bad line
-    anywhere else, a record whose fields have the wrong types (:func:`check_record`), a file
-    that is not UTF-8 and a ``sweep.json`` that is not a JSON object are errors of one line
-    naming the file, the line and the field."""
-    path = Path(directory) / "results.jsonl"
-    if not path.is_file():
-        raise FdlError(f"no benchmark results: {path} does not exist",
-                       hint="run `fdl bench` first, or point at the directory it wrote")
-    lines = [line for line in _read_text(path).splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise FdlError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
-        problem = check_record(record)
-        if problem:
-            raise FdlError(f"{path}:{number}: {problem}",
-                           hint="fdl bench writes these lines; remove or fix the edited one")
-        records.append(record)
-    sweep_path = Path(directory) / "sweep.json"
-    meta = _load_sweep_meta(sweep_path) if sweep_path.is_file() else {}
-    return records, meta
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise FdlError(f"{path} is not UTF-8 text (byte {exc.start})",
-                       hint="it is not a file fdl bench wrote") from exc
-    except OSError as exc:
-        raise FdlError(f"cannot read {path}: {exc.strerror or exc}") from exc
-
-
-def _load_sweep_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads(_read_text(path))
-    except json.JSONDecodeError as exc:
-        raise FdlError(f"{path}: not JSON ({exc.msg})",
-                       hint="delete it: the next `fdl bench` in this directory rewrites it") from exc
-    if not isinstance(meta, dict) or not isinstance(meta.get("machine", {}), dict) \
-            or not isinstance(meta.get("args", {}), dict):
-        raise FdlError(f"{path}: expected an object with 'machine' and 'args' objects",
-                       hint="delete it: the next `fdl bench` in this directory rewrites it")
-    return meta
-
-
-_NUMBER_FIELDS = ("eval", "reference", "wall_s", "samples_per_s", "syncs", "sync_overhead",
-                  "idle_fraction")
-
-
-def check_record(record: Any) -> str | None:
-    """What is wrong with one results.jsonl record (None: nothing): the fields the report reads
-    must have the types docs/bench.md gives them, so a hand-edited or foreign line is reported
-    instead of failing deep inside the aggregation."""
-    if not isinstance(record, dict):
-        return f"expected a JSON object, got {type(record).__name__}"
-    for key in ("model", "mode"):
-        if not isinstance(record.get(key), str) or not record[key]:
-            return f"field {key!r} must be a non-empty string, got {record.get(key)!r:.40}"
-    for key in ("policy", "backend"):
-        if record.get(key) is not None and not isinstance(record[key], str):
-            return f"field {key!r} must be a string or null, got {record[key]!r:.40}"
-    for key in _NUMBER_FIELDS:
-        if not _is_number_or_none(record.get(key)):
-            return f"field {key!r} must be a number or null, got {record[key]!r:.40}"
-    world = record.get("world_size")
-    if world is not None and (not isinstance(world, int) or isinstance(world, bool)
-                              or not 1 <= world <= 4096):
-        return f"field 'world_size' must be an integer 1..4096 or null, got {world!r:.40}"
-    slowdown = record.get("slowdown")
-    if slowdown is not None and (not isinstance(slowdown, list) or not slowdown
-                                 or not all(_is_number(f) and 0 < f < math.inf for f in slowdown)):
-        return f"field 'slowdown' must be a list of numbers > 0 or null, got {slowdown!r:.40}"
-    return _check_history(record.get("history"))
-
-
-def _check_history(history: Any) -> str | None:
-    if history is None:
-        return None
-    if not isinstance(history, list):
-        return f"field 'history' must be a list, got {history!r:.40}"
-    for entry in history:
-        if not isinstance(entry, dict) or not isinstance(entry.get("epoch"), int) \
-                or not _is_number_or_none(entry.get("train_loss")):
-            return ("field 'history' must hold {\"epoch\": integer, \"train_loss\": number}, "
-                    f"got {entry!r:.60}")
-    return None
-
-
-def _is_number(value: Any) -> bool:
-    """An int or float (NaN included: a diverged run's loss is a result too), not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_number_or_none(value: Any) -> bool:
-    return value is None or _is_number(value)
 
 
 def build_report(records: list[dict[str, Any]], *, machine: dict[str, Any]) -> dict[str, Any]:

@@ -194,7 +194,8 @@ def _prepare(todo: list[Cell], request: _Request) -> None:
 
 def _print_summary(out: Path) -> None:
     from fdl import console
-    from fdl.bench.report import build_report, load_results
+    from fdl.bench.report import build_report
+    from fdl.bench.results import load_results
 
     try:
         records, _ = load_results(out)

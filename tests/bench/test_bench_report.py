@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from fdl.bench.report import build_report, load_results, loss_curve, render_markdown, write_report
+from fdl.bench.report import build_report, loss_curve, render_markdown, write_report
+from fdl.bench.results import load_results
 from fdl.errors import FdlError
 
 ROW_KEYS = ["model", "mode", "policy", "backend", "seeds", "eval", "eval_std", "reference",

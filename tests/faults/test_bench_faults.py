@@ -9,7 +9,7 @@ import pytest
 from helpers import run_fdl
 
 from fdl.bench.records import write_sweep_json
-from fdl.bench.report import check_record, load_results
+from fdl.bench.results import check_record, load_results
 from fdl.errors import FdlError
 
 GOOD = {"model": "mlp", "mode": "solo@1x", "policy": "solo", "backend": "cpu", "seed": 0,
