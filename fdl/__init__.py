@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from fdl.version import __version__
 
 __all__ = ["TrainResult", "Trainer", "__version__"]
 

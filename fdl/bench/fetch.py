@@ -4,7 +4,7 @@ checksum (``algo:hex``); a mismatch deletes it. A file in place is hashed once: 
 ``.<file>.verified`` records the checksum it matched and the file's size and mtime then.
 
 Plain ``http`` (a URL, a mirror, or a redirect hop) is refused unless ``FDL_ALLOW_HTTP=1``, as
-for libtorch downloads (``fdl.libtorch.urls``).
+for libtorch downloads (``fdl.urls``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def download(urls: list[str], dest: Path, *, expected: str,
     is refused, ``UsageError`` (exit 2) before any request."""
     import httpx
 
-    from fdl.libtorch.urls import ALLOW_HTTP_ENV, check_url, http_allowed, redirect_guard
+    from fdl.urls import ALLOW_HTTP_ENV, check_url, http_allowed, redirect_guard
 
     allow_http, opt_in = http_allowed(), f"{ALLOW_HTTP_ENV}=1"
     failures, usable = [], []

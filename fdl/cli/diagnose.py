@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from fdl.system.report import DiagnoseReport
+    from fdl.libtorch.diagnose import DiagnoseReport
 
 _MARK = {"ok": ("ok", "green"), "info": ("note", "blue"), "warn": ("warn", "yellow"),
          "error": ("fail", "red")}
@@ -28,7 +28,7 @@ def diagnose(
 ) -> None:
     """Survey GPUs, driver, CPU, tools and the torch wheel; say what to fix."""
     from fdl import console
-    from fdl.system.report import collect_report
+    from fdl.libtorch.diagnose import collect_report
 
     with console.status("surveying host, GPUs and torch..."):
         report = collect_report()

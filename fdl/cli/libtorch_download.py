@@ -41,8 +41,8 @@ def download(
     from fdl import console
     from fdl.libtorch.install import check_request
     from fdl.libtorch.store import Store
-    from fdl.libtorch.urls import http_allowed
     from fdl.paths import libtorch_root
+    from fdl.urls import http_allowed
 
     allow_http = http_allowed(flag=allow_http)
     request, why = _request(cpu=cpu, cuda=cuda, variant=variant, version=version, url=url,

@@ -19,8 +19,8 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from fdl import __version__
 from fdl.errors import FdlError
+from fdl.version import __version__
 
 
 def _report(exc: FdlError) -> None:

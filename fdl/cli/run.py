@@ -90,9 +90,10 @@ def run(
 def _execute(spec: LaunchSpec) -> int:
     """Check everything (nothing written, nothing started), then write the run directory, then
     start the workers."""
-    from fdl import __version__, console
+    from fdl import console
     from fdl.launch.elastic import launch, preflight
     from fdl.launch.rundir import check_run_dir, prepare_run_dir
+    from fdl.version import __version__
 
     check_run_dir(spec.run_dir, use=spec.run_dir_use)
     listener = preflight(spec)

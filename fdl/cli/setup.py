@@ -41,10 +41,10 @@ def setup(
     from fdl.libtorch.catalog import MIRROR_ENV
     from fdl.libtorch.setup_plan import plan_setup
     from fdl.libtorch.store import Store
-    from fdl.libtorch.urls import http_allowed
     from fdl.paths import libtorch_root
     from fdl.system.gpus import probe_gpus
     from fdl.system.torchenv import probe_torch
+    from fdl.urls import http_allowed
 
     allow_http = http_allowed(flag=allow_http)
     store = Store(libtorch_root())

@@ -42,8 +42,8 @@ def check_request(request: ArchiveRequest, *, allow_http: bool) -> int:
     """Check what ``install_archive`` takes from outside, before anything is written; returns
     the extraction limit. Raises ``UsageError``/``ConfigError`` (exit 2)."""
     from fdl.libtorch.extract import max_extract_bytes
-    from fdl.libtorch.urls import check_url
     from fdl.libtorch.validate import check_variant_name
+    from fdl.urls import check_url
 
     check_variant_name(request.name)
     check_url(request.url, allow_http=allow_http)
@@ -77,7 +77,7 @@ def _installed(store: Store, request: ArchiveRequest) -> Variant | None:
 def _fetch_and_install(store: Store, request: ArchiveRequest, *, allow_http: bool,
                        max_bytes: int,
                        progress: Callable[[int, int | None], None] | None) -> Variant:
-    from fdl.libtorch.download import download
+    from fdl.download import download
     from fdl.libtorch.extract import extract_zip
 
     staging = store.staging()

@@ -2,7 +2,7 @@
 
 * no GPU -> the CPU variant;
 * GPUs -> the newest stable CUDA variant whose kernels run on every GPU and whose CUDA runtime
-  the driver supports (``fdl.system.coverage`` decides, by real CUDA rules);
+  the driver supports (``fdl.libtorch.coverage`` decides, by real CUDA rules);
 * none covers all (a GTX 1060 beside an RTX 5060 Ti) -> no archive, with the options: the
   variant covering the most GPUs and the ones it leaves out, and a source build with the exact
   ``TORCH_CUDA_ARCH_LIST`` and CUDA toolkit range.
@@ -18,7 +18,7 @@ from fdl.libtorch.catalog import (
     find_archive,
     latest_version,
 )
-from fdl.system.coverage import advise_builds
+from fdl.libtorch.coverage import advise_builds
 from fdl.system.gpus import GpuSurvey
 
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fdl.libtorch.catalog import LINUX_X86_64, LibtorchArchive, find_archive
+from fdl.libtorch.coverage import advise_builds, check_build
+from fdl.libtorch.diagnose import CPU_WHEEL, install_command
 from fdl.libtorch.resolve import Resolution, resolve_variant
-from fdl.system.coverage import advise_builds, check_build
 from fdl.system.gpus import GpuSurvey
-from fdl.system.report import CPU_WHEEL, install_command
 from fdl.system.torchenv import TorchInfo
 
 

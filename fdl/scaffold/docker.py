@@ -1,7 +1,7 @@
 """The torch wheel and CUDA base image of the Dockerfile that ``fdl init`` writes.
 
 Chosen once, when the project is rendered, by the rules of ``fdl setup`` and ``fdl diagnose``
-(:func:`fdl.system.coverage.advise_builds`): the official build recommended for this host's
+(:func:`fdl.libtorch.coverage.advise_builds`): the official build recommended for this host's
 GPUs, so the image runs here. A host without a GPU (a laptop, a CI runner) gets
 ``DEFAULT_VARIANT`` of the newest release in the catalog; when no official build covers every
 GPU, the one covering the most. The base image is NVIDIA's CUDA runtime image for the wheel's
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fdl.libtorch.catalog import OfficialBuild, latest_version, official_builds
-from fdl.system.coverage import BuildCoverage, advise_builds
+from fdl.libtorch.coverage import BuildCoverage, advise_builds
 from fdl.system.gpus import GpuSurvey, probe_gpus
 
 # CUDA X.Y of a torch wheel -> the nvidia/cuda runtime image tag X.Y.Z (the last patch release

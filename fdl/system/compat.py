@@ -15,7 +15,7 @@ The rules (NVIDIA's CUDA compatibility guide and the nvcc manual):
 * A GPU needs a driver that knows its architecture: at least the release driver of the first
   CUDA toolkit that supports it (``ARCH_FIRST_CUDA``) — a Blackwell card needs a CUDA 12.8 driver.
 
-Nothing here does I/O; ``fdl/system/report.py`` applies these to the survey.
+Nothing here does I/O; ``fdl/libtorch/diagnose.py`` applies these to the survey.
 """
 
 from __future__ import annotations

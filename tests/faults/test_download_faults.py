@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from helpers import GPU_FIXTURES, clean_env, run_fdl
 
+from fdl.download import download
 from fdl.errors import FdlError, UsageError
-from fdl.libtorch.download import download
 from fdl.libtorch.extract import extract_zip
 
 CPU_PATH = "cpu/libtorch-shared-with-deps-{v}%2Bcpu.zip"

@@ -1,4 +1,4 @@
-"""fdl.libtorch.download against a real HTTP server on 127.0.0.1 that misbehaves on request.
+"""fdl.download against a real HTTP server on 127.0.0.1 that misbehaves on request.
 
 The faults users meet (a cut connection, a wrong sha256, Ctrl-C, plain http) are in
 tests/faults/test_download_faults.py."""
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
+from fdl.download import download, sha256_file
 from fdl.errors import FdlError
-from fdl.libtorch.download import download, sha256_file
 
 DATA = random.Random(0).randbytes(3 * (1 << 20) + 12345)  # not a multiple of any chunk size
 DIGEST = hashlib.sha256(DATA).hexdigest()

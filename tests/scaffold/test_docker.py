@@ -5,10 +5,10 @@ from __future__ import annotations
 from helpers import GPU_FIXTURES
 
 from fdl.libtorch.catalog import OFFICIAL_BUILDS, latest_version
+from fdl.libtorch.coverage import advise_builds
+from fdl.libtorch.diagnose import install_command
 from fdl.scaffold.docker import CUDA_IMAGE_TAGS, probe_torch_image
-from fdl.system.coverage import advise_builds
 from fdl.system.gpus import probe_gpus
-from fdl.system.report import install_command
 
 
 def image_for(fixture: str):

@@ -17,7 +17,7 @@ Failures:
 ``file://`` URLs are copied with the same hashing and progress reports (air-gapped sites).
 
 Plain ``http`` (a redirect hop included) is refused unless ``allow_http`` is set, and schemes
-other than https, http and file always are, before anything is written (``fdl.libtorch.urls``).
+other than https, http and file always are, before anything is written (``fdl.urls``).
 
 Example::
 
@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from fdl.errors import FdlError
-from fdl.libtorch.urls import check_url, redirect_guard
+from fdl.urls import check_url, redirect_guard
 
 Progress = Callable[[int, int | None], None]
 

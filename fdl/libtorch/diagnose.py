@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fdl import __version__
 from fdl.libtorch.catalog import LINUX_X86_64, WINDOWS_X86_64
-from fdl.system.coverage import BuildAdvice, BuildCoverage, advise_builds, check_build
+from fdl.libtorch.coverage import BuildAdvice, BuildCoverage, advise_builds, check_build
 from fdl.system.gpus import GpuSurvey
 from fdl.system.host import HostInfo
 from fdl.system.torchenv import TorchInfo
+from fdl.version import __version__
 
 SCHEMA = 1
 CPU_WHEEL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
