@@ -23,9 +23,11 @@ def build(
     version: Annotated[Optional[str], typer.Option(help="PyTorch version (default: newest).")] = None,  # noqa: UP045
     jobs: Annotated[Optional[int], typer.Option(help="Parallel compile jobs (default: cores).")] = None,  # noqa: UP045
     docker: Annotated[bool, typer.Option("--docker/--native", help="Build in Docker or here.")] = False,
-    dry_run: Annotated[bool, typer.Option(help="Print the plan; build nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the plan; build nothing.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="With --dry-run: JSON.")] = False,
-    no_activate: Annotated[bool, typer.Option(help="Install without activating.")] = False,
+    no_activate: Annotated[bool, typer.Option(
+        "--no-activate", help="Install without activating.")] = False,
 ) -> None:
     """Build libtorch from source for the given CUDA architectures."""
     import os

@@ -10,6 +10,10 @@ CPU-only hosts end with the CPU variant active. Mixed GPUs that no official buil
 the options: the variant covering the most GPUs, or a source build (`fdl libtorch build`).
 ``--allow-http`` (or ``FDL_ALLOW_HTTP=1``) allows a plain-http ``FDL_LIBTORCH_MIRROR``; without
 it such a plan is refused before anything is written (exit 2).
+
+The plan (``fdl/libtorch/setup_plan.py``) decides everything, including the exact argv that
+``--install-torch`` runs (``<python> -m pip install ...``, shown before it runs); this module
+probes, asks, and renders.
 """
 
 from __future__ import annotations
@@ -23,31 +27,52 @@ if TYPE_CHECKING:
     from fdl.libtorch.install import ArchiveRequest
     from fdl.libtorch.setup_plan import SetupPlan
     from fdl.libtorch.store import Store
+    from fdl.system.gpus import GpuSurvey
 
 
 def setup(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
-    dry_run: Annotated[bool, typer.Option(help="Print the plan and change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the plan and change nothing.")] = False,
     variant: Annotated[Optional[str], typer.Option(help="Catalog variant, e.g. 2.11.0-cu128.")] = None,  # noqa: UP045
     version: Annotated[Optional[str], typer.Option(help="libtorch version (default: newest).")] = None,  # noqa: UP045
-    install_torch: Annotated[bool, typer.Option(help="Also pip-install the fitting torch wheel.")] = False,
+    install_torch: Annotated[bool, typer.Option(
+        "--install-torch", help="Also pip-install the fitting torch wheel.")] = False,
     allow_http: Annotated[bool, typer.Option(
         "--allow-http", help="Allow a plain-http FDL_LIBTORCH_MIRROR (one you trust).")] = False,
 ) -> None:
     """Install and activate the libtorch that covers every GPU; check the torch wheel."""
+    from fdl.libtorch.install import check_request
+    from fdl.libtorch.store import Store
+    from fdl.paths import libtorch_root
+    from fdl.urls import http_allowed
+
+    allow_http = http_allowed(flag=allow_http)
+    store = Store(libtorch_root())
+    plan, survey = _plan(store, version=version, variant=variant)
+    request = plan.download_request
+    if request is not None:  # a bad URL or extraction limit: exit 2 before anything is written
+        check_request(request, allow_http=allow_http)
+    _render_plan(plan, survey_line=_survey_line(survey))
+    if dry_run or (plan.action in ("present", "none")
+                   and not (install_torch and plan.torch_install)):
+        return
+    if not yes and not _confirm():
+        raise typer.Exit(1)
+    _execute(plan, store, request, install_torch=install_torch, allow_http=allow_http)
+
+
+def _plan(store: Store, *, version: str | None,
+          variant: str | None) -> tuple[SetupPlan, GpuSurvey]:
+    """Survey GPUs and the torch wheel (concurrently) and plan from them and the store."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     from fdl.libtorch.catalog import MIRROR_ENV
     from fdl.libtorch.setup_plan import plan_setup
-    from fdl.libtorch.store import Store
-    from fdl.paths import libtorch_root
     from fdl.system.gpus import probe_gpus
     from fdl.system.torchenv import probe_torch
-    from fdl.urls import http_allowed
 
-    allow_http = http_allowed(flag=allow_http)
-    store = Store(libtorch_root())
     with ThreadPoolExecutor(max_workers=2) as pool:
         survey, torch = pool.submit(probe_gpus), pool.submit(probe_torch)
         survey, torch = survey.result(), torch.result()
@@ -55,28 +80,10 @@ def setup(
     plan = plan_setup(survey=survey, torch=torch, installed=[v.id for v in store.variants()],
                       active=active.id if active else None, version=version, variant=variant,
                       base=os.environ.get(MIRROR_ENV))
-    request = _download_request(plan, allow_http=allow_http)  # bad URL or limit: exit 2 now
-    _render_plan(plan, survey_line=_survey_line(survey))
-    if dry_run or (plan.action in ("present", "none") and not (install_torch and plan.pip_command)):
-        return
-    if not yes and not _confirm():
-        raise typer.Exit(1)
-    _execute(plan, store, request, install_torch=install_torch, allow_http=allow_http)
+    return plan, survey
 
 
-def _download_request(plan: SetupPlan, *, allow_http: bool) -> ArchiveRequest | None:
-    """The archive the plan downloads, checked (name, URL scheme, extraction limit)."""
-    if plan.action != "download" or plan.archive is None:
-        return None
-    from fdl.cli.libtorch_download import archive_request
-    from fdl.libtorch.install import check_request
-
-    request = archive_request(plan.archive, None)
-    check_request(request, allow_http=allow_http)
-    return request
-
-
-def _survey_line(survey) -> str:
+def _survey_line(survey: GpuSurvey) -> str:
     if not survey.gpus:
         return "no NVIDIA GPU"
     return ", ".join(f"{g.name} ({g.arch})" for g in survey.gpus) + \
@@ -96,7 +103,7 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
         ("url", plan.archive.url if plan.action == "download" and plan.archive else None),
         ("torch wheel", {True: "covers every GPU", False: "does NOT cover every GPU",
                          None: "not installed"}[plan.torch_covers]),
-        ("pip", plan.pip_command),
+        ("pip", str(plan.torch_install) if plan.torch_install else None),
     ])
     for note in plan.notes:
         console.out(f"  - {note}")
@@ -113,31 +120,32 @@ def _confirm() -> bool:
 
 def _execute(plan: SetupPlan, store: Store, request: ArchiveRequest | None, *,
              install_torch: bool, allow_http: bool) -> None:
-    from fdl import console
-
     if request is not None:
         from fdl.cli.libtorch_download import install_request_with_progress
 
         install_request_with_progress(store, request, activate=True, allow_http=allow_http)
     elif plan.action == "activate" and plan.variant_id:
         store.activate(plan.variant_id)
-    if install_torch and plan.pip_command:
-        import shlex
-        import subprocess
-
-        if not plan.pip_command.startswith("pip install"):
-            from fdl.errors import FdlError
-
-            raise FdlError("no official torch wheel covers every GPU; torch must be built from "
-                           "source", hint=plan.pip_command)
-
-        console.info(f"running: {plan.pip_command}")
-        argv = [sys.executable, "-m", *shlex.split(plan.pip_command.split("  #")[0])]
-        if subprocess.run(argv, check=False).returncode != 0:
-            from fdl.errors import FdlError
-
-            raise FdlError("pip failed to install the torch wheel", hint=plan.pip_command)
+    if install_torch and plan.torch_install:
+        install_torch_wheel(plan)
     _summary(store)
+
+
+def install_torch_wheel(plan: SetupPlan) -> None:
+    """Run the plan's ``pip_argv``, exactly, after saying so; a source build is refused with
+    its instructions as the hint."""
+    import shlex
+    import subprocess
+
+    from fdl import console
+    from fdl.errors import FdlError
+
+    if plan.pip_argv is None:
+        raise FdlError("no official torch wheel covers every GPU; torch must be built from "
+                       "source", hint=str(plan.torch_install))
+    console.info(f"running: {shlex.join(plan.pip_argv)}")
+    if subprocess.run(plan.pip_argv, check=False).returncode != 0:
+        raise FdlError("pip failed to install the torch wheel", hint=str(plan.torch_install))
 
 
 def _summary(store: Store) -> None:

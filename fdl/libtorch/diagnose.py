@@ -15,13 +15,15 @@ from typing import Any
 
 from fdl.libtorch.catalog import LINUX_X86_64, WINDOWS_X86_64
 from fdl.libtorch.coverage import BuildAdvice, BuildCoverage, advise_builds, check_build
+from fdl.libtorch.wheel import CPU_WHEEL as CPU_WHEEL_INSTALL
+from fdl.libtorch.wheel import torch_install
 from fdl.system.gpus import GpuSurvey
 from fdl.system.host import HostInfo
 from fdl.system.torchenv import TorchInfo
 from fdl.version import __version__
 
 SCHEMA = 1
-CPU_WHEEL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+CPU_WHEEL = str(CPU_WHEEL_INSTALL)  # findings carry the command as text
 
 
 @dataclass(frozen=True)
@@ -166,21 +168,10 @@ def _libtorch_finding(survey: GpuSurvey, coverage: BuildCoverage) -> Finding:
 
 
 def install_command(advice: BuildAdvice) -> str | None:
-    """The exact command that installs a torch wheel covering every GPU, or a source build."""
-    if advice.recommended:
-        build = _official(advice.recommended.label)
-        return (f"pip install --force-reinstall 'torch=={build[0]}' "
-                f"--index-url https://download.pytorch.org/whl/{build[1]}")
-    if advice.source_arch_list:
-        return (f'TORCH_CUDA_ARCH_LIST="{advice.source_arch_list}" USE_CUDA=1 '
-                "python -m pip install --no-build-isolation -v .  "
-                "# in a pytorch checkout: git clone --recursive https://github.com/pytorch/pytorch")
-    return None
-
-
-def _official(label: str) -> tuple[str, str]:
-    version, variant = label.removeprefix("torch ").split("+", 1)
-    return version, variant
+    """The exact command that installs a torch wheel covering every GPU, or a source build, as
+    a person reads it (``fdl.libtorch.wheel.torch_install`` holds its argv)."""
+    command = torch_install(advice)
+    return None if command is None else str(command)
 
 
 def _gpu_findings(survey: GpuSurvey, torch: TorchInfo, coverage: BuildCoverage | None,

@@ -4,6 +4,11 @@
 contents it says: which libtorch variant covers every GPU (or that none does, with the options),
 whether it is already installed or active, and whether the current Python torch wheel covers
 every GPU — with the exact ``pip install`` command (and index URL) when it does not.
+
+The plan carries that command twice over one source: ``torch_install`` as a person reads it and
+``pip_argv``, the argv ``fdl setup --install-torch`` runs: the same words after the interpreter
+whose torch was checked (``<python> -m pip install ...``), so the wheel lands where it was
+found wanting. A source build has no ``pip_argv``: fdl shows it and never runs it.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from dataclasses import dataclass
 
 from fdl.libtorch.catalog import LINUX_X86_64, LibtorchArchive, find_archive
 from fdl.libtorch.coverage import advise_builds, check_build
-from fdl.libtorch.diagnose import CPU_WHEEL, install_command
+from fdl.libtorch.install import ArchiveRequest
+from fdl.libtorch.request import archive_request
 from fdl.libtorch.resolve import Resolution, resolve_variant
+from fdl.libtorch.wheel import CPU_WHEEL, TorchInstall, torch_install
 from fdl.system.gpus import GpuSurvey
 from fdl.system.torchenv import TorchInfo
 
@@ -25,12 +32,21 @@ class SetupPlan:
     action: str  # "download" | "activate" | "present" | "none"
     archive: LibtorchArchive | None
     torch_covers: bool | None  # None: torch not installed
-    pip_command: str | None  # the wheel to install when the current one does not fit
+    torch_install: TorchInstall | None  # the wheel to install when the current one does not fit
+    pip_argv: tuple[str, ...] | None  # what --install-torch runs; None: nothing fdl can run
     notes: tuple[str, ...] = ()
 
     @property
     def variant_id(self) -> str | None:
         return f"precompiled/{self.archive.name}" if self.archive else None
+
+    @property
+    def download_request(self) -> ArchiveRequest | None:
+        """The archive to install when the plan downloads one (the same request, metadata and
+        all, as ``fdl libtorch download`` makes for a catalog entry)."""
+        if self.action != "download" or self.archive is None:
+            return None
+        return archive_request(self.archive)
 
 
 def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
@@ -50,17 +66,18 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
         wanted = f"precompiled/{archive.name}"
         action = "present" if active == wanted else "activate" if wanted in installed \
             else "download"
-    covers, pip = _torch_wheel(survey, torch, platform)
-    return SetupPlan(resolution, action, archive, covers, pip, _notes(resolution))
+    covers, command = _torch_wheel(survey, torch, platform)
+    pip_argv = (torch.python, "-m", *command.argv) if command and command.is_wheel else None
+    return SetupPlan(resolution, action, archive, covers, command, pip_argv, _notes(resolution))
 
 
 def _torch_wheel(survey: GpuSurvey, torch: TorchInfo,
-                 platform: str) -> tuple[bool | None, str | None]:
+                 platform: str) -> tuple[bool | None, TorchInstall | None]:
     if not survey.gpus:
         if not torch.installed:
             return None, CPU_WHEEL
         return True, (CPU_WHEEL if torch.cuda_version else None)
-    command = install_command(advise_builds(survey, platform=platform))
+    command = torch_install(advise_builds(survey, platform=platform))
     if not torch.installed or torch.error:
         return None, command
     coverage = check_build(survey, label=f"torch {torch.version}", archs=torch.arch_list,

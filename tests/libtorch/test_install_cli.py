@@ -9,12 +9,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shlex
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 from helpers import GPU_FIXTURES, run_fdl
+
+from fdl.libtorch.store import Store
 
 CPU_PATH = "cpu/libtorch-shared-with-deps-{v}%2Bcpu.zip"
 
@@ -112,3 +116,39 @@ def test_setup_without_yes_and_without_a_terminal_asks_for_yes(http_server, env)
     proc = fdl(env, "setup")
     assert proc.returncode == 2 and "--yes" in proc.stderr
     assert listing(env)["variants"] == []
+
+
+def test_setup_install_torch_runs_exactly_the_pip_command_it_shows(tmp_path, monkeypatch, capsys):
+    # In-process, so that the interpreter can be the seam: pip would fetch torch from the
+    # internet, so a stand-in records `-m pip ...` and hands the rest (the torch probe) on.
+    record = tmp_path / "pip-argv"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pip ]; then\n'
+                      f'  printf "%s\\n" "$@" > {shlex.quote(str(record))}\n  exit 0\nfi\n'
+                      f'exec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    home = tmp_path / "home"
+    for name, value in (("FLODL_HOME", str(home)),
+                        ("FDL_GPU_SURVEY", str(GPU_FIXTURES / "rtx4090.json"))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("FDL_LIBTORCH_MIRROR", raising=False)
+    tree = tmp_path / "tree" / "libtorch"
+    for part in ("lib", "include"):
+        (tree / part).mkdir(parents=True)
+    Store(home / "libtorch").install(kind="precompiled", name="2.14.0-cu126", tree=tree.parent,
+                                     meta={"version": "2.14.0", "cuda": "12.6"})
+
+    from fdl.cli.main import app
+
+    code = app(["setup", "--install-torch", "--yes"], prog_name="fdl", standalone_mode=False)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    shown = next(line.strip().removeprefix("pip").strip() for line in out.splitlines()
+                 if line.split()[:1] == ["pip"])
+    assert shown == ("pip install --force-reinstall 'torch==2.14.0' "
+                     "--index-url https://download.pytorch.org/whl/cu126")
+    ran = record.read_text().splitlines()
+    assert ran == ["-m", *shlex.split(shown)]
+    assert f"running: {shlex.join([str(python), *ran])}" in err.splitlines()
+    assert "precompiled/2.14.0-cu126 at" in out  # activated, nothing downloaded

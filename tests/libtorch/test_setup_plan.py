@@ -1,21 +1,25 @@
-"""fdl setup's plan (pure): which variant, whether to download or activate, the torch wheel."""
+"""fdl setup's plan (pure): which variant, whether to download or activate, the torch wheel
+and the exact argv that installs it."""
 
 from __future__ import annotations
+
+import shlex
 
 from helpers import GPU_FIXTURES
 
 from fdl.libtorch.catalog import find_archive
+from fdl.libtorch.request import DownloadAsk, resolve_download
 from fdl.libtorch.setup_plan import plan_setup
 from fdl.system.gpu_fixture import load_survey_fixture
 from fdl.system.torchenv import TorchInfo
 
-CPU_TORCH = TorchInfo(installed=True, python="python", version="2.13.0+cpu")
-NO_TORCH = TorchInfo(installed=False, python="python")
+CPU_TORCH = TorchInfo(installed=True, python="/venv/bin/python", version="2.13.0+cpu")
+NO_TORCH = TorchInfo(installed=False, python="/venv/bin/python")
 
 
 def cuda_torch(version: str, variant: str) -> TorchInfo:
     archive = find_archive(version=version, variant=variant)
-    return TorchInfo(installed=True, python="python", version=f"{version}+{variant}",
+    return TorchInfo(installed=True, python="/venv/bin/python", version=f"{version}+{variant}",
                      cuda_version=archive.cuda, arch_list=archive.archs)
 
 
@@ -28,7 +32,15 @@ def plan(fixture: str, torch: TorchInfo = CPU_TORCH, installed=(), active=None, 
 def test_cpu_host_downloads_the_cpu_variant_and_keeps_the_cpu_wheel():
     result = plan("none", version="2.13.0")
     assert result.action == "download" and result.variant_id == "precompiled/2.13.0-cpu"
-    assert result.torch_covers is True and result.pip_command is None
+    assert result.torch_covers is True
+    assert result.torch_install is None and result.pip_argv is None
+
+
+def test_the_download_is_the_request_fdl_libtorch_download_makes():
+    result = plan("none", version="2.13.0")
+    asked = resolve_download(DownloadAsk(cpu=True, version="2.13.0"), base=None)
+    assert result.download_request == asked.request
+    assert plan("none", version="2.13.0", installed=[result.variant_id]).download_request is None
 
 
 def test_already_installed_is_activated_and_active_is_present():
@@ -41,13 +53,39 @@ def test_gpu_host_with_cpu_wheel_gets_the_exact_pip_command():
     result = plan("rtx4090")
     assert result.archive.name == "2.14.0-cu126"
     assert result.torch_covers is False
-    assert result.pip_command == ("pip install --force-reinstall 'torch==2.14.0' "
-                                  "--index-url https://download.pytorch.org/whl/cu126")
+    assert str(result.torch_install) == ("pip install --force-reinstall 'torch==2.14.0' "
+                                         "--index-url https://download.pytorch.org/whl/cu126")
+    # what runs: the shown words, by the interpreter whose torch was found wanting
+    assert result.pip_argv == ("/venv/bin/python", "-m", "pip", "install", "--force-reinstall",
+                               "torch==2.14.0", "--index-url",
+                               "https://download.pytorch.org/whl/cu126")
+    assert shlex.split(str(result.torch_install)) == list(result.pip_argv[2:])
 
 
 def test_gpu_host_with_a_covering_wheel_needs_no_pip():
     result = plan("rtx4090", torch=cuda_torch("2.13.0", "cu126"))
-    assert result.torch_covers is True and result.pip_command is None
+    assert result.torch_covers is True
+    assert result.torch_install is None and result.pip_argv is None
+
+
+def test_cpu_host_with_a_cuda_wheel_or_none_gets_the_cpu_wheel():
+    for torch, covers in ((cuda_torch("2.13.0", "cu126"), True), (NO_TORCH, None)):
+        result = plan("none", torch=torch, version="2.13.0")
+        assert result.torch_covers is covers
+        assert result.pip_argv == ("/venv/bin/python", "-m", "pip", "install", "torch",
+                                   "--index-url", "https://download.pytorch.org/whl/cpu")
+        assert str(result.torch_install) == shlex.join(result.pip_argv[2:])
+
+
+def test_a_source_build_is_shown_and_never_run():
+    result = plan("gtx1060_rtx5060ti", torch=NO_TORCH)
+    shown = str(result.torch_install)
+    assert shown.startswith('TORCH_CUDA_ARCH_LIST="6.1;12.0" USE_CUDA=1 python -m pip install '
+                            "--no-build-isolation -v .  # in a pytorch checkout: git clone")
+    assert result.pip_argv is None and not result.torch_install.is_wheel
+    command, _, _ = shown.partition("  #")
+    assert shlex.split(command) == ["TORCH_CUDA_ARCH_LIST=6.1;12.0", "USE_CUDA=1",
+                                    *result.torch_install.argv]
 
 
 def test_mixed_gpus_explain_the_options():
