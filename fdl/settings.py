@@ -1,7 +1,45 @@
-"""The settings contract (work in progress: filled in by the settings change)."""
+"""The settings contract: every run and engine setting, and every ``fdl run`` option, defined once.
+
+A **setting** (:data:`SETTINGS`) has a name (the ``fdl.toml`` key and the ``Trainer`` argument),
+a default, a parser that accepts text or a typed value and raises ``UsageError`` naming what is
+allowed, help text, and the sources it may come from:
+
+* ``--flag`` of ``fdl run`` (``flag=True``; the flag is the name with dashes),
+* an ``FDL_*`` variable (``env``),
+* a key of ``fdl.toml`` or ``[tool.fdl]`` in ``pyproject.toml`` (``file=True``),
+* an argument of ``fdl.Trainer`` in the script (``script=True``).
+
+Precedence, highest first: flag > ``FDL_*`` > ``fdl.toml`` > script > default. ``fdl run``
+resolves the first three (:func:`resolve`) and hands every engine setting (``engine=True``) not
+left at its default to the workers as its ``FDL_*`` variable (:func:`worker_env`), with
+``FDL_SOURCES`` saying where each came from; each worker's engine resolves ``FDL_*`` > script >
+default (``fdl.engine.config``). A **launch option** (:data:`LAUNCH_OPTIONS`) is a flag of ``fdl
+run`` only (torchrun's rendezvous flags, ``--resume``, ``--dry-run`` ...).
+
+Adding a setting is one :class:`SettingSpec` here plus its line in docs/run.md: ``fdl run``'s
+options, the launch request, ``fdl.toml`` parsing, the engine's config, the bench's cell flags
+and every environment scrub derive from these tables.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fdl.errors import ConfigError, UsageError
+
+POLICIES = ("sync", "cadence", "async")
+BACKENDS = ("auto", "nccl", "cpu")
+TIME_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+SOURCES_ENV = "FDL_SOURCES"  # JSON {name: source}, so workers can record provenance
+RUN_DIR_ENV = "FDL_RUN_DIR"  # always set by fdl run: where the workers write
+RESUME_ENV = "FDL_RESUME"  # "1": load the newest valid checkpoint (fdl run --resume)
+LAUNCHER_PID_ENV = "FDL_LAUNCHER_PID"  # the workers die with the launcher (fdl.launch.worker)
 # What torch.distributed.elastic gives each worker (besides TORCHELASTIC_*): a process that
 # inherits them believes it is a worker of some group.
 TORCHRUN_WORKER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -10,7 +48,337 @@ TORCHRUN_WORKER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
 ENV_PREFIXES = ("FDL_", "TORCHELASTIC_")  # fdl's variables and torchelastic's own
 
 
+@dataclass(frozen=True)
+class Setting:
+    """A resolved value and where it came from."""
+
+    value: Any
+    source: str  # "flag" | "env" | "file:<path>" | "script" | "default"
+
+
+# ---- parsers: text (flag, env, file) or a typed value (file, script) -> the value -------------
+
+def parse_policy(value: Any) -> str:
+    return _choice("policy", value, POLICIES)
+
+
+def parse_backend(value: Any) -> str:
+    return _choice("backend", value, BACKENDS)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in allowed:
+        raise UsageError(f"unknown {name} {value!r}", hint=f"use one of: {', '.join(allowed)}")
+    return text
+
+
+def parse_positive_int(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        number = _whole(value, bad=0)
+        if number <= 0:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}",
+                             hint=f"give {name} a whole number >= 1")
+        return number
+
+    return parse
+
+
+def parse_non_negative_int(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        number = _whole(value, bad=-1)
+        if number < 0:
+            raise UsageError(f"{name} must be an integer >= 0, got {value!r}",
+                             hint=f"give {name} a whole number >= 0")
+        return number
+
+    return parse
+
+
+def _whole(value: Any, *, bad: int) -> int:
+    if isinstance(value, bool):
+        return bad
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return bad
+
+
+def parse_slowdown(value: Any) -> tuple[float, ...]:
+    """``"1,2.5"`` or ``[1, 2.5]`` -> ``(1.0, 2.5)``; every factor a finite number > 0."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        factors = tuple(float(item) for item in items)
+    except (TypeError, ValueError):
+        factors = ()
+    if not factors or any(not 0 < f < math.inf for f in factors):  # rejects nan and inf too
+        raise UsageError(
+            f"malformed simulate_slowdown {value!r}",
+            hint="give one factor > 0 per worker, comma-separated, e.g. --simulate-slowdown 1,2.5",
+        )
+    return factors
+
+
+def parse_checkpoint_every(value: Any) -> str:
+    """``3`` (every 3 epochs) or a time ``10m`` / ``90s`` / ``1.5h``, in canonical text: ``"3"``
+    or ``"600s"`` (what workers receive in ``FDL_CHECKPOINT_EVERY``)."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else ""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in TIME_UNITS else (text, "")
+    try:
+        amount = float(number) if unit else int(number)
+    except ValueError:
+        amount = 0
+    if not 0 < amount < math.inf:
+        raise UsageError(f"checkpoint_every must be a number of epochs or a time, got {value!r}",
+                         hint="e.g. --checkpoint-every 2 (epochs) or --checkpoint-every 10m "
+                              "(units s, m, h)")
+    return f"{amount * TIME_UNITS[unit]:g}s" if unit else str(amount)
+
+
+def parse_nproc(value: Any) -> int | str:
+    text = str(value).strip().lower()
+    if text in ("auto", "gpu", "cpu"):
+        return text
+    if text.lstrip("-").isdigit():
+        return parse_positive_int("--nproc-per-node")(value)
+    raise UsageError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', "
+                     f"got {value!r}", hint="e.g. --nproc-per-node 2, or auto for one worker "
+                                            "per GPU")
+
+
+def parse_run_dir(value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise UsageError(f"run_dir must be a non-empty path, got {value!r}",
+                         hint="e.g. --run-dir runs/first")
+    return str(value)
+
+
+def parse_fraction(name: str, *, positive: bool) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        try:
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (number > 0 if positive else number >= 0) or number == math.inf:
+            raise UsageError(f"{name} must be a finite number {'>' if positive else '>='} 0, "
+                             f"got {value!r}")
+        return number
+
+    return parse
+
+
+# ---- the tables -------------------------------------------------------------------------------
+
+ENGINE_PANEL = "El Che engine"
+TORCHRUN_PANEL = "torchrun-compatible"
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    env: str
+    flag: bool = True  # an fdl run option --<name-with-dashes>
+    file: bool = True  # a key of fdl.toml / [tool.fdl]
+    script: bool = False  # an fdl.Trainer argument
+    engine: bool = False  # the workers' engine reads it (fdl run passes it as `env`)
+    panel: str | None = None  # the group in fdl run --help
+
+    @property
+    def flag_name(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def encode(self, value: Any) -> str:
+        """The text a worker (or a flag) receives for ``value``; ``parse`` reads it back."""
+        if isinstance(value, tuple):
+            return ",".join(f"{v:g}" for v in value)
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _engine(name: str, default: Any, parse: Callable[[Any], Any], help: str, env: str = "",
+            **kwargs: Any) -> SettingSpec:
+    return SettingSpec(name, default, parse, help, env or f"FDL_{name.upper()}", engine=True,
+                       panel=ENGINE_PANEL, **kwargs)
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    _engine("policy", "cadence", parse_policy, "sync | cadence | async.", script=True),
+    _engine("backend", "auto", parse_backend, "auto | nccl | cpu.", script=True),
+    _engine("epochs", 5, parse_positive_int("epochs"), "Epochs.", script=True),
+    _engine("batch_size", 64, parse_positive_int("batch_size"),
+            "Batch size per worker per step.", script=True),
+    _engine("seed", 42, parse_non_negative_int("seed"), "Seed for init and data order.",
+            script=True),
+    _engine("simulate_slowdown", None, parse_slowdown,
+            "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN", script=True),
+    _engine("checkpoint_every", None, parse_checkpoint_every,
+            "Checkpoint every N epochs, or a time: 10m, 90s, 2h.", script=True),
+    # Tuning knobs of the engine, read from the environment only.
+    _engine("divergence_threshold", 0.5, parse_fraction("divergence_threshold", positive=False),
+            "Relative distance from the average above which a round counts as diverging.",
+            flag=False, file=False),
+    _engine("overhead_target", 0.05, parse_fraction("overhead_target", positive=True),
+            "Wanted sync time / compute time per round.", flag=False, file=False),
+    SettingSpec("run_dir", None, parse_run_dir,
+                "Run directory (default runs/<UTC>-<stem>-<policy>).", "FDL_RUN_DIR"),
+    SettingSpec("nproc_per_node", "auto", parse_nproc,
+                "Workers per node: N, 'auto' (one per GPU, else 2 CPU workers) or 'cpu'.",
+                "FDL_NPROC_PER_NODE", panel=TORCHRUN_PANEL),
+    SettingSpec("max_restarts", 0, parse_non_negative_int("max_restarts"),
+                "Restart the worker group up to N times.", "FDL_MAX_RESTARTS",
+                panel=TORCHRUN_PANEL),
+)
+BY_NAME: dict[str, SettingSpec] = {spec.name: spec for spec in SETTINGS}
+FILE_KEYS = tuple(spec.name for spec in SETTINGS if spec.file)
+ENGINE_DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS if s.engine}
+SCRIPT_KEYS = tuple(spec.name for spec in SETTINGS if spec.script)
+
+
+@dataclass(frozen=True)
+class LaunchOption:
+    """A flag of ``fdl run`` with no other source: ``kind`` is "text", "int" or "bool"."""
+
+    name: str
+    kind: str
+    help: str
+    panel: str | None = None
+    short: str | None = None
+    metavar: str | None = None
+    after_script: bool = True  # also fdl's when it follows SCRIPT (fdl.launch.request)
+
+    @property
+    def flag_name(self) -> str:
+        return "--json" if self.name == "json_output" else "--" + self.name.replace("_", "-")
+
+
+LAUNCH_OPTIONS: tuple[LaunchOption, ...] = (
+    LaunchOption("nnodes", "text", "Nodes: N or MIN:MAX.", TORCHRUN_PANEL),
+    LaunchOption("node_rank", "int", "This node's rank (static rendezvous).", TORCHRUN_PANEL),
+    LaunchOption("rdzv_endpoint", "text", "HOST:PORT of the rendezvous.", TORCHRUN_PANEL),
+    LaunchOption("rdzv_backend", "text", "c10d (default) or static.", TORCHRUN_PANEL),
+    LaunchOption("rdzv_id", "text", "Job id shared by all nodes.", TORCHRUN_PANEL),
+    LaunchOption("standalone", "bool", "Single node, local rendezvous on a free port.",
+                 TORCHRUN_PANEL),
+    LaunchOption("master_addr", "text", "Static rendezvous address.", TORCHRUN_PANEL),
+    LaunchOption("master_port", "int", "Static rendezvous port.", TORCHRUN_PANEL),
+    LaunchOption("module", "bool", "SCRIPT is a module name.", TORCHRUN_PANEL, short="-m",
+                 after_script=False),
+    LaunchOption("devices", "text", "GPU indices to use, e.g. 0,1."),
+    LaunchOption("overwrite_run_dir", "bool",
+                 "Replace the earlier run in the run directory (only a directory fdl run "
+                 "wrote)."),
+    LaunchOption("resume", "text", "Continue RUN_DIR from its last valid checkpoint.",
+                 metavar="RUN_DIR"),
+    LaunchOption("quiet_ranks", "bool", "Show only rank 0's output on the terminal."),
+    LaunchOption("dry_run", "bool", "Print the launch spec and exit."),
+    LaunchOption("json_output", "bool", "With --dry-run: print JSON."),
+)
+OPTIONS_BY_NAME: dict[str, LaunchOption] = {option.name: option for option in LAUNCH_OPTIONS}
+RUN_FLAGS: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.flag) + tuple(OPTIONS_BY_NAME)
+
+
 def is_launcher_variable(name: str) -> bool:
     """Whether ``name`` is one of fdl's or torchrun's variables (what a test or a benchmark cell
     scrubs so that the caller's environment cannot leak into it)."""
     return name.startswith(ENV_PREFIXES) or name in TORCHRUN_WORKER_ENV
+
+
+def setting_env_names() -> tuple[str, ...]:
+    """Every ``FDL_*`` variable that sets a setting, plus the ones fdl run gives its workers."""
+    return (*(s.env for s in SETTINGS), SOURCES_ENV, RESUME_ENV, LAUNCHER_PID_ENV)
+
+
+def without_run_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` minus every variable that sets a run setting or tells a process it is a worker
+    (what a benchmark cell starts from: its flags alone decide how it trains). fdl's other
+    variables (``FDL_ALLOW_HTTP``, ``FDL_DEBUG`` ...) and everything else pass."""
+    dropped = set(setting_env_names()) | set(TORCHRUN_WORKER_ENV)
+    return {name: value for name, value in env.items()
+            if name not in dropped and not name.startswith("TORCHELASTIC_")}
+
+
+def as_flags(values: Mapping[str, Any]) -> list[str]:
+    """``fdl run`` flags for ``values`` (setting name -> value; None is left out)."""
+    argv: list[str] = []
+    for name, value in values.items():
+        spec = BY_NAME[name]
+        if not spec.flag:
+            raise ValueError(f"setting {name} has no fdl run flag")
+        if value is not None:
+            argv += [spec.flag_name, spec.encode(value)]
+    return argv
+
+
+# ---- resolution -------------------------------------------------------------------------------
+
+def parse_from(spec: SettingSpec, value: Any, *, origin: str) -> Any:
+    """``spec.parse(value)``, its error prefixed with where the value came from."""
+    try:
+        return spec.parse(value)
+    except UsageError as exc:
+        raise type(exc)(f"{origin}: {exc.message}", hint=exc.hint) from exc
+
+
+def resolve(*, flags: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
+            file_path: Path | None) -> dict[str, Setting]:
+    """Every setting resolved flag > env > file > default (fdl run). Flags of None are unset;
+    ``file_values`` are already parsed (:func:`load_config_file`)."""
+    resolved = {}
+    for spec in SETTINGS:
+        if spec.flag and flags.get(spec.name) is not None:
+            resolved[spec.name] = Setting(spec.parse(flags[spec.name]), "flag")
+        elif env.get(spec.env):
+            value = _from_env(spec, env[spec.env])
+            resolved[spec.name] = Setting(value, "env")
+        elif spec.name in file_values:
+            resolved[spec.name] = Setting(file_values[spec.name], f"file:{file_path}")
+        else:
+            resolved[spec.name] = Setting(spec.default, "default")
+    return resolved
+
+
+def _from_env(spec: SettingSpec, raw: str) -> Any:
+    try:
+        return spec.parse(raw)
+    except UsageError as exc:
+        raise ConfigError(f"{spec.env}: {exc.message}", hint=exc.hint) from exc
+
+
+def worker_env(settings: Mapping[str, Setting]) -> dict[str, str]:
+    """``FDL_*`` variables for the workers: every engine setting not left at its default, and
+    ``FDL_SOURCES`` with the provenance of each."""
+    engine = [spec for spec in SETTINGS if spec.engine and spec.name in settings]
+    env = {spec.env: spec.encode(settings[spec.name].value) for spec in engine
+           if settings[spec.name].source != "default"}
+    env[SOURCES_ENV] = json.dumps({spec.name: settings[spec.name].source for spec in engine})
+    return env
+
+
+def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
+    """``FDL_SOURCES`` as written by :func:`worker_env` ({} when absent or unreadable)."""
+    try:
+        sources = json.loads(env.get(SOURCES_ENV, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return sources if isinstance(sources, dict) else {}
+
+
+def resolve_engine(*, script: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Setting]:
+    """The engine's settings in a worker: ``FDL_*`` > the script's value > default. A script
+    value equal to the default counts as default."""
+    sources = launcher_sources(env)
+    settings = {}
+    for spec in SETTINGS:
+        if not spec.engine:
+            continue
+        if env.get(spec.env):
+            value = parse_from(spec, env[spec.env], origin=spec.env)
+            settings[spec.name] = Setting(value, str(sources.get(spec.name, "env")))
+        elif spec.script and script.get(spec.name) not in (None, spec.default):
+            value = parse_from(spec, script[spec.name], origin=spec.name)
+            settings[spec.name] = Setting(value, "script")
+        else:
+            settings[spec.name] = Setting(spec.default, "default")
+    return settings

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl.bench.cells import Cell, Mode, format_factor
 from fdl.bench.datasets import dataset_status
 from fdl.bench.models import MODELS, BenchModel, get_model
 from fdl.bench.records import (
@@ -40,60 +41,17 @@ from fdl.bench.records import (
     write_sweep_json,
 )
 from fdl.errors import FdlError, UsageError
+from fdl.settings import BY_NAME as SETTINGS_BY_NAME
+from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
 
-POLICIES = ("sync", "cadence", "async")
+__all__ = ["Cell", "Mode"]  # re-exported: callers plan cells here
 QUICK_MODELS = ("mlp", "lenet5")
 OFFLINE = ("cached", "bundled", "generated")
 # --quick trains on the generated dataset: the same data on every machine, whatever its cache
 # holds, with no network, and epochs long enough (16384 samples) to show the steady state.
 QUICK_DATASET = "synthetic"
-# The engine settings every cell passes as flags; the same names in the environment are dropped
-# so that a user's FDL_SLOWDOWN (say) cannot leak into a cell that sets no slowdown.
-_ENGINE_ENV = ("FDL_POLICY", "FDL_BACKEND", "FDL_EPOCHS", "FDL_BATCH_SIZE", "FDL_SEED",
-               "FDL_SLOWDOWN", "FDL_RUN_DIR", "FDL_NPROC_PER_NODE", "FDL_MAX_RESTARTS")
 _LOG_TAIL_LINES = 30
 _STOP_GRACE_S = 30
-
-
-@dataclass(frozen=True)
-class Mode:
-    """How a cell trains: ``policy`` is "solo" or an El Che policy; ``backend`` None for solo;
-    ``slowdown`` the emulated factor per rank (None on real GPUs); ``devices`` GPU indices;
-    ``threads`` each worker's CPU threads when emulating (None: the launcher decides)."""
-
-    name: str
-    policy: str
-    backend: str | None
-    world_size: int
-    slowdown: tuple[float, ...] | None
-    devices: tuple[int, ...] | None = None
-    threads: int | None = None
-
-
-@dataclass(frozen=True)
-class Cell:
-    model: str
-    dataset: str
-    mode: str
-    policy: str
-    backend: str | None
-    seed: int
-    world_size: int
-    slowdown: tuple[float, ...] | None
-    epochs: int
-    devices: tuple[int, ...] | None = None
-    threads: int | None = None
-
-    @property
-    def key(self) -> str:
-        """Unique within a sweep and safe as a file name; names the run directory, so a record's
-        ``run_dir`` gives its key back (resume reads it from there)."""
-        factors = "_".join(_factor(f) for f in self.slowdown) if self.slowdown else "real"
-        return f"{self.model}.{self.dataset}.{self.mode}.x{factors}.seed{self.seed}.ep{self.epochs}"
-
-    @property
-    def emulated(self) -> bool:
-        return self.slowdown is not None and any(f != 1.0 for f in self.slowdown)
 
 
 @dataclass(frozen=True)
@@ -105,14 +63,12 @@ class DatasetChoice:
 
 
 def parse_slowdown(text: str) -> tuple[float, ...]:
-    """``"1,2.5"`` -> ``(1.0, 2.5)``: two or more finite factors > 0, one per worker."""
-    try:
-        factors = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        factors = ()
-    if len(factors) < 2 or not all(0 < f < float("inf") for f in factors):
-        raise UsageError(f"--simulate-slowdown: bad factor list {text!r}",
-                         hint="two or more numbers > 0, one per worker, e.g. 1,2.5")
+    """``"1,2.5"`` -> ``(1.0, 2.5)``: the settings' factor list (fdl.settings.parse_slowdown),
+    with two or more factors: a sweep compares El Che across two or more workers."""
+    factors = parse_from(SETTINGS_BY_NAME["simulate_slowdown"], text, origin="--simulate-slowdown")
+    if len(factors) < 2:
+        raise UsageError(f"--simulate-slowdown: {text!r} has one factor; a sweep needs two or more",
+                         hint="one number > 0 per worker, e.g. 1,2.5")
     return factors
 
 
@@ -132,11 +88,11 @@ def plan_modes(*, slowdown: Sequence[float], gpus: int,
     factors = tuple(float(f) for f in slowdown)
     threads = max(1, (cores or os.cpu_count() or 1) // len(factors))
     distinct = list(dict.fromkeys(factors))
-    modes = [Mode(f"solo@{_factor(f)}x", "solo", None, 1, (f,), None, threads) for f in distinct]
+    modes = [Mode(f"solo@{format_factor(f)}x", "solo", None, 1, (f,), None, threads) for f in distinct]
     modes += [Mode(f"{p}-cpu", p, "cpu", len(factors), factors, None, threads) for p in POLICIES]
     found = "no GPU" if gpus == 0 else "1 GPU"
     return modes, [f"nccl modes not planned: they need 2 or more GPUs and this host has {found}",
-                   f"slowdown emulated with factors {','.join(_factor(f) for f in factors)}, "
+                   f"slowdown emulated with factors {','.join(format_factor(f) for f in factors)}, "
                    f"{threads} CPU thread(s) per worker in every mode"]
 
 
@@ -330,15 +286,15 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
 
 
 def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:
-    """The ``fdl run`` command line of a cell (every engine setting given as a flag)."""
+    """The ``fdl run`` command line of a cell (every setting the cell depends on given as a flag;
+    :func:`cell_env` drops the rest)."""
     model = get_model(cell.model)
-    argv = [sys.executable, "-m", "fdl", "run", "--nproc-per-node", str(cell.world_size),
-            "--policy", "cadence" if cell.policy == "solo" else cell.policy,
-            "--backend", cell.backend or "auto", "--epochs", str(cell.epochs),
-            "--seed", str(cell.seed), "--batch-size", str(model.batch_size),
-            "--run-dir", str(run_dir), "--quiet-ranks"]
-    if cell.slowdown is not None:
-        argv += ["--simulate-slowdown", ",".join(_factor(f) for f in cell.slowdown)]
+    argv = [sys.executable, "-m", "fdl", "run", *as_flags({
+        "nproc_per_node": cell.world_size,
+        "policy": "cadence" if cell.policy == "solo" else cell.policy,
+        "backend": cell.backend or "auto", "epochs": cell.epochs, "seed": cell.seed,
+        "batch_size": model.batch_size, "run_dir": str(run_dir),
+        "simulate_slowdown": cell.slowdown}), "--quiet-ranks"]
     if cell.devices is not None:
         argv += ["--devices", ",".join(str(i) for i in cell.devices)]
     return [*argv, "-m", "fdl.bench.worker", "--", "--model", cell.model,
@@ -346,9 +302,10 @@ def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:
 
 
 def cell_env(cell: Cell) -> dict[str, str]:
-    """This environment without the engine's FDL_* settings, plus the cell's thread count
-    (a user's own OMP_NUM_THREADS wins: it is the same for every cell)."""
-    env = {k: v for k, v in os.environ.items() if k not in _ENGINE_ENV}
+    """This environment without any run setting (a user's FDL_SLOWDOWN or FDL_CHECKPOINT_EVERY
+    must not leak into a cell), plus the cell's thread count (a user's own OMP_NUM_THREADS wins:
+    it is the same for every cell)."""
+    env = without_run_settings(os.environ)
     if cell.threads is not None and not env.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = str(cell.threads)
     return env
@@ -359,10 +316,6 @@ def _tail(log: Path) -> list[str]:
         return log.read_text(encoding="utf-8", errors="replace").splitlines()[-_LOG_TAIL_LINES:]
     except OSError:
         return []
-
-
-def _factor(value: float) -> str:
-    return f"{value:g}"
 
 
 def cell_to_json(cell: Cell) -> dict[str, Any]:

@@ -7,9 +7,12 @@ See docs/run.md for flags, environment variables, the run directory and failure 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Optional
+import inspect
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+
+from fdl.settings import LAUNCH_OPTIONS, SETTINGS
 
 if TYPE_CHECKING:
     from fdl.launch.elastic import LaunchResult
@@ -17,74 +20,66 @@ if TYPE_CHECKING:
 
 RUN_CONTEXT = {"allow_interspersed_args": False}
 
-_T = "torchrun-compatible"
-_E = "El Che engine"
 
-
-def run(
-    script: Annotated[Optional[str], typer.Argument(help="The training script (or module with --module); with --resume, the run's own by default.")] = None,  # noqa: UP045
-    args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,  # noqa: UP045
-    nproc_per_node: Annotated[Optional[str], typer.Option(  # noqa: UP045
-        help="Workers per node: N, 'auto' (one per GPU, else 2 CPU workers) or 'cpu'.",
-        rich_help_panel=_T)] = None,
-    nnodes: Annotated[Optional[str], typer.Option(help="Nodes: N or MIN:MAX.", rich_help_panel=_T)] = None,  # noqa: UP045
-    node_rank: Annotated[Optional[int], typer.Option(help="This node's rank (static rendezvous).", rich_help_panel=_T)] = None,  # noqa: UP045
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT of the rendezvous.", rich_help_panel=_T)] = None,  # noqa: UP045
-    rdzv_backend: Annotated[Optional[str], typer.Option(help="c10d (default) or static.", rich_help_panel=_T)] = None,  # noqa: UP045
-    rdzv_id: Annotated[Optional[str], typer.Option(help="Job id shared by all nodes.", rich_help_panel=_T)] = None,  # noqa: UP045
-    max_restarts: Annotated[Optional[int], typer.Option(help="Restart the worker group up to N times.", rich_help_panel=_T)] = None,  # noqa: UP045
-    standalone: Annotated[bool, typer.Option(help="Single node, local rendezvous on a free port.", rich_help_panel=_T)] = False,
-    master_addr: Annotated[Optional[str], typer.Option(help="Static rendezvous address.", rich_help_panel=_T)] = None,  # noqa: UP045
-    master_port: Annotated[Optional[int], typer.Option(help="Static rendezvous port.", rich_help_panel=_T)] = None,  # noqa: UP045
-    module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module name.", rich_help_panel=_T)] = False,
-    devices: Annotated[Optional[str], typer.Option(help="GPU indices to use, e.g. 0,1.")] = None,  # noqa: UP045
-    policy: Annotated[Optional[str], typer.Option(help="sync | cadence | async.", rich_help_panel=_E)] = None,  # noqa: UP045
-    backend: Annotated[Optional[str], typer.Option(help="auto | nccl | cpu.", rich_help_panel=_E)] = None,  # noqa: UP045
-    simulate_slowdown: Annotated[Optional[str], typer.Option(help="Per-worker slowdown factors, e.g. 1,2.5.", rich_help_panel=_E)] = None,  # noqa: UP045
-    epochs: Annotated[Optional[str], typer.Option(help="Epochs.", rich_help_panel=_E)] = None,  # noqa: UP045
-    batch_size: Annotated[Optional[str], typer.Option(help="Batch size per worker per step.", rich_help_panel=_E)] = None,  # noqa: UP045
-    seed: Annotated[Optional[str], typer.Option(help="Seed for init and data order.", rich_help_panel=_E)] = None,  # noqa: UP045
-    run_dir: Annotated[Optional[str], typer.Option(help="Run directory (default runs/<UTC>-<stem>-<policy>).")] = None,  # noqa: UP045
-    overwrite_run_dir: Annotated[bool, typer.Option(help="Replace the earlier run in the run directory (only a directory fdl run wrote).")] = False,
-    checkpoint_every: Annotated[Optional[str], typer.Option(help="Checkpoint every N epochs, or a time: 10m, 90s, 2h.", rich_help_panel=_E)] = None,  # noqa: UP045
-    resume: Annotated[Optional[str], typer.Option(help="Continue RUN_DIR from its last valid checkpoint.", metavar="RUN_DIR")] = None,  # noqa: UP045
-    quiet_ranks: Annotated[bool, typer.Option(help="Show only rank 0's output on the terminal.")] = False,
-    dry_run: Annotated[bool, typer.Option(help="Print the launch spec and exit.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="With --dry-run: print JSON.")] = False,
-) -> None:
+def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:  # noqa: UP045
     """Launch one worker per device and run SCRIPT in each (torch.distributed.elastic).
 
     fdl's options may come before or after SCRIPT; other arguments go to the script, and so
     does everything after `--`. Example: fdl run train.py --policy async -- --lr 0.1
     """
     from fdl.launch import plan_run
-    from fdl.launch.spec import RunRequest, split_script_args
+    from fdl.launch.request import RunRequest, split_script_args
 
-    options = dict(
-        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend, rdzv_id=rdzv_id,
-        standalone=standalone, master_addr=master_addr, master_port=master_port,
-        max_restarts=max_restarts, devices=devices, policy=policy, backend=backend,
-        simulate_slowdown=simulate_slowdown, epochs=epochs, batch_size=batch_size, seed=seed,
-        run_dir=run_dir, checkpoint_every=checkpoint_every, resume=resume,
-        overwrite_run_dir=overwrite_run_dir, quiet_ranks=quiet_ranks, dry_run=dry_run,
-        json_output=json_output)
     claimed, script_args = split_script_args(tuple(args or ()))
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
-        if options[key] in (None, False):
-            options[key] = value
-    dry_run, json_output = options.pop("dry_run"), options.pop("json_output")
+        if flags.get(key) in (None, False):
+            flags[key] = value
+    dry_run, json_output = flags.pop("dry_run"), flags.pop("json_output")
     if json_output and not dry_run:
         from fdl.errors import UsageError
 
         raise UsageError("--json only applies to --dry-run",
                          hint="fdl run --dry-run --json SCRIPT prints the launch spec as JSON")
-    request = RunRequest(script=script, script_args=script_args, module=module, **options)
-    spec = plan_run(request)
+    given = {key: value for key, value in flags.items() if value not in (None, False)}
+    spec = plan_run(RunRequest(script, script_args, given))
     if dry_run:
         _print_spec(spec, as_json=json_output)
         return
     raise typer.Exit(_execute(spec))
+
+
+def _parameters() -> list[inspect.Parameter]:
+    """fdl run's Typer parameters, made from the settings contract (fdl.settings): every
+    setting with a flag takes text its parser reads; launch options are text, int or switches
+    named exactly as typed (no --no-... twins)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("script", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                          annotation=Annotated[Optional[str], typer.Argument(  # noqa: UP045
+                              help="The training script (or module with --module); with "
+                                   "--resume, the run's own by default.")]),
+        inspect.Parameter("args", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                          annotation=Annotated[Optional[list[str]], typer.Argument(  # noqa: UP045
+                              help="Arguments for the script.")]),
+    ]
+    for spec in SETTINGS:
+        if spec.flag:
+            option = typer.Option(spec.flag_name, help=spec.help, rich_help_panel=spec.panel)
+            params.append(inspect.Parameter(spec.name, keyword, default=None,
+                                            annotation=Annotated[Optional[str], option]))  # noqa: UP045
+    for launch_option in LAUNCH_OPTIONS:
+        names = [launch_option.flag_name, *([launch_option.short] if launch_option.short else [])]
+        option = typer.Option(*names, help=launch_option.help, metavar=launch_option.metavar,
+                              rich_help_panel=launch_option.panel)
+        kind = {"bool": bool, "int": Optional[int], "text": Optional[str]}[launch_option.kind]  # noqa: UP045
+        params.append(inspect.Parameter(launch_option.name, keyword,
+                                        default=False if kind is bool else None,
+                                        annotation=Annotated[kind, option]))
+    return params
+
+
+run.__signature__ = inspect.Signature(_parameters())  # type: ignore[attr-defined]
+run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}  # type: ignore[attr-defined]
 
 
 def _execute(spec: LaunchSpec) -> int:

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fdl.errors import UsageError
+from fdl.settings import ENGINE_DEFAULTS, POLICIES
 
-POLICIES = ("sync", "cadence", "async")
 EMA_MIN_ALPHA, EMA_MAX_ALPHA = 0.3, 0.8
 # Float noise must not add a step: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
 _CEIL_TOLERANCE = 1e-9
@@ -49,11 +49,11 @@ class PlanConfig:
     batch_size: int
     dataset_size: int
     epochs: int
-    policy: str = "cadence"
+    policy: str = ENGINE_DEFAULTS["policy"]
     initial_anchor: int = 4
     min_anchor: int = 1
     max_anchor: int = 200
-    overhead_target: float = 0.05
+    overhead_target: float = ENGINE_DEFAULTS["overhead_target"]
     # Small on purpose: a dead zone as wide as 10% lets a 10% imbalance stand, and the fast
     # rank idles for exactly that long every round (measured with scripts/bench-elche).
     dead_zone: float = 0.02

@@ -44,6 +44,7 @@ from fdl.engine.plan import PlanConfig, PlanState, initial_state
 from fdl.engine.policies import Worker
 from fdl.engine.speed import RunningMean
 from fdl.errors import UsageError
+from fdl.settings import RESUME_ENV
 
 
 def restart_attempt(env: Mapping[str, str] | None = None) -> int:
@@ -60,7 +61,7 @@ def find_resume_checkpoint(run_dir: Path | None, *, rank: int, world_size: int,
     every rank resumes from the same checkpoint. With ``FDL_RESUME=1`` (``fdl run --resume``)
     and none usable, every rank raises the same UsageError."""
     env = os.environ if env is None else env
-    explicit = env.get("FDL_RESUME") == "1"
+    explicit = env.get(RESUME_ENV) == "1"
     if run_dir is None or not (explicit or restart_attempt(env) > 0):
         return None, []
     found: list[Any] = [latest_checkpoint(run_dir, check=checkpoint_problem)

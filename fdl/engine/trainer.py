@@ -35,6 +35,7 @@ from fdl.engine.policies import NUM_STATS, Worker, train
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
 from fdl.engine.timeline import Timeline
 from fdl.errors import UsageError
+from fdl.settings import ENGINE_DEFAULTS
 
 
 @dataclass
@@ -54,13 +55,15 @@ class Trainer:
     train_data: Any
     eval_data: Any = None
     evaluate: Callable[[nn.Module, Any], dict[str, float]] | None = None
-    batch_size: int = 64
-    epochs: int = 5
+    # Defaults of the settings contract (fdl.settings): "a script value equal to the default
+    # counts as default", so fdl.toml and FDL_* can still set them.
+    batch_size: int = ENGINE_DEFAULTS["batch_size"]
+    epochs: int = ENGINE_DEFAULTS["epochs"]
     max_grad_norm: float | None = None
     schedule: Callable[[float], float] | None = None
-    policy: str = "cadence"
-    backend: str = "auto"
-    seed: int = 42
+    policy: str = ENGINE_DEFAULTS["policy"]
+    backend: str = ENGINE_DEFAULTS["backend"]
+    seed: int = ENGINE_DEFAULTS["seed"]
     checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
     _resumed_from: str | None = field(default=None, init=False, repr=False)

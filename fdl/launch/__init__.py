@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep
     from collections.abc import Mapping
     from pathlib import Path
 
-    from fdl.launch.spec import LaunchSpec, RunRequest
+    from fdl.launch.request import RunRequest
+    from fdl.launch.spec import LaunchSpec
 
 
 def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
@@ -31,17 +32,36 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
 
     import psutil
 
-    from fdl.launch.settings import load_config_file
+    from fdl.launch.config_file import load_config_file
     from fdl.launch.spec import build_launch_spec
+    from fdl.settings import BY_NAME
     from fdl.system.gpus import GpuSurvey, probe_gpus
 
     env = os.environ if env is None else env
     cwd = Path.cwd() if cwd is None else cwd
+    if request.get("resume") is not None:
+        from fdl.launch.resume import resume_request
+
+        request = resume_request(request, cwd=cwd)
+    _check_script(request, cwd=cwd)
     file_values, file_path = load_config_file(cwd)
-    wants_cpu = str(request.nproc_per_node or file_values.get("nproc_per_node", "")) == "cpu"
-    survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
+    nproc = request.get("nproc_per_node") or env.get(BY_NAME["nproc_per_node"].env) \
+        or file_values.get("nproc_per_node", "")
+    survey = GpuSurvey("none", (), None, None) if str(nproc).strip().lower() == "cpu" \
+        else probe_gpus(env=env)
     return build_launch_spec(
         request, survey=survey, env=env, file_values=file_values, file_path=file_path, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
-        logical_cores=psutil.cpu_count(logical=True) or 1,
+        logical_cores=psutil.cpu_count(logical=True) or 1, taken=Path.exists,
     )
+
+
+def _check_script(request: RunRequest, *, cwd: Path) -> None:
+    from fdl.errors import UsageError
+
+    if request.script is None:
+        raise UsageError("missing SCRIPT", hint="fdl run [OPTIONS] SCRIPT [ARGS...], or fdl run "
+                                                "--resume RUN_DIR to continue a run")
+    if not request.get("module") and not (cwd / request.script).is_file():
+        raise UsageError(f"script not found: {request.script}",
+                         hint="fdl run SCRIPT [ARGS...], e.g. fdl run train.py --policy async")

@@ -46,7 +46,7 @@ from fdl.launch.rendezvous import (
 )
 from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
-from fdl.launch.worker import LAUNCHER_PID_ENV
+from fdl.settings import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
@@ -82,6 +82,10 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
 
     if importlib.util.find_spec("torch") is None:
         raise MissingTorchError("fdl run")
+    if spec.run_dir_use == "resume":
+        from fdl.launch.resume import check_resumable
+
+        check_resumable(spec.run_dir)
     if spec.module:
         problem = module_problem(str(spec.script), search_path=[os.getcwd(), *sys.path[1:]])
         if problem:

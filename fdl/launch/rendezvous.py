@@ -32,7 +32,7 @@ from fdl.errors import UsageError
 from fdl.launch.slurm import RDZV_PORT, SlurmJob, slurm_job
 
 if TYPE_CHECKING:
-    from fdl.launch.spec import RunRequest
+    from fdl.launch.request import RunRequest
 
 RESOLVE_TIMEOUT_S = 15
 
@@ -59,20 +59,22 @@ def plan_rendezvous(request: RunRequest, *, env: Mapping[str, str], run_id: str)
     """The rendezvous of ``request`` (flags, else Slurm, else one node); usage errors for
     flags that contradict each other or cannot work. Pure: reads only ``env``."""
     _check_standalone(request)
-    slurm = None if request.standalone else slurm_job(env)
-    nnodes = request.nnodes or (str(slurm.nnodes) if slurm else "1")
+    slurm = None if request.get("standalone") else slurm_job(env)
+    nnodes = request.get("nnodes") or (str(slurm.nnodes) if slurm else "1")
     min_nodes, max_nodes = _parse_nnodes(nnodes)
-    backend = request.rdzv_backend or "c10d"
+    backend = request.get("rdzv_backend") or "c10d"
     if backend not in ("c10d", "static"):
         raise UsageError(f"unknown --rdzv-backend {backend!r}", hint="use c10d or static")
-    if request.master_port is not None and not 0 < request.master_port < 2**16:
-        raise UsageError(f"--master-port must be a port number 1-65535, got {request.master_port}",
+    master_port = request.get("master_port")
+    if master_port is not None and not 0 < master_port < 2**16:
+        raise UsageError(f"--master-port must be a port number 1-65535, got {master_port}",
                          hint="or leave it out for a local rendezvous on a free port")
-    run_id = request.rdzv_id or (slurm.job_id if slurm else run_id)
-    if max_nodes == 1 and not request.rdzv_endpoint:
+    run_id = request.get("rdzv_id") or (slurm.job_id if slurm else run_id)
+    if max_nodes == 1 and not request.get("rdzv_endpoint"):
         return _single_node(request, backend=backend, run_id=run_id)
     endpoint = _endpoint(request, slurm=slurm, backend=backend)
-    node_rank = request.node_rank if request.node_rank is not None else (
+    node_rank = request.get("node_rank")
+    node_rank = node_rank if node_rank is not None else (
         slurm.node_rank if slurm else None)
     if backend == "static":
         _check_static(node_rank, nnodes=nnodes, min_nodes=min_nodes, max_nodes=max_nodes)
@@ -80,18 +82,18 @@ def plan_rendezvous(request: RunRequest, *, env: Mapping[str, str], run_id: str)
         raise _node_rank_error(node_rank, max_nodes)
     return Rendezvous(backend, endpoint, run_id, min_nodes, max_nodes,
                       node_rank if backend == "static" else None, None,
-                      "slurm" if slurm and not request.rdzv_endpoint else "flags")
+                      "slurm" if slurm and not request.get("rdzv_endpoint") else "flags")
 
 
 def _check_standalone(request: RunRequest) -> None:
-    if not request.standalone:
+    if not request.get("standalone"):
         return
-    given = [flag for flag, value in (("--rdzv-endpoint", request.rdzv_endpoint),
-                                      ("--master-addr", request.master_addr),
-                                      ("--master-port", request.master_port))
+    given = [flag for flag, value in (("--rdzv-endpoint", request.get("rdzv_endpoint")),
+                                      ("--master-addr", request.get("master_addr")),
+                                      ("--master-port", request.get("master_port")))
              if value is not None]
-    if request.nnodes is not None and _parse_nnodes(request.nnodes) != (1, 1):
-        given.insert(0, f"--nnodes {request.nnodes}")
+    if request.get("nnodes") is not None and _parse_nnodes(request.get("nnodes")) != (1, 1):
+        given.insert(0, f"--nnodes {request.get('nnodes')}")
     if given:
         raise UsageError(f"--standalone runs one node on a local rendezvous; it cannot be "
                          f"combined with {', '.join(given)}",
@@ -102,15 +104,15 @@ def _single_node(request: RunRequest, *, backend: str, run_id: str) -> Rendezvou
     """One node without an endpoint: torchrun's static rendezvous at --master-addr/port, else
     c10d on 127.0.0.1 with a port the OS picks. The launcher binds the store to that address
     only (:attr:`Rendezvous.binds_locally`)."""
-    if request.node_rank not in (None, 0):
-        raise _node_rank_error(request.node_rank, 1)
-    if request.master_port is not None:
-        addr = request.master_addr or "127.0.0.1"
-        host, _ = parse_endpoint(addr, flag="--master-addr", default_port=request.master_port)
-        return Rendezvous("static", join_endpoint(host, request.master_port), run_id, 1, 1, 0,
+    if request.get("node_rank") not in (None, 0):
+        raise _node_rank_error(request.get("node_rank"), 1)
+    if request.get("master_port") is not None:
+        addr = request.get("master_addr") or "127.0.0.1"
+        host, _ = parse_endpoint(addr, flag="--master-addr", default_port=request.get("master_port"))
+        return Rendezvous("static", join_endpoint(host, request.get("master_port")), run_id, 1, 1, 0,
                           host, "flags")
-    if request.master_addr is not None:
-        raise UsageError(f"--master-addr {request.master_addr} needs --master-port PORT",
+    if request.get("master_addr") is not None:
+        raise UsageError(f"--master-addr {request.get('master_addr')} needs --master-port PORT",
                          hint="give both for torchrun's static rendezvous, or neither for a "
                               "local rendezvous on a free port")
     if backend == "static":
@@ -120,15 +122,15 @@ def _single_node(request: RunRequest, *, backend: str, run_id: str) -> Rendezvou
 
 
 def _endpoint(request: RunRequest, *, slurm: SlurmJob | None, backend: str) -> str:
-    if request.rdzv_endpoint is not None:
-        text, flag = request.rdzv_endpoint, "--rdzv-endpoint"
+    if request.get("rdzv_endpoint") is not None:
+        text, flag = request.get("rdzv_endpoint"), "--rdzv-endpoint"
     elif slurm is not None:
         text, flag = slurm.endpoint, "SLURM_JOB_NODELIST"
-    elif request.master_addr is not None:
-        text = join_endpoint(request.master_addr, request.master_port or RDZV_PORT)
+    elif request.get("master_addr") is not None:
+        text = join_endpoint(request.get("master_addr"), request.get("master_port") or RDZV_PORT)
         flag = "--master-addr"
     else:
-        raise UsageError(f"--nnodes {request.nnodes} needs --rdzv-endpoint HOST:PORT",
+        raise UsageError(f"--nnodes {request.get('nnodes')} needs --rdzv-endpoint HOST:PORT",
                          hint="run the same command on every node, e.g. "
                               "--nnodes 2 --rdzv-endpoint node0:29400")
     host, port = parse_endpoint(text, flag=flag,

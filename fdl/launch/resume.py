@@ -5,59 +5,71 @@ unless given again (then the new value wins: ``--nproc-per-node 1`` resumes with
 fewer, ``--epochs 10`` trains further). The workers get ``FDL_RESUME=1`` and load the newest
 checkpoint whose files match its manifest (fdl.engine.checkpoint); nothing starts when there is
 none.
+
+Planning (:func:`resume_request`, also under ``--dry-run``) reads only ``config.json``;
+the checkpoints are read and hashed by :func:`check_resumable`, just before the run starts.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
-from fdl.launch.spec import DEFAULTS, RunRequest
+from fdl.launch.request import RunRequest
+from fdl.settings import BY_NAME
 
 
 def resume_request(request: RunRequest, *, cwd: Path) -> RunRequest:
-    """``request`` completed from the run directory it resumes; usage errors for a directory
-    that is not a resumable run."""
-    from fdl.engine.checkpoint import DIRNAME, latest_checkpoint
-
-    assert request.resume is not None
-    run_dir = (cwd / request.resume).resolve()
+    """``request`` completed from the ``config.json`` of the run it resumes; usage errors for a
+    directory that is not a run of fdl run."""
+    given = request.get("resume")
+    assert given is not None
+    run_dir = (cwd / given).resolve()
     if not run_dir.is_dir():
-        raise UsageError(f"--resume {request.resume}: no such run directory",
+        raise UsageError(f"--resume {given}: no such run directory",
                          hint="--resume takes the run directory of an earlier fdl run")
-    if request.run_dir is not None and (cwd / request.run_dir).resolve() != run_dir:
+    explicit = request.get("run_dir")
+    if explicit is not None and (cwd / explicit).resolve() != run_dir:
         raise UsageError("--resume and --run-dir name different directories",
                          hint="--resume RUN_DIR continues in RUN_DIR; leave --run-dir out")
+    previous = _previous_config(run_dir)
+    if request.script is None:
+        script = previous.get("script")
+        if not script or not isinstance(script, str):
+            raise UsageError(f"{run_dir}/config.json does not name the script",
+                             hint="fdl run --resume RUN_DIR SCRIPT [ARGS...]")
+        args = previous.get("args", ())
+        request = RunRequest(script, tuple(str(a) for a in args) if isinstance(args, list)
+                             else (), {**request.flags, "module": bool(previous.get("module"))})
+    settings = previous.get("settings", {})
+    flags = {key: _as_flag(entry["value"])
+             for key, entry in (settings.items() if isinstance(settings, dict) else ())
+             if key in BY_NAME and BY_NAME[key].flag and key != "run_dir"
+             and isinstance(entry, dict) and entry.get("source") == "flag"
+             and request.get(key) is None}
+    return request.with_flags(run_dir=str(run_dir), **flags)
+
+
+def check_resumable(run_dir: Path) -> None:
+    """A usage error unless ``run_dir`` holds a checkpoint whose files match its manifest (each
+    file is read and hashed)."""
+    from fdl.engine.checkpoint import DIRNAME, latest_checkpoint
+
     checkpoint, skipped = latest_checkpoint(run_dir)
     if checkpoint is None:
         why = "; ".join(skipped) or "none was written"
-        raise UsageError(f"--resume {request.resume}: no usable checkpoint in "
-                         f"{run_dir / DIRNAME} ({why})",
+        raise UsageError(f"--resume {run_dir}: no usable checkpoint in {run_dir / DIRNAME} "
+                         f"({why})",
                          hint="checkpoints are written with --checkpoint-every N (epochs) or 10m")
-    previous = _previous_config(run_dir)
-    script = request.script
-    if script is None:
-        script = previous.get("script")
-        if not script:
-            raise UsageError(f"{run_dir}/config.json does not name the script",
-                             hint="fdl run --resume RUN_DIR SCRIPT [ARGS...]")
-        request = replace(request, script_args=tuple(previous.get("args", ())),
-                          module=bool(previous.get("module")))
-    flags = {key: _as_flag(entry["value"])
-             for key, entry in previous.get("settings", {}).items()
-             if key in DEFAULTS and key != "run_dir" and entry.get("source") == "flag"
-             and getattr(request, key) is None}
-    return replace(request, script=script, run_dir=str(run_dir), **flags)
 
 
 def _previous_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "config.json"
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"cannot read {path}: {exc}",
                          hint="--resume needs a run directory written by fdl run") from exc
     return document if isinstance(document, dict) else {}

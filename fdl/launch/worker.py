@@ -32,7 +32,8 @@ import runpy
 import sys
 from typing import Any
 
-LAUNCHER_PID_ENV = "FDL_LAUNCHER_PID"
+from fdl.settings import LAUNCHER_PID_ENV
+
 WATCHDOG_INTERVAL_S = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _store: Any = None  # the store server this worker hosts for its script; lives as long as it

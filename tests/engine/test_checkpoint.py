@@ -14,7 +14,7 @@ import torch
 from fdl.engine import checkpoint as ckpt
 from fdl.engine.checkpoint import CheckpointEvery, latest_checkpoint, load_rank_state
 from fdl.errors import UsageError
-from fdl.launch.settings import parse_checkpoint_every
+from fdl.settings import parse_checkpoint_every
 
 
 def solo_gather(obj):

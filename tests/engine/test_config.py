@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from fdl.engine.config import DEFAULTS, DIVERGENCE_THRESHOLD, resolve_config
+from fdl.engine.config import resolve_config
 from fdl.errors import UsageError
+from fdl.settings import ENGINE_DEFAULTS as DEFAULTS
+
+DIVERGENCE_THRESHOLD = DEFAULTS["divergence_threshold"]
 
 
 def test_nothing_given_is_every_default():
@@ -67,7 +70,8 @@ def test_unreadable_fdl_sources_falls_back_to_env(sources):
 
 
 def test_a_script_value_equal_to_the_default_counts_as_default():
-    config = resolve_config(script=dict(DEFAULTS), env={})
+    config = resolve_config(script={"policy": "cadence", "epochs": 5, "batch_size": 64},
+                            env={})
     assert config.sources == dict.fromkeys(DEFAULTS, "default")
     assert config.epochs == DEFAULTS["epochs"]
 
@@ -143,8 +147,6 @@ def test_a_bad_fdl_divergence_threshold_is_a_usage_error_naming_the_variable():
 
 
 def test_reads_os_environ_when_no_env_is_given(monkeypatch):
-    for name in ("FDL_POLICY", "FDL_SOURCES", "FDL_RUN_DIR", "FDL_DIVERGENCE_THRESHOLD"):
-        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FDL_POLICY", "async")
     config = resolve_config(script={})
     assert config.policy == "async" and config.sources["policy"] == "env"

@@ -281,7 +281,8 @@ def test_module_check_cannot_judge_a_package_that_computes_its_path(tmp_path):
 def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
     from datetime import datetime, timezone
 
-    from fdl.launch.spec import RunRequest, build_launch_spec
+    from fdl.launch.request import RunRequest
+    from fdl.launch.spec import build_launch_spec
     from fdl.system.gpus import GpuSurvey
 
     def planned() -> Path:
@@ -289,7 +290,7 @@ def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
             RunRequest("train.py"), survey=GpuSurvey("none", (), None, None), env={},
             file_values={}, file_path=None, cwd=project,
             now=datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc), run_id="x",
-            logical_cores=2).run_dir
+            logical_cores=2, taken=Path.exists).run_dir
 
     first = planned()
     assert first == project / "runs" / "20300102T030405Z-train-cadence"

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from fdl.errors import ConfigError, UsageError
-from fdl.launch.settings import (
-    ENV_NAMES,
-    PARSERS,
+from fdl.launch.config_file import load_config_file
+from fdl.settings import (
+    BY_NAME,
+    SETTINGS,
     SOURCES_ENV,
     Setting,
-    load_config_file,
     parse_backend,
     parse_non_negative_int,
     parse_nproc,
@@ -24,9 +24,6 @@ from fdl.launch.settings import (
     resolve,
     worker_env,
 )
-
-DEFAULTS = {"policy": "sync", "backend": "auto", "epochs": 1, "seed": 0, "simulate_slowdown": None}
-
 
 # --- parsers ---------------------------------------------------------------------------------
 
@@ -121,18 +118,19 @@ def test_parse_nproc_rejects_the_rest(raw: str, message: str) -> None:
 
 
 def test_parse_run_dir_accepts_paths_and_rejects_other_types() -> None:
-    assert PARSERS["run_dir"]("runs/a") == "runs/a"
-    assert PARSERS["run_dir"](Path("runs/b")) == "runs/b"
+    assert BY_NAME["run_dir"].parse("runs/a") == "runs/a"
+    assert BY_NAME["run_dir"].parse(Path("runs/b")) == "runs/b"
     for bad in (5, ["runs"], ""):
         with pytest.raises(UsageError, match="run_dir must be a non-empty path"):
-            PARSERS["run_dir"](bad)
+            BY_NAME["run_dir"].parse(bad)
 
 
-def test_every_key_has_an_fdl_env_name() -> None:
-    assert ENV_NAMES["simulate_slowdown"] == "FDL_SLOWDOWN"
-    assert ENV_NAMES["nproc_per_node"] == "FDL_NPROC_PER_NODE"
-    assert set(ENV_NAMES) == set(PARSERS)
-    assert all(name.startswith("FDL_") for name in ENV_NAMES.values())
+def test_every_setting_has_its_own_fdl_variable() -> None:
+    assert BY_NAME["simulate_slowdown"].env == "FDL_SLOWDOWN"
+    assert BY_NAME["nproc_per_node"].env == "FDL_NPROC_PER_NODE"
+    names = [spec.env for spec in SETTINGS]
+    assert len(set(names)) == len(names)
+    assert all(name.startswith("FDL_") for name in names)
 
 
 # --- config files ----------------------------------------------------------------------------
@@ -287,9 +285,10 @@ def test_resolve_takes_flag_then_env_then_file_then_default(tmp_path: Path) -> N
         env={"FDL_POLICY": "cadence", "FDL_BACKEND": "cpu", "FDL_EPOCHS": "4"},
         file_values={"policy": "sync", "backend": "nccl", "epochs": 2, "seed": 7},
         file_path=file_path,
-        defaults=DEFAULTS,
     )
-    assert settings == {
+    assert set(settings) == {spec.name for spec in SETTINGS}
+    assert {key: settings[key] for key in ("policy", "backend", "epochs", "seed",
+                                            "simulate_slowdown")} == {
         "policy": Setting("async", "flag"),
         "backend": Setting("cpu", "env"),
         "epochs": Setting(4, "env"),
@@ -304,23 +303,20 @@ def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
         env={"FDL_SEED": "", "FDL_SLOWDOWN": "9"},
         file_values={},
         file_path=None,
-        defaults=DEFAULTS,
     )
     assert settings["simulate_slowdown"] == Setting((1.0, 2.5), "flag")
     assert settings["epochs"] == Setting(3, "flag")
-    assert settings["seed"] == Setting(0, "default")
+    assert settings["seed"] == Setting(42, "default")
 
 
-def test_resolve_only_resolves_keys_with_defaults() -> None:
-    settings = resolve(
-        flags={"max_restarts": 3}, env={}, file_values={}, file_path=None, defaults={"seed": 0}
-    )
-    assert settings == {"seed": Setting(0, "default")}
+def test_resolve_ignores_a_flag_value_for_an_env_only_setting() -> None:
+    settings = resolve(flags={"overhead_target": "0.2"}, env={}, file_values={}, file_path=None)
+    assert settings["overhead_target"] == Setting(0.05, "default")
 
 
 def test_bad_flag_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="epochs must be a positive integer, got '0'"):
-        resolve(flags={"epochs": "0"}, env={}, file_values={}, file_path=None, defaults=DEFAULTS)
+        resolve(flags={"epochs": "0"}, env={}, file_values={}, file_path=None)
 
 
 @pytest.mark.parametrize(
@@ -335,7 +331,7 @@ def test_bad_env_value_is_a_config_error_naming_the_variable(
     env: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ConfigError) as caught:
-        resolve(flags={}, env=env, file_values={}, file_path=None, defaults=DEFAULTS)
+        resolve(flags={}, env=env, file_values={}, file_path=None)
     assert caught.value.message == message
     assert caught.value.exit_code == 2
 
@@ -346,7 +342,6 @@ def test_bad_env_value_is_not_read_when_a_flag_wins() -> None:
         env={"FDL_POLICY": "fast"},
         file_values={},
         file_path=None,
-        defaults=DEFAULTS,
     )
     assert settings["policy"] == Setting("sync", "flag")
 
@@ -387,8 +382,8 @@ def test_worker_env_round_trips_through_the_parsers() -> None:
     }
     env = worker_env(settings)
     assert env["FDL_SLOWDOWN"] == "1,2.5,0.75"
-    assert PARSERS["simulate_slowdown"](env["FDL_SLOWDOWN"]) == (1.0, 2.5, 0.75)
-    assert PARSERS["batch_size"](env["FDL_BATCH_SIZE"]) == 64
+    assert BY_NAME["simulate_slowdown"].parse(env["FDL_SLOWDOWN"]) == (1.0, 2.5, 0.75)
+    assert BY_NAME["batch_size"].parse(env["FDL_BATCH_SIZE"]) == 64
 
 
 def test_worker_env_with_only_defaults_carries_just_the_sources() -> None:

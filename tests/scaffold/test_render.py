@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fdl.errors import UsageError
-from fdl.launch.settings import load_config_file
+from fdl.launch.config_file import load_config_file
 from fdl.scaffold.docker import TorchImage
 from fdl.scaffold.render import (
     DOCKER_FILES,

@@ -1,0 +1,117 @@
+"""Every setting of the contract (fdl.settings) through every source it has, along the real path:
+an ``fdl run`` flag as text, an ``FDL_*`` variable, a real ``fdl.toml``, the script's value —
+launch spec (fdl.launch.spec), the worker environment it makes, then the engine's resolution in
+the worker (fdl.engine.config). The winner must follow docs/run.md: flag > ``FDL_*`` > config
+file > script > default, with the source recorded.
+
+The example values below must cover every setting: adding one to the contract without an entry
+here fails :func:`test_every_setting_has_examples`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fdl.engine.config import resolve_config
+from fdl.launch.config_file import load_config_file
+from fdl.launch.request import RunRequest
+from fdl.launch.spec import build_launch_spec
+from fdl.settings import SETTINGS, SettingSpec
+from fdl.system.gpus import GpuSurvey
+
+# name -> {source: example}; flag and env values are text, file values TOML, script values
+# Python. Every example differs from the default (a script value equal to it counts as default).
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "policy": {"flag": "async", "env": "sync", "file": "async", "script": "sync"},
+    "backend": {"flag": "cpu", "env": "nccl", "file": "cpu", "script": "nccl"},
+    "epochs": {"flag": "2", "env": "3", "file": 4, "script": 6},
+    "batch_size": {"flag": "8", "env": "16", "file": 32, "script": 128},
+    "seed": {"flag": "1", "env": "2", "file": 3, "script": 4},
+    "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4], "script": (1, 5)},
+    "checkpoint_every": {"flag": "2", "env": "10m", "file": "90s", "script": 3},
+    "divergence_threshold": {"env": "0.25"},
+    "overhead_target": {"env": "0.1"},
+    "run_dir": {"flag": "runs/flag", "env": "runs/env", "file": "runs/file"},
+    "nproc_per_node": {"flag": "3", "env": "4", "file": 1},
+    "max_restarts": {"flag": "1", "env": "2", "file": 3},
+}
+ORDER = ("flag", "env", "file", "script")
+
+
+def _sources(spec: SettingSpec) -> tuple[str, ...]:
+    has = {"flag": spec.flag, "env": True, "file": spec.file, "script": spec.script}
+    return tuple(source for source in ORDER if has[source])
+
+
+def test_every_setting_has_examples() -> None:
+    assert set(EXAMPLES) == {spec.name for spec in SETTINGS}
+    for spec in SETTINGS:
+        assert set(EXAMPLES[spec.name]) == set(_sources(spec)), spec.name
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _run(spec: SettingSpec, given: tuple[str, ...], tmp: Path) -> tuple[Any, str]:
+    """The value and source the setting ends with when ``given`` sources set it."""
+    examples = EXAMPLES[spec.name]
+    project = tmp / "-".join(given or ("none",))
+    project.mkdir()
+    (project / "train.py").write_text("")
+    if "file" in given:
+        (project / "fdl.toml").write_text(f"{spec.name} = {_toml(examples['file'])}\n")
+    env = {spec.env: examples["env"]} if "env" in given else {}
+    flags = {spec.name: examples["flag"]} if "flag" in given else {}
+    file_values, file_path = load_config_file(project)
+    launch = build_launch_spec(
+        RunRequest("train.py", (), flags), survey=GpuSurvey("none", (), None, None), env=env,
+        file_values=file_values, file_path=file_path, cwd=project,
+        now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=8,
+        taken=lambda path: False)
+    if not spec.engine:
+        setting = launch.settings[spec.name]
+        return setting.value, setting.source
+    script = {spec.name: examples["script"]} if "script" in given else {}
+    config = resolve_config(script=script, env={**env, **launch.env})  # what a worker sees
+    return getattr(config, spec.name), config.sources[spec.name]
+
+
+def _expected(spec: SettingSpec, given: tuple[str, ...], project: Path) -> tuple[Any, str]:
+    if not given:
+        return spec.default, "default"
+    winner = min(given, key=ORDER.index)
+    value = spec.parse(EXAMPLES[spec.name][winner])
+    source = f"file:{project / 'fdl.toml'}" if winner == "file" else winner
+    return value, source
+
+
+@pytest.mark.parametrize("spec", SETTINGS, ids=lambda spec: spec.name)
+def test_each_source_wins_over_the_ones_below_it(spec: SettingSpec, tmp_path: Path) -> None:
+    sources = _sources(spec)
+    for count in range(len(sources) + 1):
+        for given in itertools.combinations(sources, count):
+            project = tmp_path / "-".join(given or ("none",))
+            assert _run(spec, given, tmp_path) == _expected(spec, given, project), given
+
+
+def test_a_flag_reaches_the_engine_as_its_own_variable() -> None:
+    """The worker environment carries the flag's value and its provenance."""
+    launch = build_launch_spec(
+        RunRequest("train.py", (), {"policy": "sync", "simulate_slowdown": "1,2.5"}),
+        survey=GpuSurvey("none", (), None, None), env={}, file_values={}, file_path=None,
+        cwd=Path("/nonexistent"), now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x",
+        logical_cores=2, taken=lambda path: False)
+    assert launch.env["FDL_POLICY"] == "sync"
+    assert launch.env["FDL_SLOWDOWN"] == "1,2.5"
+    config = resolve_config(script={"policy": "async"}, env=launch.env)
+    assert (config.policy, config.sources["policy"]) == ("sync", "flag")
