@@ -19,9 +19,9 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
-import fdl
 from fdl.bench.datasets import load_dataset
 from fdl.bench.models import get_model
+from fdl.engine.trainer import Trainer
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = get_model(args.model)
     splits = load_dataset(args.dataset, data_dir=args.data_dir, download=False,
                           seq_len=args.seq_len)
-    fdl.Trainer(
+    Trainer(
         model=functools.partial(model.build, splits.meta),
         optimizer=model.make_optimizer,
         train_step=model.train_step,

@@ -22,11 +22,11 @@ both).
 from __future__ import annotations
 
 import html
+import json
+import math
 import re
 from importlib import resources
 from typing import Any
-
-from fdl.launch.timeline_merge import strict_json
 
 _TOKEN = re.compile(r"__FDL_(TITLE|DATA)__")
 _UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
@@ -44,5 +44,27 @@ def render_html(doc: dict[str, Any], *, title: str) -> str:
 
 def embed_json(value: Any) -> str:
     """``value`` as JSON that is safe inside an HTML ``<script>`` element and that JavaScript's
-    ``JSON.parse`` accepts (:func:`~fdl.launch.timeline_merge.strict_json`)."""
+    ``JSON.parse`` accepts (:func:`strict_json`)."""
     return re.sub("[<>&\u2028\u2029]", lambda match: _UNSAFE[match.group(0)], strict_json(value))
+
+
+def strict_json(value: Any) -> str:
+    """Compact JSON that strict parsers (JavaScript's ``JSON.parse``) accept: NaN and the
+    infinities, which Python writes but JSON has not (a diverged loss), become null.
+
+    It lives here, with the page that needs it, and :mod:`fdl.launch.timeline_merge` writes
+    ``timeline.json`` with it too, so the file and the embedded document are the same JSON."""
+    try:
+        return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
+    except ValueError:  # rare: pay for the walk only then
+        return json.dumps(_finite(value), separators=(",", ":"), default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

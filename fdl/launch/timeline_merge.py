@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.files import scan_jsonl, write_atomic
+from fdl.launch.timeline_html import render_html, strict_json
 
 SCHEMA = 1
 CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
@@ -99,7 +100,6 @@ def write_timeline(run_dir: Path) -> list[Path]:
     installed and an epoch was recorded) ``curves.png`` under ``run_dir/timeline``; returns the
     paths written, in that order. A missing ``curves.png`` after epochs means no matplotlib:
     ``pip install 'fdl[report]'``."""
-    from fdl.launch.timeline_html import render_html
     from fdl.launch.timeline_plot import write_curves_png
 
     doc = merge_timeline(run_dir)
@@ -139,15 +139,6 @@ def _detail(record: dict[str, Any], shown: tuple[str, ...]) -> str | None:
     """The fields of ``record`` that have no column of their own, as JSON."""
     rest = {k: v for k, v in record.items() if k not in shown}
     return json.dumps(rest, separators=(",", ":"), default=str) if rest else None
-
-
-def strict_json(value: Any) -> str:
-    """Compact JSON that strict parsers (JavaScript's ``JSON.parse``) accept: NaN and the
-    infinities, which Python writes but JSON has not (a diverged loss), become null."""
-    try:
-        return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
-    except ValueError:  # rare: pay for the walk only then
-        return json.dumps(_finite(value), separators=(",", ":"), default=str, allow_nan=False)
 
 
 def _matching(directory: Path, pattern: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
@@ -226,16 +217,6 @@ def _with_idle(spans: list[dict[str, Any]], events: list[dict[str, Any]],
 
 def _span(rank: int, kind: str, start: float, end: float, number: Any) -> dict[str, Any]:
     return {"rank": rank, "kind": kind, "start": start, "end": end, "round": number}
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
 
 
 def _read_summary(run_dir: Path) -> dict[str, Any] | None:

@@ -14,7 +14,8 @@ file such as::
 keys are ignored. A file that breaks these rules raises ``SurveyError`` naming file and key.
 
 ``probe_gpus`` (fdl/system/gpus.py) reads the file through ``load_survey_fixture`` and then
-applies CUDA_VISIBLE_DEVICES to it as it does to a hardware survey.
+applies CUDA_VISIBLE_DEVICES to it as it does to a hardware survey. The dependency is one-way:
+this module needs only the survey's types (fdl/system/gpu_info.py), never ``gpus``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import SurveyError
-from fdl.system.gpus import SURVEY_ENV, GpuInfo, GpuSurvey, parse_compute_capability
+from fdl.system.gpu_info import GpuInfo, GpuSurvey, parse_compute_capability
 
+SURVEY_ENV = "FDL_GPU_SURVEY"
 _MISSING: Any = object()
 _FIXTURE_HINT = (
     f"{SURVEY_ENV} names a recorded GPU survey for tests (format in fdl/system/gpu_fixture.py); "

@@ -5,7 +5,7 @@
 1. ``FDL_GPU_SURVEY=<file.json>``: a recorded survey, the documented test seam that lets tests
    and CI describe a two-GPU host without owning one (format and rules in
    fdl/system/gpu_fixture.py; a file that breaks them raises ``SurveyError``).
-2. NVML, through the ``pynvml`` module of the nvidia-ml-py distribution (imported only here).
+2. NVML, through the ``pynvml`` module of the nvidia-ml-py distribution (imported lazily).
 3. ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits``, when NVML cannot be used.
 
 If none answers the survey has ``source == "none"``. An empty survey is never silent: every
@@ -20,6 +20,9 @@ ends at the first entry that names no GPU; a repeated GPU leaves none visible; `
 Index order: NVML and nvidia-smi number GPUs in PCI bus order, CUDA by default fastest first
 (CUDA_DEVICE_ORDER=FASTEST_FIRST), which differ on a host with mixed GPUs. ``fdl run`` sets
 CUDA_DEVICE_ORDER=PCI_BUS_ID for its workers so that the indices here are the ones they see.
+
+The survey's types, ``GpuInfo`` and ``GpuSurvey``, are defined in :mod:`fdl.system.gpu_info`
+(below this module and the fixture reader alike) and imported from here by the rest of fdl.
 
 Example::
 
@@ -38,58 +41,17 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fdl.errors import SurveyError
+from fdl.system.gpu_fixture import SURVEY_ENV, load_survey_fixture
+from fdl.system.gpu_info import GpuInfo, GpuSurvey, parse_compute_capability
 
-if TYPE_CHECKING:
-    # Re-exported (see __getattr__ at the bottom); gpu_fixture imports this module's dataclasses,
-    # so a top-level import here would be circular.
-    from fdl.system.gpu_fixture import load_survey_fixture as load_survey_fixture
-
-SURVEY_ENV = "FDL_GPU_SURVEY"
 _SMI_FIELDS = (
     "index", "name", "uuid", "pci.bus_id", "compute_cap", "memory.total", "driver_version",
 )
-_CC_RE = re.compile(r"^\s*(\d+)\.(\d+)\s*$")
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One NVIDIA GPU; ``index`` is its CUDA ordinal after CUDA_VISIBLE_DEVICES (PCI order)."""
-
-    index: int
-    name: str
-    compute_capability: tuple[int, int]
-    memory_mib: int | None = None
-    uuid: str | None = None
-    pci_bus_id: str | None = None
-
-    @property
-    def arch(self) -> str:
-        """The SASS target name nvcc and torch use: ``"sm_61"``, ``"sm_120"``."""
-        major, minor = self.compute_capability
-        return f"sm_{major}{minor}"
-
-    @property
-    def cc(self) -> str:
-        """The compute capability as NVIDIA writes it: ``"6.1"``, ``"12.0"``."""
-        major, minor = self.compute_capability
-        return f"{major}.{minor}"
-
-
-@dataclass(frozen=True)
-class GpuSurvey:
-    """What ``probe_gpus`` found, where it came from, and ``notes`` explaining anything missing."""
-
-    source: str
-    gpus: tuple[GpuInfo, ...]
-    driver_version: str | None
-    cuda_driver_version: str | None
-    notes: tuple[str, ...] = ()
-    visible_devices: str | None = None
 
 
 class _Unavailable(Exception):
@@ -108,8 +70,6 @@ def probe_gpus(
     env = os.environ if env is None else env
     fixture = env.get(SURVEY_ENV)
     if fixture:
-        from fdl.system.gpu_fixture import load_survey_fixture  # imports GpuInfo from here
-
         survey = load_survey_fixture(Path(fixture))
     else:
         survey = _probe_hardware(nvidia_smi=nvidia_smi, timeout_s=timeout_s)
@@ -203,7 +163,7 @@ def _match_uuid(gpus: Sequence[GpuInfo], entry: str) -> GpuInfo | None:
 
 def _probe_nvml() -> GpuSurvey:
     try:
-        import pynvml  # noqa: TID251  (the one place allowed to import it, lazily)
+        import pynvml
     except ImportError:
         raise _Unavailable("NVML: nvidia-ml-py (the pynvml module) is not installed") from None
     try:
@@ -382,19 +342,3 @@ def _smi_int(value: str | None) -> int | None:
         return int(float(value)) if value is not None else None
     except ValueError:
         return None
-
-
-def parse_compute_capability(text: str) -> tuple[int, int] | None:
-    """``"8.6"`` -> ``(8, 6)``; None for text that is not ``MAJOR.MINOR``."""
-    match = _CC_RE.match(text)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def __getattr__(name: str) -> Any:
-    # `from fdl.system.gpus import load_survey_fixture` keeps working after the move to
-    # gpu_fixture; resolved on first use so that either module can be imported first.
-    if name == "load_survey_fixture":
-        from fdl.system.gpu_fixture import load_survey_fixture
-
-        return load_survey_fixture
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

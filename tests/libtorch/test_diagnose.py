@@ -13,7 +13,7 @@ from helpers import GPU_FIXTURES
 
 from fdl.libtorch.catalog import official_builds
 from fdl.libtorch.diagnose import build_report
-from fdl.system.gpus import load_survey_fixture
+from fdl.system.gpu_fixture import load_survey_fixture
 from fdl.system.host import HostInfo, NetInterface, ToolVersion
 from fdl.system.torchenv import TorchInfo
 
