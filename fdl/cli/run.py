@@ -32,7 +32,7 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
 
     claimed, script_args = split_script_args(tuple(args or ()))
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
-        if flags.get(key) in (None, False):
+        if _unset(flags.get(key)):
             flags[key] = value
     dry_run, json_output = flags.pop("dry_run"), flags.pop("json_output")
     if json_output and not dry_run:
@@ -40,12 +40,17 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
 
         raise UsageError("--json only applies to --dry-run",
                          hint="fdl run --dry-run --json SCRIPT prints the launch spec as JSON")
-    given = {key: value for key, value in flags.items() if value not in (None, False)}
+    given = {key: value for key, value in flags.items() if not _unset(value)}
     spec = plan_run(RunRequest(script, script_args, given))
     if dry_run:
         _print_spec(spec, as_json=json_output)
         return
     raise typer.Exit(_execute(spec))
+
+
+def _unset(value: Any) -> bool:
+    """A flag not given: None, or a switch left off (``0`` is a value: --master-port 0)."""
+    return value is None or value is False
 
 
 def _parameters() -> list[inspect.Parameter]:
