@@ -1,43 +1,67 @@
-"""Files several parts of fdl write and read.
+"""Files several parts of fdl write and read: the one implementation of each primitive.
 
-* :func:`write_atomic` — the one way fdl replaces a file others may read (config.json,
-  summary.json, metrics.jsonl, checkpoint manifests, timeline and bench reports, the libtorch
-  store's metadata). A reader sees the old file or the new one, never half of either.
+* :func:`write_atomic` / :func:`write_json_atomic` / :func:`atomic_replace` — the one way fdl
+  replaces a file others may read (config.json, summary.json, metrics.jsonl, model.pt,
+  checkpoint manifests, timeline and bench reports, the libtorch store's metadata). A reader
+  sees the old file or the new one, never half of either; a write that fails (a value JSON
+  cannot hold, a full disk) leaves the old one.
 * :class:`JsonlAppender` / :func:`append_jsonl` — the one way fdl appends to a JSON-lines file
   (timelines, utilisation samples, metrics, bench results): one ``write`` per record, and
   opening makes sure the file ends with a newline first, so a record never glues onto the torn
   line a killed writer left (a resumed run's first event would be lost with it).
 * :func:`read_jsonl` / :func:`scan_jsonl` — the records of such a file, tolerating the torn
-  lines a killed writer leaves; :func:`scan_jsonl` also says which lines it skipped."""
+  lines a killed writer leaves; :func:`scan_jsonl` also says which lines it skipped.
+* :func:`hash_file` / :func:`sha256_file` — the one loop that reads a file to hash it (checkpoint
+  manifests, cached datasets, a download resumed from the bytes already on disk)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+
+@contextmanager
+def atomic_replace(path: Path) -> Iterator[Path]:
+    """A unique temporary path beside ``path``, for writers that want a file name (e.g.
+    ``torch.save``): renamed over ``path`` when the block ends normally, removed when it
+    raises, so ``path`` holds the old file or the complete new one. Temporary names are
+    ``.<name>.<random>.tmp`` (what fdl.launch.rundir recognises as leftovers of a kill)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; fdl's files are as readable as their dir
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> Path:
     """Write ``data`` to a unique temporary file beside ``path`` and rename it over ``path``;
     ``durable`` also flushes it to disk first (for what a crash must not lose). Returns
     ``path``. On any failure the temporary file is removed and ``path`` is left as it was."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; fdl's files are as readable as their dir
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_replace(path) as tmp, open(tmp, "wb") as handle:
+        handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     return path
+
+
+def write_json_atomic(path: Path, document: Any, *, durable: bool = False) -> Path:
+    """Write ``document`` as indented JSON and a newline with :func:`write_atomic`. Values JSON
+    has no type for are written as ``str(value)``; a document that still cannot be serialised
+    (a cycle, a key that is not a string or number) raises before ``path`` is touched."""
+    return write_atomic(path, json.dumps(document, indent=2, default=str) + "\n",
+                        durable=durable)
 
 
 class JsonlAppender:
@@ -145,3 +169,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if found.error is not None and found.error != "missing":
         raise OSError(f"cannot read {path}: {found.error}")
     return found.records
+
+
+def hash_file(path: Path, *, algorithms: Iterable[str] = ("sha256",),
+              chunk_size: int = 1 << 20) -> dict[str, hashlib._Hash]:
+    """Hash the bytes of ``path`` with each of ``algorithms`` (hashlib's names) in one read.
+
+    Returns the running hashers, not their digests, so a caller can go on feeding them (a
+    download resumed after the bytes already on disk). Raises ``ValueError`` for an unknown
+    algorithm and ``OSError`` for an unreadable file."""
+    hashers = {name: hashlib.new(name) for name in algorithms}
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            for hasher in hashers.values():
+                hasher.update(chunk)
+    return hashers
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of the file at ``path``."""
+    return hash_file(path)["sha256"].hexdigest()

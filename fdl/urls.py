@@ -38,7 +38,8 @@ def http_allowed(*, flag: bool = False, env: Mapping[str, str] | None = None) ->
 
 def check_url(url: str, *, allow_http: bool, opt_in: str = HTTP_OPT_IN) -> None:
     """Refuse (``UsageError``, exit 2) what ``download`` must not fetch: a scheme other than
-    https and file, plain http without the opt-in, an http(s) URL without a host."""
+    https and file, plain http without the opt-in, an http(s) URL without a host, a file URL
+    naming another machine."""
     try:
         parsed = urlparse(url)
         host = parsed.hostname
@@ -56,6 +57,9 @@ def check_url(url: str, *, allow_http: bool, opt_in: str = HTTP_OPT_IN) -> None:
                          hint="e.g. https://host/path/file.zip or file:///path/file.zip")
     if scheme != "file" and not host:
         raise UsageError(f"URL {url!r} names no host", hint="e.g. https://host/path/file.zip")
+    if scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise UsageError(f"file:// URL names a remote host ({parsed.netloc}): {url}",
+                         hint="use file:///absolute/path on this machine")
 
 
 def redirect_guard(*, allow_http: bool, opt_in: str = HTTP_OPT_IN) -> dict[str, list]:

@@ -16,18 +16,20 @@ training split, the rest the test split, cut into non-overlapping windows of ``s
 ``y`` = ``x`` shifted by one character.
 
 Downloads land in ``data_dir/<name>/`` (``default_data_dir()``: ``<cache>/datasets``). Each file
-streams with httpx into a temporary file beside its target, hashed as it arrives, and is renamed
-into place only when its checksum matches ``CHECKSUMS``; a mismatch deletes it and raises
-``FdlError`` naming the file and both digests. A file in place was verified once: a marker
-``.<file>.verified`` records the checksum it matched and the file's size and mtime, so later
-loads neither download nor re-hash it; a file without a current marker (copied in by hand,
-replaced, or the expected checksum changed) is hashed once. A lock on
-``data_dir/<name>/.lock`` lets several workers load the same dataset at once: one downloads,
-the others wait and read the cache.
+is fetched with ``fdl.download``, as libtorch archives are: the ``BASE_URLS`` tried in order,
+streamed into ``<file>.part`` beside its target, hashed as it arrives, resumed after a cut
+connection, and renamed into place only when its checksum matches ``CHECKSUMS``; a mismatch
+deletes it and raises ``FdlError`` naming the URL and both digests. A file in place was verified
+once (``fdl.bench.fetch``): a marker ``.<file>.verified`` records the checksum it matched and
+the file's size and mtime, so later loads neither download nor re-hash it; a file without a
+current marker (copied in by hand, replaced, or the expected checksum changed) is hashed once.
+A lock on ``data_dir/<name>/.lock`` lets several workers load the same dataset at once: one
+downloads, the others wait and read the cache.
 
 ``FDL_DATA_MIRROR`` replaces the canonical URLs with ``$FDL_DATA_MIRROR/<file name>`` (air-gapped
-sites, tests). ``CHECKSUMS`` is a module-level dict so that tests serving home-made files can
-``monkeypatch.setitem`` the digests they expect: that is the test seam, not a user setting.
+sites, tests; a ``file:///`` folder works too). ``CHECKSUMS`` is a module-level dict so that
+tests serving home-made files can ``monkeypatch.setitem`` the digests they expect: that is the
+test seam, not a user setting.
 
 Example::
 
@@ -52,7 +54,7 @@ from torch.utils.data import TensorDataset
 
 from fdl import paths
 from fdl.bench import fetch
-from fdl.bench.fetch import Progress
+from fdl.download import Progress
 from fdl.errors import FdlError, UsageError
 
 NAMES = ("mnist", "cifar10", "shakespeare", "digits", "synthetic")

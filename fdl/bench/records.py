@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fdl.bench.models import get_model
-from fdl.files import append_jsonl, read_jsonl
+from fdl.files import append_jsonl, read_jsonl, write_json_atomic
 
 if TYPE_CHECKING:
-    from fdl.bench.sweep import Cell
+    from fdl.bench.cells import Cell
 
 SCHEMA = 1
 
@@ -73,8 +73,6 @@ def done_keys(out_dir: Path) -> set[str]:
 def write_sweep_json(out_dir: Path, *, machine: dict[str, Any], args: dict[str, Any],
                      num_cells: int, num_skipped: int) -> None:
     """sweep.json: the machine, the arguments and when this sweep (and each resume) started."""
-    from fdl.launch.rundir import write_json_atomic
-
     path = out_dir / "sweep.json"
     try:
         previous = json.loads(path.read_text(encoding="utf-8"))

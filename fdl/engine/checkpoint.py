@@ -37,7 +37,6 @@ torch is imported inside the functions that save and load: the launcher uses
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -48,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.files import write_atomic
+from fdl.files import sha256_file, write_atomic
 
 DIRNAME = "checkpoints"
 KEEP = 2
@@ -105,11 +104,8 @@ def checkpoint_name(round_index: int) -> str:
 
 
 def file_digest(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    """A file's entry in the manifest: its size and SHA-256."""
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: int,

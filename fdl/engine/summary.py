@@ -6,7 +6,6 @@ state_dict) and the engine section of ``config.json``. Rank 0 writes them, atomi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,8 @@ import torch
 from torch import nn
 
 from fdl.files import append_jsonl as append_jsonl  # re-exported: the trainer appends metrics
-from fdl.files import write_atomic
-from fdl.launch.rundir import write_json_atomic
+from fdl.files import atomic_replace, write_atomic
+from fdl.files import write_json_atomic as write_json_atomic  # re-exported: the trainer's summary
 
 
 def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
@@ -57,9 +56,9 @@ def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def save_model(path: Path, model: nn.Module) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
-    os.replace(tmp, path)
+    """Write the model's ``state_dict`` (on the CPU) to ``path`` atomically."""
+    with atomic_replace(path) as tmp:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
 
 
 def merge_config(path: Path, engine: dict[str, Any]) -> None:

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
-from fdl.files import write_atomic
+from fdl.files import write_json_atomic
 
 # What fdl run and the engine write at the top of a run directory (fdl.engine.trainer,
-# fdl.engine.checkpoint.DIRNAME, fdl.engine.timeline); write_atomic's temporary files beside
+# fdl.engine.checkpoint.DIRNAME, fdl.engine.timeline); fdl.files's temporary files beside
 # the files are ".<name>.<random>.tmp".
 RUN_ENTRIES = frozenset({"config.json", "logs", "metrics.jsonl", "summary.json", "model.pt",
                          "checkpoints", "timeline"})
@@ -98,7 +98,7 @@ def _holds_a_run(run_dir: Path) -> bool:
 def _is_run_entry(name: str) -> bool:
     if name in RUN_ENTRIES:
         return True
-    if name.startswith(".") and name.endswith(".tmp"):  # write_atomic's, left by a kill
+    if name.startswith(".") and name.endswith(".tmp"):  # fdl.files's, left by a kill
         return name[1:-len(".tmp")].rsplit(".", 1)[0] in RUN_ENTRIES
     return False
 
@@ -116,11 +116,6 @@ def _remove_run(run_dir: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, document: Any) -> None:
-    """Write ``document`` as JSON, atomically (fdl.files.write_atomic)."""
-    write_atomic(path, json.dumps(document, indent=2, default=str) + "\n")
 
 
 def tail_lines(path: Path, count: int = 20) -> list[str]:

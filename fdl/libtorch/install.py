@@ -27,6 +27,10 @@ from typing import Any
 
 from fdl.libtorch.store import Store, Variant
 
+# Where else a libtorch archive may be found, for download errors.
+SOURCE_HINT = ("check the URL, pass another with --url, or point FDL_LIBTORCH_MIRROR at a mirror "
+               "that has this file")
+
 
 @dataclass(frozen=True)
 class ArchiveRequest:
@@ -83,8 +87,9 @@ def _fetch_and_install(store: Store, request: ArchiveRequest, *, allow_http: boo
     staging = store.staging()
     archive = staging / f"{request.name}.zip"
     tree = staging / f"{request.name}.tree"
-    result = download(request.url, archive, expected_sha256=request.sha256, progress=progress,
-                      allow_http=allow_http, max_bytes=max_bytes)  # zipped <= unpacked
+    result = download(request.url, archive, expected=request.sha256, progress=progress,
+                      allow_http=allow_http, source_hint=SOURCE_HINT,
+                      max_bytes=max_bytes)  # zipped <= unpacked
     try:
         shutil.rmtree(tree, ignore_errors=True)  # a tree left by an interrupted earlier run
         extract_zip(result.path, tree, max_bytes=max_bytes)

@@ -23,20 +23,18 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, clean_env, run_fdl
+from helpers import GPU_FIXTURES, GUARD_S, assert_one_error, clean_env, run_fdl, wait_until
 
 from fdl.download import download
 from fdl.errors import FdlError, UsageError
 from fdl.libtorch.extract import extract_zip
 
 CPU_PATH = "cpu/libtorch-shared-with-deps-{v}%2Bcpu.zip"
-GUARD_S = 60  # a deadline that only stops a hung test; nothing is timed against it
 DATA = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB, not a multiple of any chunk size
 DIGEST = hashlib.sha256(DATA).hexdigest()
 FAST = {"backoff_s": 0.01, "chunk_size": 1 << 16, "allow_http": True}  # 127.0.0.1: opted in
@@ -105,28 +103,6 @@ def listing(env: dict[str, str]) -> dict:
 def staging_names(env: dict[str, str]) -> list[str]:
     staging = Path(env["FLODL_HOME"]) / "libtorch" / ".staging"
     return sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
-
-
-def assert_one_error(proc: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    """Exactly one ``error:`` line and one ``hint:`` line, no traceback; returns both."""
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    hints = [line for line in proc.stderr.splitlines() if line.startswith("hint: ")]
-    assert len(errors) == 1 and len(hints) == 1, proc.stderr
-    text = errors[0] + "\n" + hints[0]
-    for word in words:
-        assert word in text, text
-    return text
-
-
-def wait_for(predicate, what: str) -> None:
-    """Wait until ``predicate()`` holds; the deadline is only a guard against a hung test."""
-    deadline = time.monotonic() + GUARD_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.02)
 
 
 def popen_fdl(env: dict[str, str], *args: str) -> subprocess.Popen:
@@ -230,7 +206,7 @@ def https_redirect(tmp_path, http_server, monkeypatch):
 
 
 def test_https_redirecting_to_http_is_refused_unless_opted_in(http_server, https_redirect,
-                                                              tmp_path, monkeypatch):
+                                                              tmp_path):
     from fdl.bench import fetch
 
     data = libtorch_zip()
@@ -241,7 +217,6 @@ def test_https_redirecting_to_http_is_refused_unless_opted_in(http_server, https
     assert err.value.message == ("refusing a redirect to plain http: "
                                  + http_server.url("libtorch.zip"))
     assert "FDL_ALLOW_HTTP=1" in err.value.hint
-    monkeypatch.delenv("FDL_ALLOW_HTTP", raising=False)
     with pytest.raises(FdlError, match="refusing a redirect to plain http"):  # datasets too
         fetch.download([https_redirect + "libtorch.zip"], tmp_path / "data.bin",
                        expected="sha256:" + hashlib.sha256(data).hexdigest(), progress=None)
@@ -253,10 +228,9 @@ def test_https_redirecting_to_http_is_refused_unless_opted_in(http_server, https
 
 
 def test_dataset_download_over_plain_http_is_refused_before_any_request(http_server,
-                                                                        tmp_path, monkeypatch):
+                                                                        tmp_path):
     from fdl.bench import fetch
 
-    monkeypatch.delenv("FDL_ALLOW_HTTP", raising=False)
     http_server.files["input.txt"] = b"text"
     with pytest.raises(UsageError) as err:
         fetch.download([http_server.url("input.txt")], tmp_path / "input.txt",
@@ -338,7 +312,8 @@ def test_the_extraction_limit_is_read_from_the_environment(http_server, env, lim
     proc = fdl({**env, "FDL_MAX_EXTRACT_BYTES": limit}, "libtorch", "download", "--cpu",
                "--version", "2.13.0")
     if valid:  # the archive is downloaded, refused, and not kept
-        assert_one_error(proc, 1, "would unpack to", "limit of 64.0 KiB", "FDL_MAX_EXTRACT_BYTES")
+        assert_one_error(proc, 1, "would unpack to", "limit of 64.0 KiB", "FDL_MAX_EXTRACT_BYTES",
+                         alone=False)  # after the progress bar
         assert staging_names(env) == ["2.13.0-cpu.lock"]
     else:  # refused before anything is fetched or written
         assert_one_error(proc, 2, f"FDL_MAX_EXTRACT_BYTES={limit!r} is not a size")
@@ -363,7 +338,7 @@ def test_two_concurrent_downloads_of_one_variant_make_one_install(http_server, e
     part = Path(env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.13.0-cpu.zip.part"
     first = popen_fdl(env, *args)
     try:
-        wait_for(part.exists, "the first download's staging file")
+        wait_until(part.exists, "the first download's staging file", proc=first)
         second = popen_fdl(env, *args)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_lines, args=(second.stderr, lines), daemon=True).start()
@@ -410,7 +385,7 @@ def test_a_failed_extraction_installs_nothing_and_keeps_no_archive(http_server, 
                                                                    archive, words):
     http_server.files[CPU_PATH.format(v="2.13.0")] = archive()
     proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0")
-    assert_one_error(proc, 1, *words)
+    assert_one_error(proc, 1, *words, alone=False)  # after the progress bar
     assert listing(env) == {"schema": 1, "active": None, "variants": []}
     assert staging_names(env) == ["2.13.0-cpu.lock"]  # no .zip, .part or .tree
     assert not (tmp_path / "escaped.txt").exists()
@@ -462,7 +437,7 @@ def test_resume_after_the_server_cuts_the_connection(http_server, tmp_path):
     http_server.files["libtorch.zip"] = DATA
     http_server.script.append(http_server.Act(cut_after=1 << 20))
     dest = tmp_path / "libtorch.zip"
-    result = download(http_server.url("libtorch.zip"), dest, expected_sha256=DIGEST, **FAST)
+    result = download(http_server.url("libtorch.zip"), dest, expected=DIGEST, **FAST)
     assert result.resumed is True
     assert dest.read_bytes() == DATA and result.sha256 == DIGEST
     assert [r["range"] for r in http_server.requests] == [None, f"bytes={1 << 20}-"]
@@ -473,7 +448,7 @@ def test_checksum_mismatch_deletes_the_part_and_names_both_digests(http_server, 
     dest = tmp_path / "libtorch.zip"
     wrong = "0" * 64
     with pytest.raises(FdlError) as err:
-        download(http_server.url("libtorch.zip"), dest, expected_sha256=wrong, **FAST)
+        download(http_server.url("libtorch.zip"), dest, expected=wrong, **FAST)
     assert wrong in err.value.message and DIGEST in err.value.message
     assert not dest.exists() and not dest.with_name(dest.name + ".part").exists()
 
@@ -481,7 +456,7 @@ def test_checksum_mismatch_deletes_the_part_and_names_both_digests(http_server, 
 def test_checksum_mismatch_installs_nothing(http_server, env):
     http_server.files[CPU_PATH.format(v="2.13.0")] = libtorch_zip()
     proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0", "--sha256", "0" * 64)
-    assert_one_error(proc, 1, "checksum mismatch", "sha256")
+    assert_one_error(proc, 1, "checksum mismatch", "sha256", alone=False)  # after the progress
     assert listing(env) == {"schema": 1, "active": None, "variants": []}
     assert staging_names(env) == ["2.13.0-cpu.lock"]
 
@@ -503,7 +478,7 @@ def test_ctrl_c_during_download_leaves_the_previous_file_intact(http_server, tmp
     kept = dest.with_name(dest.name + ".part").read_bytes()
     assert 0 < len(kept) < len(DATA) and DATA.startswith(kept)
 
-    result = download(http_server.url("libtorch.zip"), dest, expected_sha256=DIGEST, **FAST)
+    result = download(http_server.url("libtorch.zip"), dest, expected=DIGEST, **FAST)
     assert result.resumed is True and dest.read_bytes() == DATA
     assert http_server.requests[-1]["range"] == f"bytes={len(kept)}-"
 
@@ -518,8 +493,8 @@ def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(ht
     part = Path(env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.12.0-cpu.zip.part"
     proc = popen_fdl(env, "libtorch", "download", "--cpu", "--version", "2.12.0")
     try:
-        wait_for(lambda: part.exists() and part.stat().st_size >= 1 << 20,
-                 "the download's staging file to hold 1 MiB")
+        wait_until(lambda: part.exists() and part.stat().st_size >= 1 << 20,
+                   "the download's staging file to hold 1 MiB", proc=proc)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=GUARD_S)
     finally:

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from fdl.download import download, sha256_file
-from fdl.errors import FdlError
+from fdl.download import download
+from fdl.errors import FdlError, UsageError
 
 DATA = random.Random(0).randbytes(3 * (1 << 20) + 12345)  # not a multiple of any chunk size
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -31,7 +31,7 @@ def _part(dest):
 def test_plain_download_hashes_and_reports_progress(served, tmp_path):
     calls = []
     dest = tmp_path / "store" / "libtorch.zip"
-    result = download(served.url("libtorch.zip"), dest, expected_sha256=DIGEST,
+    result = download(served.url("libtorch.zip"), dest, expected=DIGEST,
                       progress=lambda done, total: calls.append((done, total)), **FAST)
     assert (result.path, result.sha256, result.size, result.resumed) == (
         dest, DIGEST, len(DATA), False)
@@ -48,7 +48,7 @@ def test_server_ignoring_range_restarts_from_zero(served, tmp_path):
     served.ignore_range = True
     dest = tmp_path / "libtorch.zip"
     _part(dest).write_bytes(b"stale bytes from another file")
-    result = download(served.url("libtorch.zip"), dest, expected_sha256=DIGEST, **FAST)
+    result = download(served.url("libtorch.zip"), dest, expected=DIGEST, **FAST)
     assert result.resumed is False
     assert dest.read_bytes() == DATA
     assert served.requests[0]["range"] == "bytes=29-"
@@ -59,9 +59,9 @@ def test_client_errors_fail_at_once(served, tmp_path, status):
     served.default = served.Act(status=status)
     url = served.url("libtorch.zip")
     with pytest.raises(FdlError) as err:
-        download(url, tmp_path / "libtorch.zip", **FAST)
+        download(url, tmp_path / "libtorch.zip", source_hint="try the mirror", **FAST)
     assert err.value.message == f"download failed: HTTP {status} for {url}"
-    assert "--url" in err.value.hint and "FDL_LIBTORCH_MIRROR" in err.value.hint
+    assert err.value.hint == "try the mirror"
     assert len(served.requests) == 1
     assert not (tmp_path / "libtorch.zip").exists()
 
@@ -70,7 +70,7 @@ def test_client_errors_fail_at_once(served, tmp_path, status):
 def test_transient_statuses_are_retried(served, tmp_path, status):
     served.script.extend([served.Act(status=status), served.Act(status=status)])
     result = download(served.url("libtorch.zip"), tmp_path / "libtorch.zip",
-                      expected_sha256=DIGEST, **FAST)
+                      expected=DIGEST, **FAST)
     assert result.path.read_bytes() == DATA
     assert len(served.requests) == 3
 
@@ -78,7 +78,7 @@ def test_transient_statuses_are_retried(served, tmp_path, status):
 def test_read_timeout_is_retried(served, tmp_path):
     served.script.append(served.Act(delay_s=1.0))
     result = download(served.url("libtorch.zip"), tmp_path / "libtorch.zip", timeout_s=0.2,
-                      expected_sha256=DIGEST, **FAST)
+                      expected=DIGEST, **FAST)
     assert result.sha256 == DIGEST and len(served.requests) == 2
 
 
@@ -94,7 +94,7 @@ def test_retries_exhausted_keeps_the_part_for_a_later_run(served, tmp_path):
     assert not dest.exists() and _part(dest).read_bytes() == DATA[:1 << 20]
 
     served.default = served.Act()  # the server recovers: the next run continues the .part
-    result = download(served.url("libtorch.zip"), dest, expected_sha256=DIGEST, **FAST)
+    result = download(served.url("libtorch.zip"), dest, expected=DIGEST, **FAST)
     assert result.resumed is True and dest.read_bytes() == DATA
 
 
@@ -103,7 +103,7 @@ def test_file_url_is_copied_with_hash_and_progress(tmp_path):
     source.parent.mkdir()
     source.write_bytes(DATA)
     calls = []
-    result = download(source.as_uri(), tmp_path / "out.zip", expected_sha256=DIGEST.upper(),
+    result = download(source.as_uri(), tmp_path / "out.zip", expected=DIGEST.upper(),
                       progress=lambda done, total: calls.append((done, total)), **FAST)
     assert result.path.read_bytes() == DATA and result.sha256 == DIGEST
     assert calls[-1] == (len(DATA), len(DATA))
@@ -116,7 +116,93 @@ def test_file_url_that_does_not_exist(tmp_path):
     assert not (tmp_path / "out.zip").exists()
 
 
-def test_sha256_file(tmp_path):
-    path = tmp_path / "f"
-    path.write_bytes(DATA)
-    assert sha256_file(path) == DIGEST
+# --- several URLs (mirrors), other digest algorithms ----------------------------------------
+
+MD5 = hashlib.md5(DATA).hexdigest()
+
+
+def test_mirrors_are_tried_in_order_and_a_cut_is_resumed_from_the_next(served, tmp_path):
+    served.files["cut/libtorch.zip"] = DATA
+    served.script.extend([served.Act(status=404), served.Act(cut_after=1 << 20)])
+    urls = [served.url("gone/libtorch.zip"), served.url("cut/libtorch.zip"),
+            served.url("libtorch.zip")]
+    result = download(urls, tmp_path / "data.bin", expected=MD5, algorithm="md5", **FAST)
+    assert (result.sha256, result.resumed) == (DIGEST, True)  # sha256 whatever is verified
+    assert (tmp_path / "data.bin").read_bytes() == DATA
+    assert served.requests == [{"path": "/gone/libtorch.zip", "range": None},
+                               {"path": "/cut/libtorch.zip", "range": None},
+                               {"path": "/libtorch.zip", "range": f"bytes={1 << 20}-"}]
+
+
+def test_a_transient_round_is_retried_after_every_url_failed(served, tmp_path):
+    served.files["b/libtorch.zip"] = DATA
+    served.script.extend([served.Act(status=503), served.Act(status=500)])
+    urls = [served.url("libtorch.zip"), served.url("b/libtorch.zip")]
+    result = download(urls, tmp_path / "data.bin", expected=DIGEST, **FAST)
+    assert result.path.read_bytes() == DATA
+    assert [r["path"] for r in served.requests] == ["/libtorch.zip", "/b/libtorch.zip",
+                                                     "/libtorch.zip"]
+
+
+def test_every_url_failing_names_each_and_keeps_the_part(served, tmp_path):
+    served.script.append(served.Act(cut_after=1000))
+    served.default = served.Act(status=500)
+    urls = [served.url("libtorch.zip"), served.url("missing.zip"), "http://127.0.0.1:9/x.zip"]
+    dest = tmp_path / "data.bin"
+    with pytest.raises(FdlError) as err:
+        download(urls, dest, expected=DIGEST, source_hint="try another mirror", retries=1,
+                 **FAST)
+    message = err.value.message
+    assert message.startswith("download failed after 2 attempts: HTTP 500 for "
+                              f"{served.url('libtorch.zip')}; HTTP 500 for "
+                              f"{served.url('missing.zip')}; ")
+    assert message.endswith("(ConnectError) for http://127.0.0.1:9/x.zip")
+    assert err.value.hint == (f"run again to resume from the 1000 bytes kept in {_part(dest)}; "
+                              "if it keeps failing, try another mirror")
+    assert _part(dest).read_bytes() == DATA[:1000] and not dest.exists()
+
+
+def test_a_refused_url_is_skipped_while_others_remain(served, tmp_path):
+    urls = ["ftp://127.0.0.1/libtorch.zip", served.url("libtorch.zip")]
+    result = download(urls, tmp_path / "a.bin", expected=DIGEST, **FAST)
+    assert result.sha256 == DIGEST
+    with pytest.raises(UsageError) as err:  # plain http without the opt-in: nothing is left
+        download([served.url("libtorch.zip"), "gopher://127.0.0.1/x"], tmp_path / "b.bin",
+                 expected=DIGEST, http_opt_in="FDL_ALLOW_HTTP=1")
+    assert err.value.message.startswith("no URL to download from: refusing to download over "
+                                        "plain http: ")
+    assert "FDL_ALLOW_HTTP=1" in err.value.hint
+    assert len(served.requests) == 1 and _only(tmp_path) == ["a.bin"]
+
+
+def test_an_md5_mismatch_deletes_the_part_and_names_both_digests(served, tmp_path):
+    dest = tmp_path / "data.bin"
+    with pytest.raises(FdlError) as err:
+        download([served.url("libtorch.zip")], dest, expected="0" * 32, algorithm="md5", **FAST)
+    assert err.value.message == (f"checksum mismatch for {served.url('libtorch.zip')}: "
+                                 f"expected md5 {'0' * 32}, got {MD5}")
+    assert _only(tmp_path) == []
+
+
+def test_a_resumed_part_is_rehashed_with_the_expected_algorithm(served, tmp_path):
+    dest = tmp_path / "data.bin"
+    _part(dest).write_bytes(DATA[:777])  # left by an earlier run
+    result = download(served.url("libtorch.zip"), dest, expected=MD5, algorithm="md5", **FAST)
+    assert result.resumed is True and result.sha256 == DIGEST
+    assert served.requests == [{"path": "/libtorch.zip", "range": "bytes=777-"}]
+
+
+def test_several_urls_need_an_expected_digest(tmp_path):
+    with pytest.raises(ValueError, match="expected digest"):
+        download(["https://a.example/f", "https://b.example/f"], tmp_path / "f")
+    assert _only(tmp_path) == []
+
+
+def test_a_file_url_naming_another_host_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(UsageError, match=r"file:// URL names a remote host \(server\)"):
+        download("file://server/share/libtorch.zip", tmp_path / "out" / "libtorch.zip")
+    assert _only(tmp_path) == []
+
+
+def _only(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
