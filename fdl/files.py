@@ -146,6 +146,11 @@ def scan_jsonl(path: Path) -> JsonLines:
         return JsonLines(error="missing")
     except OSError as exc:
         return JsonLines(error=f"unreadable ({exc.strerror or exc})")
+    return parse_jsonl(text)
+
+
+def parse_jsonl(text: str) -> JsonLines:
+    """The records of JSON-lines ``text`` (for a caller that reads the file its own way)."""
     found = JsonLines()
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -4,7 +4,7 @@ the sweep's ``sweep.json``, checked against the types docs/bench.md gives them.
 Either may have been edited, torn by a killed sweep or replaced by something else entirely: a
 torn last line is a cell cut off mid-write and is skipped; anything else that is not what fdl
 bench writes is one :class:`~fdl.errors.FdlError` naming the file, the line and the field,
-rather than a failure deep inside the report's aggregation. Pure standard library.
+rather than a failure deep inside the report's aggregation (lines parsed by fdl.files).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import FdlError
+from fdl.files import parse_jsonl
 
 
 def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -28,15 +29,16 @@ def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]
     if not path.is_file():
         raise FdlError(f"no benchmark results: {path} does not exist",
                        hint="run `fdl bench` first, or point at the directory it wrote")
-    lines = [line for line in _read_text(path).splitlines() if line.strip()]
+    text = _read_text(path)
+    found = parse_jsonl(text)
+    last = max((n for n, line in enumerate(text.splitlines(), start=1) if line.strip()),
+               default=0)
+    torn = [number for number in found.bad_lines if number != last]  # a cut-off last cell is not
+    if torn:
+        raise FdlError(f"{path}:{torn[0]}: not a JSON record",
+                       hint="fdl bench writes these lines; remove or fix the edited one")
     records = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise FdlError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
+    for number, record in zip(found.line_numbers, found.records, strict=True):
         problem = check_record(record)
         if problem:
             raise FdlError(f"{path}:{number}: {problem}",

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.files import sha256_file, write_atomic
+from fdl.files import atomic_replace, sha256_file, write_atomic
 
 DIRNAME = "checkpoints"
 KEEP = 2
@@ -145,9 +145,8 @@ def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: 
 
 
 def _save(torch: Any, obj: Any, path: Path) -> dict[str, Any]:
-    tmp = path.with_name(path.name + ".part")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_replace(path) as tmp:
+        torch.save(obj, tmp)
     return file_digest(path)
 
 
