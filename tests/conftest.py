@@ -1,25 +1,58 @@
-"""Shared fixtures: ``flodl_home`` and ``http_server``, a real HTTP server on 127.0.0.1 (port 0)
-that can be told to misbehave (statuses, cut connections, delays, pauses until released,
-redirects), for download tests. Plain http needs the opt-in (``FDL_ALLOW_HTTP=1`` or
-``allow_http=True``) wherever fdl fetches from it."""
+"""Shared fixtures.
+
+* every test starts without fdl's, torchelastic's and torchrun's variables (autouse);
+* ``flodl_home``: an empty FLODL_HOME in tmp_path, ``store``: the libtorch store in it;
+* ``http_server``: a real HTTP server on 127.0.0.1 (port 0) that can be told to misbehave
+  (statuses, cut connections, delays, pauses until released, redirects), for download tests.
+  Plain http needs the opt-in (``FDL_ALLOW_HTTP=1`` or ``allow_http=True``) wherever fdl
+  fetches from it.
+
+Subprocesses get the same scrubbed environment from ``helpers.clean_env``."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import pytest
 
+from fdl.settings import is_launcher_variable
+
+if TYPE_CHECKING:
+    from fdl.libtorch.store import Store
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_variables(monkeypatch):
+    """Remove every variable ``fdl.settings.is_launcher_variable`` names (``FDL_*``,
+    ``TORCHELASTIC_*``, ``RANK``, ``WORLD_SIZE``, ...) for the test's length: a value from the
+    shell that started pytest (or from an ``fdl run`` around it) would otherwise change what an
+    in-process Trainer or resolver does. A test that wants one sets it with monkeypatch."""
+    for name in [name for name in os.environ if is_launcher_variable(name)]:
+        monkeypatch.delenv(name)
+
 
 @pytest.fixture
-def flodl_home(tmp_path, monkeypatch):
+def flodl_home(tmp_path, monkeypatch) -> Path:
+    """FLODL_HOME, empty, in tmp_path (set in this process too: in-process code never reaches
+    the user's home); pass it on to a subprocess as ``FLODL_HOME``."""
     home = tmp_path / "flodl-home"
     monkeypatch.setenv("FLODL_HOME", str(home))
     return home
+
+
+@pytest.fixture
+def store(flodl_home) -> Store:
+    """The libtorch store of ``flodl_home``, empty."""
+    from fdl.libtorch.store import Store
+
+    return Store(flodl_home / "libtorch")
 
 
 @dataclass

@@ -1,14 +1,23 @@
-"""Test helpers: run the real `fdl` entry point in a subprocess, locate fixtures."""
+"""Test helpers: run the real `fdl` entry point in a subprocess with a clean environment, check
+the one-error-line contract, wait on a condition with a guard, locate fixtures."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import psutil
+
+from fdl.settings import is_launcher_variable
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPU_FIXTURES = FIXTURES / "gpus"
+GUARD_S = 120  # how long a wait may take before the test fails as hung: never a measurement
 
 
 def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -19,10 +28,69 @@ def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without fdl's variables, Slurm or OMP_NUM_THREADS, plus
-    ``extra``."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("FDL_", "SLURM_")) and k != "OMP_NUM_THREADS"}
+    """This process's environment, plus ``extra``, for a subprocess: without the launcher's
+    variables (``fdl.settings.is_launcher_variable``: fdl's, torchelastic's, torchrun's), Slurm's
+    or OMP_NUM_THREADS, so that neither the shell that started pytest nor an ``fdl run`` around
+    it changes what the subprocess does; without colour, and wide, so output compares as text."""
+    base = {name: value for name, value in os.environ.items()
+            if not (is_launcher_variable(name) or name.startswith("SLURM_")
+                    or name == "OMP_NUM_THREADS")}
     return {**base, "NO_COLOR": "1", "COLUMNS": "200", **(extra or {})}
 
 
+def assert_one_error(proc: subprocess.CompletedProcess, code: int, *needles: str,
+                     alone: bool = True) -> str:
+    """fdl's contract for a failure: exit ``code``, exactly one ``error:`` line followed by one
+    ``hint:`` line on stderr, no traceback, and each of ``needles`` in those two lines.
+    ``alone``: nothing else on stderr (pass False where progress lines may come first).
+    Returns the two lines."""
+    assert proc.returncode == code, proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    hints = [i for i, line in enumerate(lines) if line.startswith("hint: ")]
+    assert len(errors) == 1 and hints == [errors[0] + 1], proc.stderr
+    if alone:
+        assert len(lines) == 2, proc.stderr
+    text = lines[errors[0]] + "\n" + lines[hints[0]]
+    for needle in needles:
+        assert needle in text, (needle, text)
+    return text
+
+
+def wait_until(predicate: Callable[[], object], what: str, *,
+               proc: subprocess.Popen | None = None, timeout: float = GUARD_S) -> None:
+    """Return once ``predicate()`` holds; fail if ``proc`` (the process expected to make it
+    hold) exits first, or after ``timeout``, a guard against a hung test, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with {proc.returncode} first")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what} after {timeout} s")
+        time.sleep(0.02)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at this moment (the OS's pick, never a fixed one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until_gone(pids: Iterable[int], what: str = "orphan workers to exit") -> None:
+    """Return once none of ``pids`` runs; fail, naming the survivors, after the guard."""
+    pids = list(pids)
+    try:
+        wait_until(lambda: not any(alive(pid) for pid in pids), what, timeout=60)
+    except AssertionError:
+        raise AssertionError(f"{what}: still running: {[p for p in pids if alive(p)]}") from None

@@ -96,7 +96,7 @@ def _load_nvml(nvml: Any) -> Any | None:
     """``nvml`` (or the ``pynvml`` module) after a successful ``nvmlInit()``, else None."""
     if nvml is None:
         try:
-            import pynvml as nvml  # noqa: TID251  (lazily, in the sampler thread's owner only)
+            import pynvml as nvml  # lazily, in the sampler thread's owner only
         except ImportError:
             return None
     try:
@@ -125,12 +125,16 @@ class Sampler:
 
     ``nvml=None`` imports ``pynvml`` in ``start()``; pass a module-like object to replace it.
     ``cuda_indices`` are the CUDA devices to report (their NVML handles are looked up once, in
-    ``start()``). ``clock`` gives each sample's ``t``.
+    ``start()``). ``clock`` gives each sample's ``t``. ``stop_event`` is what the thread waits
+    on between samples and ``stop()`` sets: ``wait(interval_s)`` returning False means "take the
+    next sample", True means "stop". It defaults to a fresh ``threading.Event``; a test passes
+    one whose ``wait`` returns when the test says, so it drives the thread tick by tick.
     """
 
     def __init__(self, path: Path, *, node: int, cuda_indices: Sequence[int],
                  interval_s: float = 0.1, nvml: Any = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 stop_event: threading.Event | None = None):
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.path = Path(path)
@@ -146,7 +150,7 @@ class Sampler:
         self._host = ""
         self._file: JsonlAppender | None = None
         self._thread: threading.Thread | None = None
-        self._stop_event = threading.Event()
+        self._stop_event = stop_event if stop_event is not None else threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
 

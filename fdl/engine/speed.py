@@ -11,22 +11,28 @@ does not amplify its host's noise). Summaries mark emulated runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
 @dataclass
 class StepTimer:
-    """Times optimizer steps (compute plus emulated slowdown) for one round."""
+    """Times optimizer steps (compute plus emulated slowdown) for one round.
+
+    ``clock`` and ``sleep`` are ``time.perf_counter`` and ``time.sleep``; a test passes a fake
+    pair to check the figures on a known sequence of step times."""
 
     slowdown: float = 1.0
     steps: int = 0
     busy_s: float = 0.0  # compute + emulated sleep
     sleep_s: float = 0.0
     mean: RunningMean | None = None  # the rank's compute time per step, shared across rounds
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     _start: float = field(default=0.0, repr=False)
 
     def start(self) -> None:
-        self._start = time.perf_counter()
+        self._start = self.clock()
 
     def stop(self, *, sync_device: object = None) -> None:
         """End a step; ``sync_device`` (a torch.device) waits for queued GPU work first."""
@@ -34,12 +40,12 @@ class StepTimer:
             import torch
 
             torch.cuda.synchronize(sync_device)
-        elapsed = time.perf_counter() - self._start
+        elapsed = self.clock() - self._start
         if self.mean is not None:
             self.mean.add(elapsed)
         extra = (self.mean.value if self.mean is not None else elapsed) * (self.slowdown - 1.0)
         if extra > 0:
-            time.sleep(extra)
+            self.sleep(extra)
             self.sleep_s += extra
         self.busy_s += elapsed + max(extra, 0.0)
         self.steps += 1

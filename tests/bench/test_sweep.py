@@ -24,6 +24,7 @@ from fdl.bench.sweep import (
     split_done,
 )
 from fdl.errors import FdlError, UsageError
+from fdl.settings import SETTINGS
 
 CPU_MODES = ["solo@1x", "solo@2.5x", "sync-cpu", "cadence-cpu", "async-cpu"]
 MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
@@ -69,6 +70,22 @@ def test_every_emulated_worker_gets_the_same_share_of_the_cores(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "4" and "FDL_SLOWDOWN" not in env
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's own setting wins, for every cell
     assert cell_env(cell)["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_cell_inherits_no_run_setting_and_no_worker_identity(monkeypatch):
+    """A user's FDL_CHECKPOINT_EVERY (once missed by a hand-written list), any other setting's
+    variable, a resume flag or an enclosing torchrun's variables must not reach a cell; fdl's
+    other variables (FDL_ALLOW_HTTP for a plain-http mirror) must."""
+    cell = Cell("mlp", "digits", "solo@1x", "solo", None, 0, 1, (1.0,), 1)
+    leaking = {spec.env: "1" for spec in SETTINGS} | {
+        "FDL_CHECKPOINT_EVERY": "1", "FDL_RESUME": "1", "TORCHELASTIC_RESTART_COUNT": "1",
+        "RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    for name, value in leaking.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FDL_ALLOW_HTTP", "1")
+    env = cell_env(cell)
+    assert sorted(set(leaking) & set(env)) == []
+    assert env["FDL_ALLOW_HTTP"] == "1"
 
 
 def test_repeated_factors_give_one_solo_each_and_a_worker_each():

@@ -43,9 +43,23 @@ def test_a_long_divergence_halves_every_third_round():
     assert [halve for _, halve in verdicts] == [False, False, True, False, False, True, False]
 
 
-def test_guard_streak_is_pure():
-    assert guard_streak(2, 0.9, 0.5) == guard_streak(2, 0.9, 0.5) == (0, True)
-    assert guard_streak(1, 0.9, 1.0) == (0, False)
+def test_a_streak_carried_over_goes_on_where_it_stopped():
+    """The streak lives in the worker's checkpoint: a resumed rank passes the saved streak, and
+    the guard halves on the round that completes three, whichever process saw the first two."""
+    distances = [0.6, 0.7, 0.9, 0.1, 0.8, 0.8, 0.8, 0.8]
+    whole = run_guard(distances)
+    for cut in range(1, len(distances)):
+        streak = whole[cut - 1][0]  # what the checkpoint after round ``cut - 1`` holds
+        resumed = []
+        for distance in distances[cut:]:
+            streak, halve = guard_streak(streak, distance, 0.5)
+            resumed.append((streak, halve))
+        assert whole[:cut] + resumed == whole, cut
+
+
+def test_the_threshold_is_the_argument():
+    assert run_guard([0.9, 0.9, 0.9], threshold=1.0) == [(0, False)] * 3
+    assert run_guard([0.9, 0.9, 0.9], threshold=0.1)[-1] == (0, True)
 
 
 # ---------------------------------------------------------------------------------------------

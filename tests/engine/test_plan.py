@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -359,11 +359,13 @@ def test_halve_anchor_is_a_no_op_under_sync():
 
 
 def test_plan_module_imports_nothing_impure():
+    """No clock, randomness, file or process access can reach the plan: only these modules."""
     tree = ast.parse(Path(plan_module.__file__).read_text(encoding="utf-8"))
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported == {"__future__", "math", "collections.abc", "dataclasses", "fdl.errors"}
+    assert imported <= {"__future__", "math", "collections.abc", "dataclasses", "fdl.errors",
+                        "fdl.settings"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,6 +397,24 @@ round_stats = st.tuples(
     st.floats(0.0, 5000.0),                                  # compute_ms
     st.booleans(),                                           # divergence guard fires
 )
+speeds_ms = st.lists(st.floats(1.0, 300.0), min_size=8, max_size=8)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of a whole run: the state it was planned from, the plan, the stats the ranks
+    reported and the state ``advance`` made of them (before any halving)."""
+
+    state: PlanState
+    plan: RoundPlan
+    stats: RoundStats
+    after: PlanState
+
+    @property
+    def planned(self) -> tuple[int, ...]:
+        """The round's counts before any cut at the epoch end (``advance`` records them)."""
+        assert self.after.prev_counts is not None
+        return self.after.prev_counts
 
 
 def stats_for(plan: RoundPlan, base_ms, template) -> RoundStats:
@@ -404,23 +424,24 @@ def stats_for(plan: RoundPlan, base_ms, template) -> RoundStats:
     return RoundStats(step_ms=step_ms, sync_ms=sync_ms, compute_ms=compute_ms)
 
 
-def run_to_the_end(config: PlanConfig, base_ms, templates):
-    """Every (state, plan) pair of a whole run, with cycled stats and guard firings."""
-    state, seen = initial_state(config), []
+def run_to_the_end(config: PlanConfig, base_ms, templates) -> tuple[PlanState, list[Round]]:
+    """Every round of a whole run, with cycled stats and guard firings."""
+    state, rounds = initial_state(config), []
     while not state.finished:
         plan = next_round(state)
-        seen.append((state, plan))
         template = templates[plan.round_index % len(templates)]
-        state = advance(state, plan, stats_for(plan, base_ms, template))
+        stats = stats_for(plan, base_ms, template)
+        after = advance(state, plan, stats)
+        rounds.append(Round(state, plan, stats, after))
+        state = after
         if template[3] and plan.round_index % 3 == 0:
             state = halve_anchor(state, reason="diverged")
-    return state, seen
+    return state, rounds
 
 
-def check_round(state: PlanState, plan: RoundPlan) -> None:
+def check_slices(state: PlanState, plan: RoundPlan) -> None:
+    """Contiguous, disjoint slices in rank order from the state's position; whole batches."""
     config = state.config
-    low, high = (1, 1) if config.policy == "sync" else (config.min_anchor, config.max_anchor)
-    assert low <= plan.anchor == state.anchor <= high
     assert (plan.round_index, plan.epoch) == (state.round_index, state.epoch)
     assert [s.rank for s in plan.slices] == list(range(config.world_size))
     assert plan.slices[0].start == state.position
@@ -429,38 +450,77 @@ def check_round(state: PlanState, plan: RoundPlan) -> None:
     assert plan.last_in_epoch == (plan.slices[-1].stop == config.dataset_size)
     assert plan.counts == tuple(s.steps for s in plan.slices)
     assert all(s.steps == -(-s.num_samples // config.batch_size) for s in plan.slices)
-    planned = (1,) * config.world_size if config.policy == "sync" else step_counts(
-        anchor=state.anchor, speed_ms=state.speed_ms, prev=state.prev_counts,
-        dead_zone=config.dead_zone)
-    assert min(planned) >= 1
-    if plan.num_samples == sum(planned) * config.batch_size:  # a full round
-        assert plan.counts == planned
-        assert all(s.num_samples == s.steps * config.batch_size for s in plan.slices)
-    else:  # cut, only at the epoch end, never over the planned counts
-        assert plan.last_in_epoch
-        assert all(c <= p for c, p in zip(plan.counts, planned, strict=True))
     weights = plan.weights()
     assert math.isclose(sum(weights), 1.0)
     assert all(math.isclose(w, s.num_samples / plan.num_samples) for w, s in
                zip(weights, plan.slices, strict=True))
 
 
+def check_counts_follow_speeds(state: PlanState, planned: tuple[int, ...]) -> None:
+    """The documented rule, computed here from the state's speeds: the slowest rank runs the
+    anchor, rank r ``anchor * ms_slow / ms_r`` rounded (an unmeasured rank counts as the
+    slowest), or the previous counts stand because every rank's ideal is within the dead zone
+    of them."""
+    config = state.config
+    if config.policy == "sync":
+        assert planned == (1,) * config.world_size
+        return
+    slow = max((ms for ms in state.speed_ms if ms is not None), default=1.0)
+    ideal = [state.anchor * slow / (slow if ms is None else ms) for ms in state.speed_ms]
+    assert min(planned) == state.anchor >= 1
+    rounded = all(abs(x - c) <= 0.5 + 1e-9 * x for x, c in zip(ideal, planned, strict=True))
+    held = planned == state.prev_counts and all(
+        abs(x - c) < config.dead_zone * c for x, c in zip(ideal, planned, strict=True))
+    assert rounded or held, (ideal, planned, state.prev_counts)
+
+
+def check_round(step: Round) -> None:
+    state, plan, planned = step.state, step.plan, step.planned
+    config = state.config
+    low, high = (1, 1) if config.policy == "sync" else (config.min_anchor, config.max_anchor)
+    assert low <= plan.anchor == state.anchor <= high
+    check_slices(state, plan)
+    check_counts_follow_speeds(state, planned)
+    remaining = config.dataset_size - state.position
+    if sum(planned) * config.batch_size <= remaining:  # a full round
+        assert plan.counts == planned
+        assert all(s.num_samples == s.steps * config.batch_size for s in plan.slices)
+    else:  # cut to what the epoch has left, never over the planned counts
+        assert plan.last_in_epoch and plan.num_samples == remaining
+        assert all(c <= p for c, p in zip(plan.counts, planned, strict=True))
+
+
+def check_speeds(step: Round) -> None:
+    """A rank that ran steps moves its speed 30 to 80% of the way to what it reported (all of
+    the way the first time); one that ran none keeps its estimate."""
+    for old, new, ms, steps in zip(step.state.speed_ms, step.after.speed_ms, step.stats.step_ms,
+                                   step.plan.counts, strict=True):
+        if not steps:
+            assert new == old
+        elif old is None or ms == old:
+            assert new == ms
+        else:
+            assert 0.3 - 1e-9 <= (new - old) / (ms - old) <= 0.8 + 1e-9
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs(), speeds=st.lists(st.floats(1.0, 300.0), min_size=8, max_size=8),
-       templates=st.lists(round_stats, min_size=1, max_size=6))
+@given(config=configs(), speeds=speeds_ms, templates=st.lists(round_stats, min_size=1,
+                                                              max_size=6))
 def test_whole_run_assigns_every_sample_once_per_epoch(config, speeds, templates):
-    final, seen = run_to_the_end(config, speeds, templates)
+    final, rounds = run_to_the_end(config, speeds, templates)
     epochs: dict[int, list[RankSlice]] = {}
-    for state, plan in seen:
-        check_round(state, plan)
-        epochs.setdefault(plan.epoch, []).extend(plan.slices)
-        assert state.samples_seen == sum(p.num_samples for _, p in seen[: plan.round_index])
+    for step in rounds:
+        check_round(step)
+        check_speeds(step)
+        epochs.setdefault(step.plan.epoch, []).extend(step.plan.slices)
+        done = sum(r.plan.num_samples for r in rounds[: step.plan.round_index])
+        assert step.state.samples_seen == done
     assert sorted(epochs) == list(range(config.epochs))
     for slices in epochs.values():
         covered = sorted((s.start, s.stop) for s in slices if s.num_samples)
         assert covered[0][0] == 0 and covered[-1][1] == config.dataset_size
         assert all(a[1] == b[0] for a, b in pairwise(covered))  # disjoint, no gaps
-    assert sum(plan.last_in_epoch for _, plan in seen) == config.epochs
+    assert sum(step.plan.last_in_epoch for step in rounds) == config.epochs
     assert final.finished and final.epoch == config.epochs and final.position == 0
     assert final.samples_seen == config.epochs * config.dataset_size
     assert all(config.min_anchor <= a <= config.max_anchor for _, a, _ in final.anchor_history)
@@ -469,22 +529,27 @@ def test_whole_run_assigns_every_sample_once_per_epoch(config, speeds, templates
 
 
 @settings(max_examples=100, deadline=None)
-@given(config=configs(), speeds=st.lists(st.floats(1.0, 300.0), min_size=8, max_size=8),
-       templates=st.lists(round_stats, min_size=1, max_size=6))
-def test_every_rank_computes_the_same_plans(config, speeds, templates):
-    """World-size independent copies fed the same stats plan identically, and a plan depends
-    on the state's value alone (a rebuilt equal state gives an equal plan)."""
-    states = [initial_state(replace(config)) for _ in range(config.world_size)]
-    rounds = 0
-    while not states[0].finished:
-        plans = [next_round(s) for s in states]
-        assert all(p == plans[0] for p in plans)
-        assert next_round(replace(states[-1])) == plans[0]
-        template = templates[rounds % len(templates)]
-        states = [advance(s, p, stats_for(p, speeds, template)) for s, p in zip(states, plans, strict=True)]
-        assert all(s == states[0] for s in states)
-        rounds += 1
-    assert all(s.finished for s in states)
+@given(config=configs(), speeds=speeds_ms, sync_ms=st.floats(0.0, 50.0))
+def test_steady_speeds_let_every_rank_finish_a_round_within_half_a_step(config, speeds,
+                                                                        sync_ms):
+    """El Che's point: with speeds that do not change (and no dead zone), once every rank has
+    been measured each full round gives rank r ``c_r`` steps with ``c_r x ms_r`` within half
+    of one of its steps of the slowest rank's ``anchor x ms_slow``: no rank idles longer."""
+    config = replace(config, policy="cadence", dead_zone=0.0)
+    state = initial_state(config)
+    while not state.finished:
+        plan = next_round(state)
+        step_ms = tuple(ms if steps else math.nan
+                        for ms, steps in zip(speeds, plan.counts, strict=False))
+        after = advance(state, plan, RoundStats(step_ms=step_ms, sync_ms=sync_ms,
+                                                compute_ms=100.0))
+        full = plan.counts == after.prev_counts  # not cut at the epoch end
+        if full and None not in state.speed_ms:
+            assert state.speed_ms == tuple(speeds[:config.world_size])  # ema(x, x) == x
+            slowest = state.anchor * max(state.speed_ms)
+            for steps, ms in zip(plan.counts, state.speed_ms, strict=True):
+                assert abs(steps * ms - slowest) <= ms / 2 + 1e-9 * slowest
+        state = after
 
 
 @settings(max_examples=100, deadline=None)

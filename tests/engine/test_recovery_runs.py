@@ -11,11 +11,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
-from helpers import clean_env, run_fdl
+from helpers import clean_env, run_fdl, wait_until
 
 from fdl.engine.timeline import read_events
 
@@ -32,10 +31,8 @@ def command(run_dir: Path, out: Path, *flags: str) -> list[str]:
 
 def kill_rank_when_checkpointed(proc: subprocess.Popen, run_dir: Path, rank: str) -> int:
     """SIGKILL worker ``rank`` as soon as the first checkpoint is in place; its pid."""
-    deadline = time.monotonic() + 120
-    while not list((run_dir / "checkpoints").glob("ckpt-r*")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
+    wait_until(lambda: list((run_dir / "checkpoints").glob("ckpt-r*")), "the first checkpoint",
+               proc=proc)
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
             if "fdl.launch.worker" in child.cmdline() and child.environ().get("RANK") == rank:

@@ -6,26 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from common import make_data, train_step
 
 import fdl
 from fdl.engine.checkpoint import latest_checkpoint
-
-
-def make_data(num_samples: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    features = torch.randn(num_samples, 8, generator=generator)
-    return TensorDataset(features, (features[:, :4].sum(dim=1) > 0).long())
-
-
-def train_step(model, batch):
-    features, labels = batch
-    return F.cross_entropy(model(features), labels)
 
 
 def trainer(epochs: int = 3, *, num_samples: int = 512,
@@ -39,8 +31,7 @@ def trainer(epochs: int = 3, *, num_samples: int = 512,
 
 @pytest.fixture
 def solo_env(monkeypatch, tmp_path):
-    for name in ("FDL_RESUME", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(name, raising=False)
+    """A solo run (no launcher variables: conftest) with its run directory in tmp_path."""
     monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
     return tmp_path / "run"
 

@@ -2,13 +2,17 @@
 
 This machine has no GPU: NVML is faked at its boundary (a fake ``pynvml``-like object passed
 as ``nvml=``), and torch's CUDA device properties, where needed, by monkeypatching
-``torch.cuda.get_device_properties``. psutil and the file output are real.
+``torch.cuda.get_device_properties``. psutil, the thread and the file output are real; the
+thread's wait between samples is a ``ManualTicks`` the test advances, so no test sleeps or
+reads a clock to know how many samples there are.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +29,49 @@ from fdl.engine.sampler import (
 )
 
 GIB = 1 << 30
+GUARD_S = 60  # only a guard against a hung test: every wait below ends on an event
+
+
+class ManualTicks:
+    """The sampler's stop event, driven by the test: the thread's ``wait`` returns False (take
+    a sample) once per tick the test gives, True (stop) once ``set()`` is called, and never
+    because time passed. ``timeouts`` records the interval of each wait."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._waiting = self._stopped = False
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:  # the sampler thread's side
+        with self._cond:
+            self.timeouts.append(timeout)
+            self._waiting = True
+            self._cond.notify_all()
+            woken = self._cond.wait_for(lambda: self._pending or self._stopped, GUARD_S)
+            self._waiting = False
+            if self._stopped or not woken:  # not woken: the test gave up, let the thread end
+                return True
+            self._pending -= 1
+            return False
+
+    def set(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def tick(self, count: int = 1) -> None:
+        """Let the thread take ``count`` samples; returns once it waits again after the last."""
+        with self._cond:
+            self._pending += count
+            self._cond.notify_all()
+        self.wait_for_thread()
+
+    def wait_for_thread(self) -> None:
+        """Return once the thread waits with no tick left to take."""
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._waiting and not self._pending, GUARD_S)
+        assert done, "the sampler thread did not come back to its wait"
 
 
 class FakeNvml:
@@ -144,19 +191,28 @@ def test_sample_reads_gpus_by_bus_id_and_nulls_a_broken_one(monkeypatch, tmp_pat
     assert (nvml.num_inits, nvml.num_shutdowns) == (1, 1)
 
 
-def test_run_writes_one_line_per_interval(monkeypatch, tmp_path):
+def test_no_sample_before_the_first_interval(tmp_path):
+    ticks = ManualTicks()
+    path = tmp_path / "s.jsonl"
+    sampler = Sampler(path, node=0, cuda_indices=[], nvml=FakeNvml({}), stop_event=ticks).start()
+    ticks.wait_for_thread()
+    assert path.read_text(encoding="utf-8") == "" and sampler.num_samples == 0
+    sampler.stop()
+
+
+def test_each_interval_appends_one_sample_and_stop_a_last_one(monkeypatch, tmp_path):
     fake_cuda_buses(monkeypatch, [0x3B])
+    ticks, times = ManualTicks(), itertools.count(1000)
     path = tmp_path / "timeline" / "samples-node2.jsonl"
-    sampler = Sampler(path, node=2, cuda_indices=[0], interval_s=0.05,
-                      nvml=FakeNvml(PHYSICAL)).start()
-    time.sleep(0.35)
+    sampler = Sampler(path, node=2, cuda_indices=[0], interval_s=0.05, nvml=FakeNvml(PHYSICAL),
+                      clock=lambda: float(next(times)), stop_event=ticks).start()
+    ticks.tick(3)
+    assert len(read_lines(path)) == sampler.num_samples == 3  # on disk as soon as taken
     sampler.stop()
     lines = read_lines(path)
-    assert len(lines) >= 4
-    assert len(lines) == sampler.num_samples
-    assert sampler.num_errors == 0
-    times = [line["t"] for line in lines]
-    assert times == sorted(times) and len(set(times)) == len(times)
+    assert [line["t"] for line in lines] == [1000.0, 1001.0, 1002.0, 1003.0]
+    assert sampler.num_samples == 4 and sampler.num_errors == 0
+    assert set(ticks.timeouts) == {0.05}  # every wait is one interval
     for line in lines:
         assert set(line) == {"t", "node", "host", "cpu_percent", "ram_used_bytes",
                              "ram_total_bytes", "gpus"}
@@ -167,13 +223,14 @@ def test_run_writes_one_line_per_interval(monkeypatch, tmp_path):
                                  "mem_used_bytes": GIB, "mem_total_bytes": 80 * GIB}]
 
 
-def test_stop_is_prompt_and_idempotent(tmp_path):
+def test_stop_wakes_the_thread_instead_of_waiting_out_the_interval(tmp_path):
     nvml = FakeNvml(PHYSICAL)
     path = tmp_path / "s.jsonl"
-    sampler = Sampler(path, node=0, cuda_indices=[], interval_s=30, nvml=nvml).start()
-    began = time.perf_counter()
-    sampler.stop()
-    assert time.perf_counter() - began < 0.5  # woken by the event, not after a 30 s tick
+    sampler = Sampler(path, node=0, cuda_indices=[], interval_s=3600, nvml=nvml).start()
+    stopped = threading.Event()
+    threading.Thread(target=lambda: (sampler.stop(), stopped.set()), daemon=True).start()
+    # stop() joins for up to interval_s + 2 s: only a woken thread lets it return in time
+    assert stopped.wait(GUARD_S), "stop() waited for the hour-long interval"
     assert len(read_lines(path)) == 1  # the last sample, written by stop()
     sampler.stop()
     assert len(read_lines(path)) == 1
@@ -190,31 +247,33 @@ def test_append_keeps_an_earlier_attempts_lines(tmp_path):
 
 def test_nvml_unavailable_still_records_cpu_and_ram(monkeypatch, tmp_path):
     fake_cuda_buses(monkeypatch, [0x3B])
-    nvml = FakeNvml(PHYSICAL, init_error=True)
+    nvml, ticks = FakeNvml(PHYSICAL, init_error=True), ManualTicks()
     path = tmp_path / "s.jsonl"
-    with Sampler(path, node=0, cuda_indices=[0], interval_s=0.02, nvml=nvml):
-        time.sleep(0.1)
+    with Sampler(path, node=0, cuda_indices=[0], nvml=nvml, stop_event=ticks):
+        ticks.tick(2)
     lines = read_lines(path)
-    assert lines and all(line["gpus"] == [] for line in lines)
+    assert len(lines) == 3 and all(line["gpus"] == [] for line in lines)
     assert all(line["ram_total_bytes"] > 0 and "cpu_percent" in line for line in lines)
     assert nvml.num_shutdowns == 0 and nvml.lookups == []
 
 
 def test_errors_in_the_thread_are_counted_not_raised(tmp_path):
-    calls = iter(range(1_000_000))
+    calls = itertools.count()
 
-    def flaky_clock() -> float:
+    def flaky_clock() -> float:  # fails on every other call: 0, 2, 4, ...
         if next(calls) % 2 == 0:
             raise OSError("clock hiccup")
         return time.time()
 
+    ticks = ManualTicks()
     path = tmp_path / "s.jsonl"
-    sampler = Sampler(path, node=0, cuda_indices=[], interval_s=0.01, nvml=FakeNvml({}),
-                      clock=flaky_clock).start()
-    time.sleep(0.15)
-    sampler.stop()
-    assert sampler.num_errors >= 2
-    assert sampler.num_samples >= 2 and len(read_lines(path)) == sampler.num_samples
+    sampler = Sampler(path, node=0, cuda_indices=[], nvml=FakeNvml({}), clock=flaky_clock,
+                      stop_event=ticks).start()
+    ticks.tick(4)
+    assert (sampler.num_samples, sampler.num_errors) == (2, 2)
+    sampler.stop()  # its last sample is call 4: an error too, and stop() does not raise it
+    assert (sampler.num_samples, sampler.num_errors) == (2, 3)
+    assert len(read_lines(path)) == 2
 
 
 def test_start_node_sampler_only_on_local_rank_zero_with_a_run_dir(tmp_path):

@@ -15,13 +15,6 @@ import fdl
 from fdl.errors import UsageError
 
 
-@pytest.fixture(autouse=True)
-def solo_env(monkeypatch):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "FDL_RUN_DIR", "FDL_POLICY", "FDL_EPOCHS",
-                 "FDL_BATCH_SIZE", "FDL_SEED", "FDL_BACKEND", "FDL_SLOWDOWN", "FDL_SOURCES"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def trainer(**overrides) -> fdl.Trainer:
     settings = dict(model=build_model, optimizer=build_optimizer, train_step=train_step,
                     train_data=make_data(512, seed=1), eval_data=make_data(128, seed=2),

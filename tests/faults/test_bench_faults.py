@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_fdl
+from helpers import assert_one_error, run_fdl
 
 from fdl.bench.records import write_sweep_json
 from fdl.bench.results import check_record, load_results
@@ -17,20 +17,12 @@ GOOD = {"model": "mlp", "mode": "solo@1x", "policy": "solo", "backend": "cpu", "
         "history": [{"epoch": 1, "train_loss": 0.5, "eval": 0.9}]}
 
 
-def _one_error_line(result) -> None:
-    lines = result.stderr.strip().splitlines()
-    assert "Traceback" not in result.stderr, result.stderr
-    assert [line.split(":")[0] for line in lines] == ["error", "hint"], result.stderr
-
-
 @pytest.mark.parametrize("out", ["afile/sub", "afile"])
 def test_an_unusable_out_dir_is_one_line_before_anything_runs(tmp_path, out):
     (tmp_path / "afile").write_text("not a directory\n")
     result = run_fdl("bench", "--model", "logreg", "--dataset", "synthetic", "--mode",
                      "solo@1x", "--out", out, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    _one_error_line(result)
-    assert "--out" in result.stderr
+    assert_one_error(result, 2, "--out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made, no runs/
 
 
@@ -38,9 +30,7 @@ def test_a_sweep_json_that_is_not_utf8_is_one_line(tmp_path):
     (tmp_path / "results.jsonl").write_text(json.dumps(GOOD) + "\n")
     (tmp_path / "sweep.json").write_bytes(b"\xff\xfe{}")
     result = run_fdl("bench", "report", str(tmp_path))
-    assert result.returncode == 1
-    _one_error_line(result)
-    assert "sweep.json is not UTF-8" in result.stderr
+    assert_one_error(result, 1, "sweep.json is not UTF-8")
 
 
 @pytest.mark.parametrize(("meta", "problem"), [

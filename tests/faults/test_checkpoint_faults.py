@@ -258,8 +258,6 @@ def solo_trainer(*, hidden: int):
 
 
 def test_resuming_with_another_model_is_a_usage_error(tmp_path, monkeypatch):
-    for name in ("FDL_RESUME", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
     solo_trainer(hidden=16).fit()  # leaves the epoch-1 checkpoint
     monkeypatch.setenv("FDL_RESUME", "1")

@@ -13,14 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import clean_env, run_fdl
+from helpers import alive, clean_env, run_fdl, wait_until, wait_until_gone
 
 FAIL_SCRIPT = Path(__file__).parents[1] / "launch" / "scripts" / "fail.py"
 GUARD_S = 60
@@ -82,24 +81,14 @@ def kill_tree(pid: int) -> None:
 
 
 def wait_for_workers(out: Path, proc: subprocess.Popen, count: int) -> list[dict[str, int]]:
-    deadline = time.monotonic() + GUARD_S
-    while len(list(out.glob("pid-?"))) < count:
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the workers did not start"
-        time.sleep(0.05)
+    wait_until(lambda: len(list(out.glob("pid-?"))) >= count, f"{count} workers to start",
+               proc=proc, timeout=GUARD_S)
     return [json.loads(p.read_text()) for p in sorted(out.glob("pid-?"))]
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
     return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
             if c.status == psutil.CONN_LISTEN}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("restarts", ["0", "1"])  # 1: the workers host a store of their own
@@ -125,10 +114,7 @@ def test_sigkill_of_the_launcher_stops_its_workers(tmp_path, blocking):
         try:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=GUARD_S)
-            deadline = time.monotonic() + 30
-            while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert [pid for pid in pids if alive(pid)] == [], "orphan workers remain"
+            wait_until_gone(pids)
         finally:
             for pid in pids:
                 kill_tree(pid)

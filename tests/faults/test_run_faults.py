@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers import run_fdl
+from helpers import assert_one_error, free_port, run_fdl
 
 WORKER = "open('MARKER', 'w').write('a worker ran')\n"
 
@@ -23,22 +23,11 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def assert_refused(project: Path, proc, *needles: str) -> None:
     """Exit 2, `error:` then `hint:`, no traceback, nothing started, nothing written."""
-    assert proc.returncode == 2, proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 2, proc.stderr
-    assert lines[0].startswith("error: ") and lines[1].startswith("hint: "), proc.stderr
+    error = assert_one_error(proc, 2).splitlines()[0]
     for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "Traceback" not in proc.stderr
+        assert needle in error, (needle, error)
     assert not (project / "MARKER").exists(), "a worker ran"
     assert not (project / "runs").exists(), "a run directory was created"
 

@@ -16,22 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, clean_env, run_fdl
+from helpers import GPU_FIXTURES, assert_one_error, clean_env, run_fdl
 
 from fdl.errors import UsageError
 from fdl.libtorch.store import Store
 
 NAMES = ["../../../victim", "precompiled/../../victim", "/etc", "..", ".hidden", "a\\b"]
-
-
-@pytest.fixture
-def home(tmp_path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def store(home) -> Store:
-    return Store(home / "libtorch")
 
 
 def fdl(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -55,27 +45,17 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
             for p in sorted(root.rglob("*"))}
 
 
-def assert_one_error(proc: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    hints = [line for line in proc.stderr.splitlines() if line.startswith("hint: ")]
-    assert len(errors) == 1 and len(hints) == 1, proc.stderr
-    for word in words:
-        assert word in errors[0] + hints[0], proc.stderr
-
-
 # ---- item 2: names that look like paths -----------------------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
-def test_path_like_names_are_refused_by_activate_remove_and_info(home, store, name):
+def test_path_like_names_are_refused_by_activate_remove_and_info(flodl_home, store, name):
     add(store, "2.13.0-cpu")
     store.activate("2.13.0-cpu")
-    before = snapshot(home.parent)
+    before = snapshot(flodl_home.parent)
     for command in (["activate", name], ["remove", name, "--force"], ["info", name]):
-        proc = fdl(home, "libtorch", *command)
+        proc = fdl(flodl_home, "libtorch", *command)
         assert_one_error(proc, 2, repr(name), "not a libtorch variant name")
-    assert snapshot(home.parent) == before
+    assert snapshot(flodl_home.parent) == before
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -104,22 +84,22 @@ def _a_fifo(path: Path) -> None:
 
 @pytest.mark.parametrize("breaks", [_not_utf8, _a_directory, pytest.param(
     _a_fifo, marks=pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here"))])
-def test_a_broken_active_file_is_one_warning_and_nothing_active(home, store, breaks):
+def test_a_broken_active_file_is_one_warning_and_nothing_active(flodl_home, store, breaks):
     add(store, "good")
     breaks(store.root / ".active")
-    listed = fdl(home, "libtorch", "list", "--json")
+    listed = fdl(flodl_home, "libtorch", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout)["active"] is None
     assert [v["id"] for v in json.loads(listed.stdout)["variants"]] == ["precompiled/good"]
     (warning,) = [line for line in listed.stderr.splitlines() if line.startswith("warning: ")]
     assert ".active is" in warning and "ignored" in warning
-    env = fdl(home, "libtorch", "env")
-    assert_one_error(env, 1, "no libtorch is active")
+    env = fdl(flodl_home, "libtorch", "env")
+    assert_one_error(env, 1, "no libtorch is active", alone=False)  # after the warning
     assert "warning: " in env.stderr and env.stdout == ""
     assert store.active() is None
 
 
-def test_a_broken_variant_json_is_one_warning_and_skipped(home, store):
+def test_a_broken_variant_json_is_one_warning_and_skipped(flodl_home, store):
     add(store, "good")
     add(store, "stringy")
     add(store, "garbled")
@@ -127,21 +107,22 @@ def test_a_broken_variant_json_is_one_warning_and_skipped(home, store):
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "archs": "sm_86"}))
     (store.root / "precompiled" / "garbled" / "variant.json").write_bytes(b"\x00{not json")
     store.activate("good")
-    listed = fdl(home, "libtorch", "list")
+    listed = fdl(flodl_home, "libtorch", "list")
     assert listed.returncode == 0, listed.stderr
     warnings = [line for line in listed.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 2
     assert "precompiled/stringy: variant.json: 'archs' must be a list" in warnings[1]
     assert "precompiled/garbled: variant.json is not valid JSON" in warnings[0]
     assert "precompiled/good" in listed.stdout and "stringy" not in listed.stdout
-    env = fdl(home, "libtorch", "env")
+    env = fdl(flodl_home, "libtorch", "env")
     assert env.returncode == 0 and "precompiled/good" in env.stdout
     # a broken entry is not a variant: activating it is a usage error
-    assert_one_error(fdl(home, "libtorch", "activate", "stringy"), 2, "no libtorch variant")
+    assert_one_error(fdl(flodl_home, "libtorch", "activate", "stringy"), 2, "no libtorch variant")
 
 
 @pytest.mark.parametrize("case", ["broken-entries", "home-is-a-file"])
-def test_diagnose_never_fails_because_of_the_store(home, store, tmp_path, case):
+def test_diagnose_never_fails_because_of_the_store(flodl_home, store, tmp_path, case):
+    home = flodl_home
     if case == "broken-entries":
         add(store, "stringy")
         store.activate("stringy")
@@ -170,12 +151,12 @@ def _tiny_file_size_limit() -> None:  # in the child, before exec
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
-def test_activate_on_a_full_disk_is_one_error_and_active_is_unchanged(home, store):
+def test_activate_on_a_full_disk_is_one_error_and_active_is_unchanged(flodl_home, store):
     add(store, "a")
     add(store, "b")
     store.activate("a")
     proc = subprocess.run([sys.executable, "-m", "fdl", "libtorch", "activate", "b"],
-                          env=clean_env({"FLODL_HOME": str(home)}), capture_output=True,
+                          env=clean_env({"FLODL_HOME": str(flodl_home)}), capture_output=True,
                           text=True, timeout=120, preexec_fn=_tiny_file_size_limit)
     assert_one_error(proc, 1, "cannot write", ".active", "File too large",
                      "the active libtorch is unchanged")
@@ -216,12 +197,12 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_on_an_empty_home_is_one_error_and_writes_nothing(home, case):
+def test_bad_input_on_an_empty_home_is_one_error_and_writes_nothing(flodl_home, case):
     args, env, words = BAD_INPUT[case]
-    proc = fdl(home, *args, **env)
+    proc = fdl(flodl_home, *args, **env)
     assert_one_error(proc, 2, words)
     assert proc.stdout == ""
-    assert not home.exists()
+    assert not flodl_home.exists()
 
 
 @pytest.mark.parametrize("what", ["home", "store"])

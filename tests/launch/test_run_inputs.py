@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, run_fdl
+from helpers import GPU_FIXTURES, assert_one_error, free_port, run_fdl
 
 from fdl.errors import UsageError
 
@@ -26,13 +26,10 @@ def fdl_run(project: Path, *args: str, env: dict[str, str] | None = None):
 
 
 def assert_usage_error(proc, *needles: str) -> None:
-    assert proc.returncode == 2, proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert lines[0].startswith("error: ")
-    assert len(lines) == 2 and lines[1].startswith("hint: "), proc.stderr
+    """One usage error naming ``needles`` in its `error:` line, and no worker started."""
+    error = assert_one_error(proc, 2).splitlines()[0]
     for needle in needles:
-        assert needle in lines[0]
-    assert "Traceback" not in proc.stderr
+        assert needle in error, (needle, error)
     assert "hello from the worker" not in proc.stdout
 
 
@@ -174,9 +171,7 @@ def test_slurm_allocation_sets_nodes_rank_and_endpoint(project):
 
 
 def test_master_addr_and_port_use_torchruns_static_rendezvous(project):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     spec = dry_run(project, "--master-port", str(port))
     assert spec["rendezvous"]["backend"] == "static"
     assert spec["rendezvous"]["endpoint"] == f"127.0.0.1:{port}"

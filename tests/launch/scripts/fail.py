@@ -25,3 +25,4 @@ if rank == fail_rank:
     if mode.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(120)  # the others would run on; the launcher must stop them
+print(f"rank {rank} was never stopped", flush=True)  # what a test looks for
