@@ -5,7 +5,8 @@
 * ``http_server``: a real HTTP server on 127.0.0.1 (port 0) that can be told to misbehave
   (statuses, cut connections, delays, pauses until released, redirects), for download tests.
   Plain http needs the opt-in (``FDL_ALLOW_HTTP=1`` or ``allow_http=True``) wherever fdl
-  fetches from it.
+  fetches from it;
+* ``mirror_env``: the environment for an `fdl` subprocess whose libtorch catalog is that server.
 
 Subprocesses get the same scrubbed environment from ``helpers.clean_env``."""
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import pytest
+from helpers import GPU_FIXTURES
 
 from fdl.settings import is_launcher_variable
 
@@ -171,3 +173,13 @@ def http_server():
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@pytest.fixture
+def mirror_env(http_server, tmp_path) -> dict[str, str]:
+    """``env`` for ``helpers.run_fdl``: FLODL_HOME in tmp_path (not created), the libtorch
+    catalog on ``http_server`` (FDL_LIBTORCH_MIRROR, plain http opted in: it is 127.0.0.1) and a
+    host without GPUs (FDL_GPU_SURVEY), so that `fdl setup` picks the CPU build. Tests put the
+    archives they want fetched in ``http_server.files``."""
+    return {"FLODL_HOME": str(tmp_path / "home"), "FDL_LIBTORCH_MIRROR": http_server.url(""),
+            "FDL_ALLOW_HTTP": "1", "FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")}

@@ -1,8 +1,10 @@
 """Test helpers: run the real `fdl` entry point in a subprocess with a clean environment, check
-the one-error-line contract, wait on a condition with a guard, locate fixtures."""
+the one-error-line contract, read the libtorch store through the CLI, wait on a condition with a
+guard, locate fixtures."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -25,6 +27,15 @@ def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     """``python -m fdl ARGS`` as a user would run it; returns the completed process."""
     return subprocess.run([sys.executable, "-m", "fdl", *args], capture_output=True, text=True,
                           env=clean_env(env), cwd=cwd, timeout=timeout, input=input)
+
+
+def libtorch_list(env: dict[str, str]) -> dict:
+    """What ``fdl libtorch list --json`` says of the store of ``env``'s FLODL_HOME, parsed: the
+    store as a user sees it, not as the test's own Store object reads it. Fails the test if
+    the command fails."""
+    proc = run_fdl("libtorch", "list", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import write_solo_checkpoint
 
 from fdl.engine import checkpoint as ckpt
 from fdl.engine.checkpoint import CheckpointEvery, latest_checkpoint, load_rank_state
@@ -17,21 +18,8 @@ from fdl.errors import UsageError
 from fdl.settings import parse_checkpoint_every
 
 
-def solo_gather(obj):
-    return [obj]
-
-
-def write(run_dir: Path, round_index: int, value: float) -> Path:
-    model = {"weight": torch.full((4, 4), value)}
-    rank_state = {"optimizer": {"step": round_index}, "rng": torch.get_rng_state()}
-    return ckpt.write_checkpoint(run_dir, round_index=round_index, rank=0, world_size=1,
-                                 model_state=model, rank_state=rank_state,
-                                 engine_state={"epoch": round_index, "history": []},
-                                 gather=solo_gather)
-
-
 def test_a_checkpoint_holds_every_file_with_its_hash(tmp_path):
-    path = write(tmp_path, 3, 1.5)
+    path = write_solo_checkpoint(tmp_path, round_index=3, value=1.5)
     assert path == tmp_path / "checkpoints" / "ckpt-r00000003"
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) == {"model.pt", "rank0.pt", "engine.json"}
@@ -47,7 +35,7 @@ def test_a_checkpoint_holds_every_file_with_its_hash(tmp_path):
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_alone(tmp_path, monkeypatch):
-    first = write(tmp_path, 1, 1.0)
+    first = write_solo_checkpoint(tmp_path, round_index=1)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
     real_save = torch.save
 
@@ -59,19 +47,19 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_alone(tmp_path, mo
 
     monkeypatch.setattr(torch, "save", crash_on_model)
     with pytest.raises(OSError, match="disk full"):
-        write(tmp_path, 2, 2.0)
+        write_solo_checkpoint(tmp_path, round_index=2)
     monkeypatch.undo()
     assert not (tmp_path / "checkpoints" / "ckpt-r00000002").exists()
     found, skipped = latest_checkpoint(tmp_path)
     assert found.path == first and skipped == []
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
-    write(tmp_path, 3, 3.0)  # the next checkpoint clears the crashed staging directory
+    write_solo_checkpoint(tmp_path, round_index=3)  # clears the crashed staging directory
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
 def test_only_the_newest_two_are_kept(tmp_path):
     for round_index in (1, 2, 3, 4):
-        write(tmp_path, round_index, float(round_index))
+        write_solo_checkpoint(tmp_path, round_index=round_index)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["ckpt-r00000003", "ckpt-r00000004"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import write_solo_checkpoint
 from helpers import run_fdl
 
 from fdl.engine import checkpoint as ckpt
@@ -163,7 +164,7 @@ def test_a_checkpoint_file_that_loads_but_holds_the_wrong_thing_is_skipped(
 
 def test_loading_a_rank_state_never_unpickles_code(tmp_path):
     marker = tmp_path / "code-ran"
-    path = write(tmp_path, 1, 1.0)
+    path = write_solo_checkpoint(tmp_path, round_index=1)
     (path / "rank0.pt").write_bytes(pickled({"optimizer": RunsCode(marker)}))
     with pytest.raises(UnloadableFile, match=r"rank0\.pt does not load"):
         load_rank_state(ckpt.Checkpoint(path, {"world_size": 1}), rank=0)
@@ -173,22 +174,9 @@ def test_loading_a_rank_state_never_unpickles_code(tmp_path):
 # --- in-process: what latest_checkpoint (the launcher's check, hashes only) refuses ---------
 
 
-def solo_gather(obj):
-    return [obj]
-
-
-def write(run_dir: Path, round_index: int, value: float) -> Path:
-    model = {"weight": torch.full((4, 4), value)}
-    rank_state = {"optimizer": {"step": round_index}, "rng": torch.get_rng_state()}
-    return ckpt.write_checkpoint(run_dir, round_index=round_index, rank=0, world_size=1,
-                                 model_state=model, rank_state=rank_state,
-                                 engine_state={"epoch": round_index, "history": []},
-                                 gather=solo_gather)
-
-
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
-    write(tmp_path, 1, 1.0)
-    newest = write(tmp_path, 2, 2.0)
+    write_solo_checkpoint(tmp_path, round_index=1)
+    newest = write_solo_checkpoint(tmp_path, round_index=2)
     data = bytearray((newest / "model.pt").read_bytes())
     data[-10] ^= 0xFF  # same size, different content
     (newest / "model.pt").write_bytes(bytes(data))
@@ -198,8 +186,8 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
 
 
 def test_a_truncated_or_missing_file_is_detected(tmp_path):
-    write(tmp_path, 1, 1.0)
-    newest = write(tmp_path, 2, 2.0)
+    write_solo_checkpoint(tmp_path, round_index=1)
+    newest = write_solo_checkpoint(tmp_path, round_index=2)
     size = (newest / "rank0.pt").stat().st_size
     with (newest / "rank0.pt").open("r+b") as handle:
         handle.truncate(size // 2)
@@ -211,7 +199,7 @@ def test_a_truncated_or_missing_file_is_detected(tmp_path):
 
 
 def test_a_directory_without_manifest_is_not_a_checkpoint(tmp_path):
-    write(tmp_path, 1, 1.0)
+    write_solo_checkpoint(tmp_path, round_index=1)
     partial = tmp_path / "checkpoints" / "ckpt-r00000009"
     partial.mkdir()
     (partial / "model.pt").write_bytes(b"half")
@@ -230,8 +218,8 @@ def test_a_directory_without_manifest_is_not_a_checkpoint(tmp_path):
     (lambda m, older: m["files"].update({"../ckpt-r00000001/model.pt": older}), "outside"),
 ], ids=["files-list", "entry-str", "world-0", "world-1e9", "no-rank0", "outside"])
 def test_a_malformed_manifest_is_skipped_with_the_reason(tmp_path, change, why):
-    older = write(tmp_path, 1, 1.0)
-    newest = write(tmp_path, 2, 2.0)
+    older = write_solo_checkpoint(tmp_path, round_index=1)
+    newest = write_solo_checkpoint(tmp_path, round_index=2)
     manifest = json.loads((newest / "manifest.json").read_text())
     change(manifest, ckpt.file_digest(older / "model.pt"))
     (newest / "manifest.json").write_text(json.dumps(manifest))

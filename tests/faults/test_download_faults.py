@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import queue
 import shutil
@@ -28,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, GUARD_S, assert_one_error, clean_env, run_fdl, wait_until
+from helpers import GUARD_S, assert_one_error, clean_env, libtorch_list, run_fdl, wait_until
 
 from fdl.download import download
 from fdl.errors import FdlError, UsageError
@@ -83,23 +82,6 @@ def libtorch_zip(*extra, pad: int = 0) -> bytes:
 
 # ---- the CLI against the local server -------------------------------------------------------
 
-@pytest.fixture
-def env(http_server, tmp_path) -> dict[str, str]:
-    """`fdl` with its home in tmp_path and the catalog on the local (plain http) server."""
-    return {"FLODL_HOME": str(tmp_path / "home"), "FDL_LIBTORCH_MIRROR": http_server.url(""),
-            "FDL_ALLOW_HTTP": "1", "FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")}
-
-
-def fdl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return run_fdl(*args, env=env, timeout=120)
-
-
-def listing(env: dict[str, str]) -> dict:
-    proc = fdl(env, "libtorch", "list", "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
 def staging_names(env: dict[str, str]) -> list[str]:
     staging = Path(env["FLODL_HOME"]) / "libtorch" / ".staging"
     return sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
@@ -113,10 +95,10 @@ def popen_fdl(env: dict[str, str], *args: str) -> subprocess.Popen:
 # ---- item 2: names become paths before they are checked -------------------------------------
 
 @pytest.mark.parametrize("how", ["variant", "url"])
-def test_a_name_with_dotdot_writes_and_deletes_nothing_outside_the_home(http_server, env,
-                                                                      tmp_path, how):
+def test_a_name_with_dotdot_writes_and_deletes_nothing_outside_the_home(http_server,
+                                                                      mirror_env, tmp_path, how):
     home = tmp_path / "a" / "b" / "c" / "home"
-    env = {**env, "FLODL_HOME": str(home)}
+    env = {**mirror_env, "FLODL_HOME": str(home)}
     victim = home.parent / "victim.tree"  # <staging>/../../../victim.tree
     victim.mkdir(parents=True)
     (victim / "precious").write_text("mine")
@@ -126,7 +108,7 @@ def test_a_name_with_dotdot_writes_and_deletes_nothing_outside_the_home(http_ser
         args = ["--url", http_server.url("site/libtorch.zip"), "--variant", "../../../victim"]
     else:
         args = ["--url", http_server.url("site/..%2F..%2F..%2Fvictim.zip")]
-    proc = fdl(env, "libtorch", "download", *args)
+    proc = run_fdl("libtorch", "download", *args, env=env)
     assert_one_error(proc, 2, "../../../victim", "not a plain directory name", "--variant")
     assert (victim / "precious").read_text() == "mine"
     assert sorted(p.name for p in home.parent.iterdir()) == ["victim.tree"]  # no victim.zip
@@ -140,32 +122,32 @@ def test_a_name_with_dotdot_writes_and_deletes_nothing_outside_the_home(http_ser
     ["libtorch", "download", "--cpu", "--version", "2.13.0"],  # the mirror is http
     ["setup", "--yes"],
 ])
-def test_plain_http_is_refused_without_the_opt_in(http_server, env, command):
+def test_plain_http_is_refused_without_the_opt_in(http_server, mirror_env, command):
     from fdl.libtorch.catalog import latest_version
 
     for path in ("site/libtorch.zip", CPU_PATH.format(v="2.13.0"),
                  CPU_PATH.format(v=latest_version())):  # what would be installed, over http
         http_server.files[path] = libtorch_zip()
-    env = {k: v for k, v in env.items() if k != "FDL_ALLOW_HTTP"}
+    env = {k: v for k, v in mirror_env.items() if k != "FDL_ALLOW_HTTP"}
     args = [a.replace("{url}", http_server.url("site/libtorch.zip")) for a in command]
-    proc = fdl(env, *args)
+    proc = run_fdl(*args, env=env)
     assert_one_error(proc, 2, "refusing to download over plain http: http://127.0.0.1",
                      "--allow-http", "FDL_ALLOW_HTTP=1")
     assert http_server.requests == [] and not Path(env["FLODL_HOME"]).exists()
 
 
-def test_allow_http_flag_and_a_bad_allow_http_value(http_server, env):
+def test_allow_http_flag_and_a_bad_allow_http_value(http_server, mirror_env):
     http_server.files["site/libtorch.zip"] = libtorch_zip()
     url = http_server.url("site/libtorch.zip")
-    bad = fdl({**env, "FDL_ALLOW_HTTP": "sure"}, "libtorch", "download", "--url", url,
-              "--variant", "site")
+    bad = run_fdl("libtorch", "download", "--url", url, "--variant", "site",
+                  env={**mirror_env, "FDL_ALLOW_HTTP": "sure"})
     assert_one_error(bad, 2, "FDL_ALLOW_HTTP='sure'", "allowed: 1, true, yes, 0, false, no")
-    assert not Path(env["FLODL_HOME"]).exists()
-    opted_in = {k: v for k, v in env.items() if k != "FDL_ALLOW_HTTP"}
-    proc = fdl(opted_in, "libtorch", "download", "--url", url, "--variant", "site",
-               "--allow-http")
+    assert not Path(mirror_env["FLODL_HOME"]).exists()
+    opted_in = {k: v for k, v in mirror_env.items() if k != "FDL_ALLOW_HTTP"}
+    proc = run_fdl("libtorch", "download", "--url", url, "--variant", "site", "--allow-http",
+                   env=opted_in)
     assert proc.returncode == 0, proc.stderr
-    assert listing(env)["active"] == "precompiled/site"
+    assert libtorch_list(mirror_env)["active"] == "precompiled/site"
 
 
 @pytest.fixture
@@ -305,20 +287,21 @@ def test_a_download_larger_than_the_limit_is_refused_and_not_kept(http_server, t
 
 
 @pytest.mark.parametrize("limit, valid", [("64K", True), ("lots", False), ("0", False)])
-def test_the_extraction_limit_is_read_from_the_environment(http_server, env, limit, valid):
+def test_the_extraction_limit_is_read_from_the_environment(http_server, mirror_env, limit,
+                                                           valid):
     http_server.files[CPU_PATH.format(v="2.13.0")] = make_zip(  # ~2 KiB that unpack to 1 MiB
         [*LIBTORCH, ("libtorch/lib/zeros.so", bytes(1 << 20), 0o644)],
         compression=zipfile.ZIP_DEFLATED)
-    proc = fdl({**env, "FDL_MAX_EXTRACT_BYTES": limit}, "libtorch", "download", "--cpu",
-               "--version", "2.13.0")
+    proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0",
+                   env={**mirror_env, "FDL_MAX_EXTRACT_BYTES": limit})
     if valid:  # the archive is downloaded, refused, and not kept
         assert_one_error(proc, 1, "would unpack to", "limit of 64.0 KiB", "FDL_MAX_EXTRACT_BYTES",
                          alone=False)  # after the progress bar
-        assert staging_names(env) == ["2.13.0-cpu.lock"]
+        assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]
     else:  # refused before anything is fetched or written
         assert_one_error(proc, 2, f"FDL_MAX_EXTRACT_BYTES={limit!r} is not a size")
-        assert http_server.requests == [] and not Path(env["FLODL_HOME"]).exists()
-    assert listing(env)["variants"] == []
+        assert http_server.requests == [] and not Path(mirror_env["FLODL_HOME"]).exists()
+    assert libtorch_list(mirror_env)["variants"] == []
 
 
 # ---- item 5: two concurrent downloads of one variant ----------------------------------------
@@ -329,17 +312,17 @@ def _lines(stream, into: queue.Queue) -> None:
     into.put(None)
 
 
-def test_two_concurrent_downloads_of_one_variant_make_one_install(http_server, env):
+def test_two_concurrent_downloads_of_one_variant_make_one_install(http_server, mirror_env):
     data = libtorch_zip(pad=1 << 20)
     http_server.files[CPU_PATH.format(v="2.13.0")] = data
     hold = http_server.Act(pause_after=0)  # the first answer waits after its headers
     http_server.script.append(hold)
     args = ["libtorch", "download", "--cpu", "--version", "2.13.0"]
-    part = Path(env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.13.0-cpu.zip.part"
-    first = popen_fdl(env, *args)
+    part = Path(mirror_env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.13.0-cpu.zip.part"
+    first = popen_fdl(mirror_env, *args)
     try:
         wait_until(part.exists, "the first download's staging file", proc=first)
-        second = popen_fdl(env, *args)
+        second = popen_fdl(mirror_env, *args)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_lines, args=(second.stderr, lines), daemon=True).start()
         seen = []
@@ -352,12 +335,12 @@ def test_two_concurrent_downloads_of_one_variant_make_one_install(http_server, e
     out_first = first.communicate(timeout=GUARD_S)
     assert second.wait(timeout=GUARD_S) == 0, "".join(seen)
     assert first.returncode == 0, out_first[1]
-    doc = listing(env)
+    doc = libtorch_list(mirror_env)
     assert doc["active"] == "precompiled/2.13.0-cpu" and len(doc["variants"]) == 1
     assert doc["variants"][0]["sha256"] == hashlib.sha256(data).hexdigest()
     assert Path(doc["variants"][0]["path"], "lib", "libtorch_cpu.so").is_file()
     assert len(http_server.requests) == 1  # the second reused the first one's install
-    assert staging_names(env) == ["2.13.0-cpu.lock"]
+    assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]
 
 
 # ---- item 6 and the archive faults: nothing kept after a failed extraction ------------------
@@ -381,15 +364,15 @@ def _bad_crc() -> bytes:
      ["unsafe member '../../escaped.txt'", "leaves the extraction directory"]),
     (lambda: libtorch_zip(("libtorch/etc", "->", "/etc")), ["symlink to absolute path"]),
 ], ids=["truncated", "bad-crc", "zip-slip", "symlink"])
-def test_a_failed_extraction_installs_nothing_and_keeps_no_archive(http_server, env, tmp_path,
-                                                                   archive, words):
+def test_a_failed_extraction_installs_nothing_and_keeps_no_archive(http_server, mirror_env,
+                                                                   tmp_path, archive, words):
     http_server.files[CPU_PATH.format(v="2.13.0")] = archive()
-    proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0")
+    proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", env=mirror_env)
     assert_one_error(proc, 1, *words, alone=False)  # after the progress bar
-    assert listing(env) == {"schema": 1, "active": None, "variants": []}
-    assert staging_names(env) == ["2.13.0-cpu.lock"]  # no .zip, .part or .tree
+    assert libtorch_list(mirror_env) == {"schema": 1, "active": None, "variants": []}
+    assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]  # no .zip, .part or .tree
     assert not (tmp_path / "escaped.txt").exists()
-    assert not (Path(env["FLODL_HOME"]) / "escaped.txt").exists()
+    assert not (Path(mirror_env["FLODL_HOME"]) / "escaped.txt").exists()
 
 
 @pytest.mark.filterwarnings("ignore:Duplicate name")  # zipfile warns while building one
@@ -453,12 +436,13 @@ def test_checksum_mismatch_deletes_the_part_and_names_both_digests(http_server, 
     assert not dest.exists() and not dest.with_name(dest.name + ".part").exists()
 
 
-def test_checksum_mismatch_installs_nothing(http_server, env):
+def test_checksum_mismatch_installs_nothing(http_server, mirror_env):
     http_server.files[CPU_PATH.format(v="2.13.0")] = libtorch_zip()
-    proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0", "--sha256", "0" * 64)
+    proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", "--sha256", "0" * 64,
+                   env=mirror_env)
     assert_one_error(proc, 1, "checksum mismatch", "sha256", alone=False)  # after the progress
-    assert listing(env) == {"schema": 1, "active": None, "variants": []}
-    assert staging_names(env) == ["2.13.0-cpu.lock"]
+    assert libtorch_list(mirror_env) == {"schema": 1, "active": None, "variants": []}
+    assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]
 
 
 # ---- Ctrl-C ---------------------------------------------------------------------------------
@@ -483,15 +467,17 @@ def test_ctrl_c_during_download_leaves_the_previous_file_intact(http_server, tmp
     assert http_server.requests[-1]["range"] == f"bytes={len(kept)}-"
 
 
-def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(http_server, env):
+def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(http_server,
+                                                                              mirror_env):
     http_server.files[CPU_PATH.format(v="2.13.0")] = libtorch_zip()
-    assert fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0").returncode == 0
+    first = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", env=mirror_env)
+    assert first.returncode == 0, first.stderr
     data = libtorch_zip(pad=4 << 20)
     http_server.files[CPU_PATH.format(v="2.12.0")] = data
     hold = http_server.Act(pause_after=2 << 20)  # 2 MiB, then the server waits
     http_server.script.append(hold)
-    part = Path(env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.12.0-cpu.zip.part"
-    proc = popen_fdl(env, "libtorch", "download", "--cpu", "--version", "2.12.0")
+    part = Path(mirror_env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.12.0-cpu.zip.part"
+    proc = popen_fdl(mirror_env, "libtorch", "download", "--cpu", "--version", "2.12.0")
     try:
         wait_until(lambda: part.exists() and part.stat().st_size >= 1 << 20,
                    "the download's staging file to hold 1 MiB", proc=proc)
@@ -502,20 +488,21 @@ def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(ht
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == "interrupted"
-    doc = listing(env)
+    doc = libtorch_list(mirror_env)
     assert doc["active"] == "precompiled/2.13.0-cpu"
     assert [v["id"] for v in doc["variants"]] == ["precompiled/2.13.0-cpu"]
     kept = part.stat().st_size
     assert 0 < kept < len(data)
-    assert staging_names(env) == ["2.12.0-cpu.lock", "2.12.0-cpu.zip.part", "2.13.0-cpu.lock"]
-    shown = fdl(env, "libtorch", "list")
+    assert staging_names(mirror_env) == ["2.12.0-cpu.lock", "2.12.0-cpu.zip.part",
+                                         "2.13.0-cpu.lock"]
+    shown = run_fdl("libtorch", "list", env=mirror_env)
     assert f"partial download: {part}" in shown.stderr
 
-    rerun = fdl(env, "libtorch", "download", "--cpu", "--version", "2.12.0")
+    rerun = run_fdl("libtorch", "download", "--cpu", "--version", "2.12.0", env=mirror_env)
     assert rerun.returncode == 0, rerun.stderr
     assert http_server.requests[-1]["range"] == f"bytes={kept}-"
-    doc = listing(env)
+    doc = libtorch_list(mirror_env)
     assert doc["active"] == "precompiled/2.12.0-cpu"
     entry = next(v for v in doc["variants"] if v["id"] == "precompiled/2.12.0-cpu")
     assert entry["sha256"] == hashlib.sha256(data).hexdigest()
-    assert staging_names(env) == ["2.12.0-cpu.lock", "2.13.0-cpu.lock"]
+    assert staging_names(mirror_env) == ["2.12.0-cpu.lock", "2.13.0-cpu.lock"]

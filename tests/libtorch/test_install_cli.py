@@ -10,13 +10,11 @@ import hashlib
 import io
 import json
 import shlex
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-from helpers import GPU_FIXTURES, run_fdl
+from helpers import GPU_FIXTURES, libtorch_list, run_fdl
 
 from fdl.libtorch.store import Store
 
@@ -33,89 +31,73 @@ def libtorch_zip(version: str = "2.13.0") -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture
-def env(http_server, tmp_path) -> dict[str, str]:
-    return {"FLODL_HOME": str(tmp_path / "home"),
-            "FDL_LIBTORCH_MIRROR": http_server.url(""),
-            "FDL_ALLOW_HTTP": "1",  # the mirror is plain http on 127.0.0.1
-            "FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")}
-
-
-def fdl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return run_fdl(*args, env=env, timeout=120)
-
-
-def listing(env: dict[str, str]) -> dict:
-    proc = fdl(env, "libtorch", "list", "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def test_download_installs_verifies_and_activates(http_server, env):
+def test_download_installs_verifies_and_activates(http_server, mirror_env):
     data = libtorch_zip()
     http_server.files[CPU_PATH.format(v="2.13.0")] = data
-    proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0")
+    proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", env=mirror_env)
     assert proc.returncode == 0, proc.stderr
-    doc = listing(env)
+    doc = libtorch_list(mirror_env)
     assert doc["active"] == "precompiled/2.13.0-cpu"
     entry = doc["variants"][0]
     assert entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert entry["size"] == len(data) and entry["url"].endswith("%2Bcpu.zip")
     assert Path(entry["path"], "lib", "libtorch_cpu.so").is_file()
-    home = Path(env["FLODL_HOME"]) / "libtorch" / ".staging"
+    home = Path(mirror_env["FLODL_HOME"]) / "libtorch" / ".staging"
     # no archive, part file or tree left behind; the variant's (empty) download lock stays
     assert [p.name for p in home.iterdir()] == ["2.13.0-cpu.lock"]
-    exports = fdl(env, "libtorch", "env").stdout
+    exports = run_fdl("libtorch", "env", env=mirror_env).stdout
     assert f"export LIBTORCH={entry['path']}" in exports
     # a second download of the same variant fetches nothing and keeps it active
     before = len(http_server.requests)
-    assert fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0").returncode == 0
+    again = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", env=mirror_env)
+    assert again.returncode == 0, again.stderr
     assert len(http_server.requests) == before
 
 
-def test_404_is_a_clear_error(http_server, env):
-    proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.12.0")
+def test_404_is_a_clear_error(http_server, mirror_env):
+    proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.12.0", env=mirror_env)
     assert proc.returncode == 1
     assert "404" in proc.stderr
-    assert listing(env)["variants"] == []
+    assert libtorch_list(mirror_env)["variants"] == []
 
 
-def test_dry_run_fetches_nothing(http_server, env):
-    proc = fdl(env, "libtorch", "download", "--cpu", "--version", "2.13.0", "--dry-run")
+def test_dry_run_fetches_nothing(http_server, mirror_env):
+    proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", "--dry-run",
+                   env=mirror_env)
     assert proc.returncode == 0 and "libtorch-shared-with-deps-2.13.0%2Bcpu.zip" in proc.stdout
     assert http_server.requests == []
 
 
-def test_url_and_variant_name_for_air_gapped_sites(http_server, env):
+def test_url_and_variant_name_for_air_gapped_sites(http_server, mirror_env):
     http_server.files["site/libtorch.zip"] = libtorch_zip()
-    proc = fdl(env, "libtorch", "download", "--url", http_server.url("site/libtorch.zip"),
-               "--variant", "site-build", "--no-activate")
+    proc = run_fdl("libtorch", "download", "--url", http_server.url("site/libtorch.zip"),
+                   "--variant", "site-build", "--no-activate", env=mirror_env)
     assert proc.returncode == 0, proc.stderr
-    doc = listing(env)
+    doc = libtorch_list(mirror_env)
     assert doc["active"] is None and doc["variants"][0]["id"] == "precompiled/site-build"
 
 
-def test_setup_on_a_cpu_host_ends_with_the_cpu_variant_active(http_server, env):
+def test_setup_on_a_cpu_host_ends_with_the_cpu_variant_active(http_server, mirror_env):
     from fdl.libtorch.catalog import latest_version
 
     http_server.files[CPU_PATH.format(v=latest_version())] = libtorch_zip(latest_version())
-    assert fdl(env, "setup", "--dry-run").returncode == 0
-    assert listing(env)["variants"] == []
-    proc = fdl(env, "setup", "--yes")
+    assert run_fdl("setup", "--dry-run", env=mirror_env).returncode == 0
+    assert libtorch_list(mirror_env)["variants"] == []
+    proc = run_fdl("setup", "--yes", env=mirror_env)
     assert proc.returncode == 0, proc.stderr
-    assert listing(env)["active"] == f"precompiled/{latest_version()}-cpu"
+    assert libtorch_list(mirror_env)["active"] == f"precompiled/{latest_version()}-cpu"
     assert "export LIBTORCH=" in proc.stdout
-    report = json.loads(fdl(env, "diagnose", "--json").stdout)
+    report = json.loads(run_fdl("diagnose", "--json", env=mirror_env).stdout)
     assert report["libtorch"]["id"] == f"precompiled/{latest_version()}-cpu"
 
 
-def test_setup_without_yes_and_without_a_terminal_asks_for_yes(http_server, env):
+def test_setup_without_yes_and_without_a_terminal_asks_for_yes(http_server, mirror_env):
     from fdl.libtorch.catalog import latest_version
 
     http_server.files[CPU_PATH.format(v=latest_version())] = libtorch_zip(latest_version())
-    proc = fdl(env, "setup")
+    proc = run_fdl("setup", env=mirror_env)
     assert proc.returncode == 2 and "--yes" in proc.stderr
-    assert listing(env)["variants"] == []
+    assert libtorch_list(mirror_env)["variants"] == []
 
 
 def test_setup_install_torch_runs_exactly_the_pip_command_it_shows(tmp_path, monkeypatch, capsys):
