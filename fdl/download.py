@@ -94,7 +94,7 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
     usable, refused = _usable(candidates, allow_http=allow_http, opt_in=http_opt_in)
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = PartFile(dest.with_name(dest.name + ".part"), algorithms={"sha256", algorithm},
-                 progress=progress, max_bytes=max_bytes)
+                    progress=progress, max_bytes=max_bytes)
     try:
         url = _fill(part, usable, refused=refused, allow_http=allow_http, opt_in=http_opt_in,
                     source_hint=source_hint, retries=retries, backoff_s=backoff_s,

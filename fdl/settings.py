@@ -192,7 +192,7 @@ class SettingSpec:
 
     def encode(self, value: Any) -> str:
         """The text a worker (or a flag) receives for ``value``; ``parse`` reads it back."""
-        if isinstance(value, tuple):
+        if isinstance(value, (tuple, list)):  # a factor list (a list once read back from JSON)
             return ",".join(f"{v:g}" for v in value)
         return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -250,7 +250,7 @@ class LaunchOption:
 
     @property
     def flag_name(self) -> str:
-        return "--json" if self.name == "json_output" else "--" + self.name.replace("_", "-")
+        return "--" + self.name.replace("_", "-")
 
 
 LAUNCH_OPTIONS: tuple[LaunchOption, ...] = (
@@ -273,7 +273,7 @@ LAUNCH_OPTIONS: tuple[LaunchOption, ...] = (
                  metavar="RUN_DIR"),
     LaunchOption("quiet_ranks", "bool", "Show only rank 0's output on the terminal."),
     LaunchOption("dry_run", "bool", "Print the launch spec and exit."),
-    LaunchOption("json_output", "bool", "With --dry-run: print JSON."),
+    LaunchOption("json", "bool", "With --dry-run: print JSON."),
 )
 OPTIONS_BY_NAME: dict[str, LaunchOption] = {option.name: option for option in LAUNCH_OPTIONS}
 RUN_FLAGS: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.flag) + tuple(OPTIONS_BY_NAME)

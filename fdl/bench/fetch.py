@@ -58,7 +58,7 @@ def download(urls: list[str], dest: Path, *, expected: str,
     request."""
     algorithm, want = expected.split(":", 1)
     download_file(urls, dest, expected=want, algorithm=algorithm, progress=progress,
-               allow_http=http_allowed(), http_opt_in=f"{ALLOW_HTTP_ENV}=1",
-               source_hint="check the network, or set FDL_DATA_MIRROR to a base URL that "
-                           f"serves {dest.name}")
+                  allow_http=http_allowed(), http_opt_in=f"{ALLOW_HTTP_ENV}=1",
+                  source_hint="check the network, or set FDL_DATA_MIRROR to a base URL that "
+                              f"serves {dest.name}")
     _mark_verified(dest, expected)

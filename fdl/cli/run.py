@@ -34,7 +34,7 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
         if _unset(flags.get(key)):
             flags[key] = value
-    dry_run, json_output = flags.pop("dry_run"), flags.pop("json_output")
+    dry_run, json_output = flags.pop("dry_run"), flags.pop("json")
     if json_output and not dry_run:
         from fdl.errors import UsageError
 

@@ -34,7 +34,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
 
     from fdl.launch.config_file import load_config_file
     from fdl.launch.spec import build_launch_spec
-    from fdl.settings import BY_NAME
+    from fdl.settings import resolve
     from fdl.system.gpus import GpuSurvey, probe_gpus
 
     env = os.environ if env is None else env
@@ -45,10 +45,10 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
         request = resume_request(request, cwd=cwd)
     _check_script(request, cwd=cwd)
     file_values, file_path = load_config_file(cwd)
-    nproc = request.get("nproc_per_node") or env.get(BY_NAME["nproc_per_node"].env) \
-        or file_values.get("nproc_per_node", "")
-    survey = GpuSurvey("none", (), None, None) if str(nproc).strip().lower() == "cpu" \
-        else probe_gpus(env=env)
+    settings = resolve(flags=request.flags, env=env, file_values=file_values,
+                       file_path=file_path)
+    wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
+    survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
     return build_launch_spec(
         request, survey=survey, env=env, file_values=file_values, file_path=file_path, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
@@ -59,9 +59,8 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
 def _check_script(request: RunRequest, *, cwd: Path) -> None:
     from fdl.errors import UsageError
 
-    if request.script is None:
-        raise UsageError("missing SCRIPT", hint="fdl run [OPTIONS] SCRIPT [ARGS...], or fdl run "
-                                                "--resume RUN_DIR to continue a run")
-    if not request.get("module") and not (cwd / request.script).is_file():
+    if request.script is None or request.get("module"):  # the spec says what is missing
+        return
+    if not (cwd / request.script).is_file():
         raise UsageError(f"script not found: {request.script}",
                          hint="fdl run SCRIPT [ARGS...], e.g. fdl run train.py --policy async")

@@ -44,11 +44,11 @@ def resume_request(request: RunRequest, *, cwd: Path) -> RunRequest:
         request = RunRequest(script, tuple(str(a) for a in args) if isinstance(args, list)
                              else (), {**request.flags, "module": bool(previous.get("module"))})
     settings = previous.get("settings", {})
-    flags = {key: _as_flag(entry["value"])
+    flags = {key: BY_NAME[key].encode(entry["value"])
              for key, entry in (settings.items() if isinstance(settings, dict) else ())
              if key in BY_NAME and BY_NAME[key].flag and key != "run_dir"
              and isinstance(entry, dict) and entry.get("source") == "flag"
-             and request.get(key) is None}
+             and entry.get("value") is not None and request.get(key) is None}
     return request.with_flags(run_dir=str(run_dir), **flags)
 
 
@@ -74,8 +74,3 @@ def _previous_config(run_dir: Path) -> dict[str, Any]:
                          hint="--resume needs a run directory written by fdl run") from exc
     return document if isinstance(document, dict) else {}
 
-
-def _as_flag(value: Any) -> Any:
-    if isinstance(value, list):
-        return ",".join(f"{v:g}" for v in value)
-    return value if value is None else str(value)

@@ -58,12 +58,17 @@ def cifar_batch(labels: list[int], pixels: np.ndarray) -> bytes:
                     for i, label in enumerate(labels))
 
 
+def pin_checksum(monkeypatch, name: str, data: bytes, *, algorithm: str = "sha256") -> None:
+    """Make CHECKSUMS expect exactly ``data`` for the dataset file ``name``."""
+    monkeypatch.setitem(datasets.CHECKSUMS, name,
+                        f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}")
+
+
 def serve(http_server, monkeypatch, files: dict[str, bytes], *, algorithm: str = "sha256"):
     """Serve ``files`` under FDL_DATA_MIRROR and make CHECKSUMS expect exactly these bytes."""
     for name, data in files.items():
         http_server.files[name] = data
-        monkeypatch.setitem(datasets.CHECKSUMS, name,
-                            f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}")
+        pin_checksum(monkeypatch, name, data, algorithm=algorithm)
     monkeypatch.setenv("FDL_DATA_MIRROR", http_server.url(""))
     monkeypatch.setenv("FDL_ALLOW_HTTP", "1")  # the mirror is plain http on 127.0.0.1
 
@@ -285,8 +290,7 @@ def test_a_file_url_mirror_is_copied_and_verified(monkeypatch, tmp_path):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     (mirror / "input.txt").write_text(TEXT)
-    monkeypatch.setitem(datasets.CHECKSUMS, "input.txt",
-                        "sha256:" + hashlib.sha256(TEXT.encode()).hexdigest())
+    pin_checksum(monkeypatch, "input.txt", TEXT.encode())
     monkeypatch.setenv("FDL_DATA_MIRROR", mirror.as_uri())
     splits = load_dataset("shakespeare", data_dir=tmp_path / "data", seq_len=8)
     assert splits.meta["source"] == "downloaded"
@@ -305,8 +309,7 @@ def test_file_copied_in_by_hand_is_verified_once(tmp_path, monkeypatch):
     folder = tmp_path / "shakespeare"
     folder.mkdir()
     (folder / "input.txt").write_text(TEXT)
-    monkeypatch.setitem(datasets.CHECKSUMS, "input.txt",
-                        "sha256:" + hashlib.sha256(TEXT.encode()).hexdigest())
+    pin_checksum(monkeypatch, "input.txt", TEXT.encode())
     splits = load_dataset("shakespeare", data_dir=tmp_path, download=False, seq_len=8)
     assert splits.meta["source"] == "cache"
     assert (folder / ".input.txt.verified").is_file()

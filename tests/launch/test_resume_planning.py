@@ -54,3 +54,15 @@ def test_a_real_resume_without_a_checkpoint_starts_nothing(tmp_path):
     assert_one_error(proc, 2, "no usable checkpoint", "--checkpoint-every")
     assert "trained" not in proc.stdout
     assert sorted(p.name for p in run_dir.rglob("*")) == before
+
+
+def test_a_setting_entry_without_a_value_is_left_out_not_a_traceback(tmp_path):
+    run_dir = _earlier_run(tmp_path)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["settings"]["seed"] = {"source": "flag"}  # torn or edited by hand
+    (run_dir / "config.json").write_text(json.dumps(config))
+    proc = run_fdl("run", "--dry-run", "--json", "--resume", str(run_dir), cwd=run_dir.parents[1])
+    assert proc.returncode == 0, proc.stderr
+    settings = json.loads(proc.stdout)["settings"]
+    assert settings["seed"]["source"] == "default"
+    assert settings["policy"] == {"value": "async", "source": "flag"}
