@@ -22,18 +22,23 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--slow", type=float, default=2.5,
+                        help="the slow worker's emulated slowdown factor (> 1)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per cell, interleaved round-robin; the table shows medians")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "runs" / time.strftime("bench-elche-%Y%m%dT%H%M%SZ",
                                                               time.gmtime()))
     args = parser.parse_args()
+    if not args.slow > 1:
+        parser.error(f"--slow must be > 1, got {args.slow}")
+    slow, pair = f"{args.slow:g}", f"1,{args.slow:g}"
     args.out.mkdir(parents=True, exist_ok=True)
     model_args = ["--hidden", str(args.hidden), "--train-samples", str(args.train_samples),
                   "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
-    cells = [("solo fast", 1, None, "cadence"), ("solo slow (2.5x)", 1, "2.5", "cadence"),
-             ("sync", 2, "1,2.5", "sync"), ("cadence", 2, "1,2.5", "cadence"),
-             ("async", 2, "1,2.5", "async"), ("sync, equal workers", 2, None, "sync"),
+    cells = [("solo fast", 1, None, "cadence"), (f"solo slow ({slow}x)", 1, slow, "cadence"),
+             ("sync", 2, pair, "sync"), ("cadence", 2, pair, "cadence"),
+             ("async", 2, pair, "async"), ("sync, equal workers", 2, None, "sync"),
              ("torch DDP, equal workers", 2, None, None)]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
     for repeat in range(args.repeat):  # round-robin: a slow spell of the host hits every cell
@@ -91,10 +96,10 @@ def _env() -> dict[str, str]:
 
 
 def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
-    ideal = rows["solo fast"]["samples_per_s"] + rows["solo slow (2.5x)"]["samples_per_s"]
+    ideal = rows["solo fast"]["samples_per_s"] + rows[f"solo slow ({args.slow:g}x)"]["samples_per_s"]
     lines = [
         f"El Che benchmark, {time.strftime('%Y-%m-%d')}, CPU ({os.cpu_count()} cores, one "
-        f"thread per worker), emulated 2.5x slowdown; MLP hidden {args.hidden}, batch "
+        f"thread per worker), emulated {args.slow:g}x slowdown; MLP hidden {args.hidden}, batch "
         f"{args.batch_size}, {args.epochs} epochs x {args.train_samples} samples per run; "
         f"median of {args.repeat} interleaved runs per row (min-max in brackets).",
         "",

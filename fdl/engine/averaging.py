@@ -1,18 +1,42 @@
 """Weighted averaging of replicas across ranks: the ``cpu`` and ``nccl`` backends.
 
-One collective per averaging event carries everything: ``w_r x`` (parameters, then floating
-buffers such as BatchNorm statistics, flattened) and a block of per-rank numbers (the round's
-timing stats) in which rank r fills only its own row. A SUM all-reduce then yields the weighted
-average ``sum_r w_r theta_r`` (weights = samples in the round, summing to 1) and every rank's
-stats, identical on every rank — so every rank plans the next round alike.
+**One collective per averaging event** carries everything, in one flat buffer::
+
+    [ w_r x theta (parameters, then floating buffers) | integer rows | stats rows ]
+      numel values                                     world_size rows each
+
+A SUM all-reduce yields the weighted average ``sum_r w_r theta_r`` (weights = samples in the
+round, summing to 1) and, because rank r fills only its own row of the two row blocks and
+leaves the others zero, every rank's integer buffers and timing stats, identical on every rank
+— so every rank plans the next round alike. Integer buffers (BatchNorm's
+``num_batches_tracked``) take the maximum over ranks, computed locally from those rows rather
+than by a MAX all-reduce of their own: that was one more blocking round trip per integer buffer
+(19 per average for ResNet-20).
+
+**Exact in the model's dtype.** The buffer is float64 when any averaged tensor is float64,
+otherwise float32: a float64 model is averaged in float64, not truncated to float32 at every
+average. Integer values travel exactly: in a float64 buffer directly (``|v| <= 2**53``), in a
+float32 one split into two 24-bit halves (``|v| <= 2**48``). A larger value is refused with an
+:class:`~fdl.errors.FdlError` naming the buffer — at construction, and at every ``pack`` when
+the buffer is in host memory (on the GPU that check would stall the stream each average).
+
+**bf16/fp16 keep their small updates.** Rounding ``theta + (average - snapshot)`` to bf16 drops
+any delta under half an ulp of theta, so async averaging would silently stop moving a
+low-precision model. Each bf16/fp16 tensor keeps a float32 residual (error feedback): the
+replica's exact value is ``theta + residual``; that is what ``pack`` sends, and an update
+computes ``exact = theta + delta + residual``, stores ``theta = exact`` rounded and keeps
+``residual = exact - theta``. A blocking average stores the rounding of the average the same
+way (identical on every rank). Whoever overwrites theta from outside (a checkpoint restore)
+leaves a stale residual of at most half an ulp.
 
 * ``cpu``: the flat buffer lives in host memory and is reduced over a gloo group. Copies into and
   out of it are blocking, so no device-to-host copy is read before it completes and no
   host-to-device copy is pending when the next snapshot is taken (flodl 0.3 raced here).
 * ``nccl``: the flat buffer lives on the GPU and is reduced by NCCL.
 
-Integer buffers (``num_batches_tracked``) are reduced with MAX at blocking averages. After a
-blocking average every replica holds exactly the reduced bits (``checksum`` proves it).
+``group`` (a ``ProcessGroup``, default the default group) carries every collective; ``rank``
+and ``world_size`` are then this process's rank in it and its size. After a blocking average
+every replica holds exactly the reduced bits (``checksum`` proves it).
 """
 
 from __future__ import annotations
@@ -24,69 +48,105 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fdl.errors import FdlError
+
+#: dtypes whose updates keep a float32 residual (their ulp swallows small deltas)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: the largest |integer| each buffer dtype carries exactly (float32: two 24-bit halves)
+INTEGER_LIMITS = {torch.float32: 2**48, torch.float64: 2**53}
+HALF_BITS = 24
+
 
 class Averager:
-    """The flat buffers of one model replica and the collectives over them."""
+    """The flat buffers of one model replica and the collective over them."""
 
     def __init__(self, model: nn.Module, *, rank: int, world_size: int, backend: str,
-                 device: torch.device, num_stats: int, params: bool = True):
+                 device: torch.device, num_stats: int, params: bool = True,
+                 group: dist.ProcessGroup | None = None):
         """``params=False`` averages buffers only (``sync``: DDP keeps parameters identical,
         and re-averaging identical values could change their last bits)."""
-        self.rank, self.world_size, self.num_stats = rank, world_size, num_stats
+        self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
-        self.int_tensors = [b for b in model.buffers() if not b.is_floating_point()]
+        named_ints = [(name, b) for name, b in model.named_buffers() if not b.is_floating_point()]
+        self.int_names = [name for name, _ in named_ints]
+        self.int_tensors = [b for _, b in named_ints]
         self.numel = sum(t.numel() for t in self.tensors)
+        self.num_ints = sum(t.numel() for t in self.int_tensors)
         self.via_host = backend != "nccl"
         buffer_device = device if backend == "nccl" else torch.device("cpu")
-        size = self.numel + world_size * num_stats
-        self.flat = torch.zeros(size, dtype=torch.float32, device=buffer_device)
-        self.snapshot = torch.zeros(self.numel, dtype=torch.float32, device=buffer_device)
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) \
+            else torch.float32
+        self.int_parts = 1 if dtype == torch.float64 else 2
+        self.stats_offset = self.numel + world_size * self.int_parts * self.num_ints
+        self.flat = torch.zeros(self.stats_offset + world_size * num_stats, dtype=dtype,
+                                device=buffer_device)
+        self.snapshot = torch.zeros(self.numel, dtype=dtype, device=buffer_device)
+        self.residuals = [torch.zeros_like(t, dtype=torch.float32)
+                          if t.dtype in LOW_PRECISION else None for t in self.tensors]
         self.bytes = self.flat.numel() * self.flat.element_size()
+        if self.int_tensors:
+            self._check_ints(self._int_values(torch.device("cpu")))
 
     @torch.no_grad()
     def pack(self, *, weight: float, stats: Sequence[float], keep_snapshot: bool) -> None:
-        """Fill the buffer with ``weight x theta`` and this rank's stats row."""
+        """Fill the buffer with ``weight x theta``, this rank's integer row and stats row."""
         offset = 0
-        for tensor in self.tensors:  # blocking copies: complete before the buffer is read
+        for tensor, residual in zip(self.tensors, self.residuals, strict=True):
+            # blocking copies: complete before the buffer is read
             count = tensor.numel()
-            self.flat[offset:offset + count].copy_(tensor.reshape(-1))
+            exact = tensor if residual is None else tensor.float() + residual
+            self.flat[offset:offset + count].copy_(exact.reshape(-1))
             offset += count
         if keep_snapshot:
             self.snapshot.copy_(self.flat[:self.numel])
         self.flat[:self.numel].mul_(weight)
         self.flat[self.numel:].zero_()
-        row = self.numel + self.rank * self.num_stats
-        self.flat[row:row + self.num_stats] = torch.tensor(list(stats), dtype=torch.float32)
+        if self.int_tensors:
+            self._pack_ints()
+        row = self.stats_offset + self.rank * self.num_stats
+        self.flat[row:row + self.num_stats] = torch.tensor(list(stats), dtype=self.flat.dtype)
 
     def all_reduce(self, *, async_op: bool) -> dist.Work | None:
-        return dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, async_op=async_op)
+        """The average's only collective: a SUM over ``group``."""
+        return dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=async_op)
 
     def stats(self) -> list[list[float]]:
         """Every rank's stats row, after the reduction completed."""
-        block = self.flat[self.numel:].view(self.world_size, self.num_stats)
+        block = self.flat[self.stats_offset:].view(self.world_size, self.num_stats)
         return block.cpu().tolist()
 
     @torch.no_grad()
     def load_average(self) -> None:
-        """theta := the reduced average (blocking copies), and integer buffers := their max."""
+        """theta := the reduced average (blocking copies), and integer buffers := their max
+        over ranks, taken locally from the reduced integer rows."""
         offset = 0
-        for tensor in self.tensors:
+        for tensor, residual in zip(self.tensors, self.residuals, strict=True):
             count = tensor.numel()
-            tensor.copy_(self.flat[offset:offset + count].view_as(tensor))
+            average = self.flat[offset:offset + count].view_as(tensor)
+            if residual is None:
+                tensor.copy_(average)
+            else:
+                _store_rounded(tensor, residual, average.to(tensor.device, torch.float32))
             offset += count
-        for tensor in self.int_tensors:
-            reduce_in_place(tensor, op=dist.ReduceOp.MAX, via_host=self.via_host)
+        if self.int_tensors:
+            self._load_int_max()
 
     @torch.no_grad()
     def apply_delta(self) -> None:
-        """Async: theta += average - snapshot, keeping the local progress made meanwhile."""
+        """Async: theta += average - snapshot, keeping the local progress made meanwhile (and,
+        for bf16/fp16, the part of the delta that rounding would drop)."""
         delta = self.flat[:self.numel] - self.snapshot
         offset = 0
-        for tensor in self.tensors:
+        for tensor, residual in zip(self.tensors, self.residuals, strict=True):
             count = tensor.numel()
-            tensor.add_(delta[offset:offset + count].view_as(tensor).to(tensor.device,
-                                                                         tensor.dtype))
+            part = delta[offset:offset + count].view_as(tensor)
+            if residual is None:
+                tensor.add_(part.to(tensor.device, tensor.dtype))
+            else:
+                exact = tensor.float() + (part.to(tensor.device, torch.float32) + residual)
+                _store_rounded(tensor, residual, exact)
             offset += count
 
     def distance_from_average(self) -> float:
@@ -96,26 +156,76 @@ class Averager:
         norm = float(average.norm())
         return float((self.snapshot - average).norm()) / norm if norm > 0 else 0.0
 
+    def _int_values(self, device: torch.device) -> torch.Tensor:
+        """Every integer buffer, flattened into one int64 tensor on ``device`` (blocking)."""
+        return torch.cat([t.reshape(-1).to(device, torch.int64) for t in self.int_tensors])
 
-def reduce_in_place(tensor: torch.Tensor, *, op: dist.ReduceOp, via_host: bool) -> None:
-    """all_reduce ``tensor``; over gloo a GPU tensor goes through a (blocking) host copy."""
-    if via_host and tensor.device.type != "cpu":
-        host = tensor.cpu()
-        dist.all_reduce(host, op=op)
-        tensor.copy_(host)
-    else:
-        dist.all_reduce(tensor, op=op)
+    def _check_ints(self, values: torch.Tensor) -> None:
+        """Refuse integer values the buffer's dtype cannot carry exactly (host tensors only)."""
+        limit = INTEGER_LIMITS[self.flat.dtype]
+        offset = 0
+        for name, tensor in zip(self.int_names, self.int_tensors, strict=True):
+            part = values[offset:offset + tensor.numel()]
+            offset += tensor.numel()
+            if part.numel() and int(part.abs().max()) > limit:
+                raise FdlError(
+                    f"integer buffer {name!r} holds {int(part.abs().max())}, beyond what "
+                    f"averaging in {str(self.flat.dtype).removeprefix('torch.')} carries "
+                    f"exactly (|value| <= 2**{limit.bit_length() - 1})",
+                    hint="keep integer buffers smaller, or store the count as a float buffer")
+
+    def _pack_ints(self) -> None:
+        values = self._int_values(self.flat.device)
+        if values.device.type == "cpu":
+            self._check_ints(values)
+        row_size = self.int_parts * self.num_ints
+        row = self.numel + self.rank * row_size
+        self.flat[row:row + row_size].copy_(_encode_ints(values, parts=self.int_parts))
+
+    def _load_int_max(self) -> None:
+        rows = self.flat[self.numel:self.stats_offset].view(
+            self.world_size, self.int_parts, self.num_ints)
+        maximum = _decode_ints(rows).amax(dim=0)
+        offset = 0
+        for tensor in self.int_tensors:
+            count = tensor.numel()
+            tensor.copy_(maximum[offset:offset + count].view_as(tensor))
+            offset += count
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor], *, via_host: bool) -> None:
-    """Give every rank rank 0's values (identical start even if initialisation is random)."""
+def _store_rounded(tensor: torch.Tensor, residual: torch.Tensor, exact: torch.Tensor) -> None:
+    """tensor := exact rounded to its dtype; residual := what the rounding dropped."""
+    tensor.copy_(exact)
+    residual.copy_(exact - tensor.float())
+
+
+def _encode_ints(values: torch.Tensor, *, parts: int) -> torch.Tensor:
+    """int64 values as ``parts`` rows of exactly representable floats, flattened: the values
+    themselves (float64), or high and low 24-bit halves (float32; floor division keeps the
+    low half in [0, 2**24) and the high half signed)."""
+    if parts == 1:
+        return values.to(torch.float64)
+    high = torch.div(values, 2**HALF_BITS, rounding_mode="floor")
+    low = values - high * 2**HALF_BITS
+    return torch.cat([high, low]).to(torch.float32)
+
+
+def _decode_ints(rows: torch.Tensor) -> torch.Tensor:
+    """(world_size, parts, n) reduced rows -> (world_size, n) int64 values."""
+    if rows.shape[1] == 1:
+        return rows[:, 0].to(torch.int64)
+    return rows[:, 0].to(torch.int64) * 2**HALF_BITS + rows[:, 1].to(torch.int64)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], *, via_host: bool,
+                         group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank of ``group`` (default: the default group) the values of its rank 0
+    (identical start even if initialisation is random)."""
     for tensor in tensors:
-        if via_host and tensor.device.type != "cpu":
-            host = tensor.cpu()
-            dist.broadcast(host, src=0)
-            tensor.copy_(host)
-        else:
-            dist.broadcast(tensor, src=0)
+        carrier = tensor.cpu() if via_host and tensor.device.type != "cpu" else tensor
+        dist.broadcast(carrier, group=group, group_src=0)
+        if carrier is not tensor:
+            tensor.copy_(carrier)
 
 
 def checksum(model: nn.Module) -> str:

@@ -1,11 +1,15 @@
-"""El Che round planning: who runs how many steps on which samples, as pure functions.
+"""El Che round planning: who runs how many samples on which part of the epoch, as pure functions.
 
-Training is a sequence of rounds. Between two averaging events rank ``r`` runs ``c_r``
-optimizer steps of ``batch_size`` samples. The slowest rank runs ``anchor`` steps and every
-other rank ``c_r = max(1, round(anchor * ms_slow / ms_r))``, so a fast device does more work
-instead of waiting. Each averaging event also exchanges every rank's timing stats, so all ranks
-hold the same ``PlanState`` and compute the same ``RoundPlan`` from it: no coordinator, no extra
-messages. Nothing here does I/O, reads a clock or draws a random number::
+Training is a sequence of rounds. Between two averaging events the slowest rank runs ``anchor``
+batches and every other rank as many *samples* as it can process in the same time::
+
+    n_r = round(anchor * batch_size * ms_slow / ms_r)      (ms per sample, not per step)
+
+so a fast device does more work instead of waiting, and no rank idles on the rounding of a
+step count (a rank's last batch in a round may be partial). Each averaging event also exchanges
+every rank's timing, so all ranks hold the same ``PlanState`` and compute the same ``RoundPlan``
+from it: no coordinator, no extra messages. Nothing here does I/O, reads a clock or draws a
+random number::
 
     state = initial_state(PlanConfig(world_size=2, batch_size=64, dataset_size=50_000, epochs=5))
     while not state.finished:
@@ -13,10 +17,22 @@ messages. Nothing here does I/O, reads a clock or draws a random number::
         ...                                # run plan.slices[rank], average with plan.weights()
         state = advance(state, plan, stats)
 
+* **Calibration.** Until every rank's speed is known, a round gives every rank
+  ``calibration_steps`` batches: cheap, since the fast rank idles only for that long.
+* **Speed estimate.** ``ms_r`` is an EMA of each round's busy time per sample (the whole step:
+  data, host work, compute), its ``alpha`` scaled by how much of a full round the measurement
+  covers and each measurement clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``: a short
+  tail round barely moves it, a full round's mean is followed closely.
+* **Anchor.** ``wanted = sync_ms / (overhead_target * batch_size * ms_slow)`` is the anchor
+  whose averaging costs ``overhead_target`` of the compute; above the current anchor it is
+  taken (rounded up, at most doubling per round), below half of it the anchor shrinks by one.
+  Clamped to ``[min_anchor, min(max_anchor, ceiling)]``; the divergence guard lowers
+  the ``ceiling`` (see :func:`with_ceiling`) so the tuner cannot undo a halving.
+
 Epoch ``e`` is one stream of ``dataset_size`` sample positions (the engine maps positions to a
-permutation seeded by ``(seed, e)``). A round takes the next ``sum(c_r) * batch_size`` positions,
-rank 0 first; the round that reaches the end of the epoch is cut to what remains, so rounds never
-cross an epoch and all ranks finish an epoch together.
+permutation seeded by ``(seed, e)``). A round takes the next ``sum(n_r)`` positions, rank 0
+first; the round that reaches the end of the epoch is cut to what remains, so every sample is
+used exactly once per epoch.
 """
 
 from __future__ import annotations
@@ -25,14 +41,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from fdl.engine.policies import policy_named
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS, POLICIES
 
-EMA_MIN_ALPHA, EMA_MAX_ALPHA = 0.3, 0.8
-# Float noise must not add a step: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
+ELASTIC_CAP = 1.5  # the elastic rank may take up to this times its planned share
+SPEED_ALPHA = 0.7
+SPEED_CLIP = 2.0
+# Float noise must not add a batch: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
 _CEIL_TOLERANCE = 1e-9
-
-
 class PlanConfigError(UsageError, ValueError):
     """A ``PlanConfig`` field that cannot be used (a ``ValueError``, and exit 2 from the CLI)."""
 
@@ -42,7 +59,8 @@ class PlanConfig:
     """What the plan needs to know about the run; validated on construction.
 
     ``overhead_target`` is the wanted sync time / compute time per round; ``dead_zone`` the
-    relative change in a rank's ideal step count below which its count is left as it was.
+    relative change in a rank's ideal share below which its share is left as it was;
+    ``calibration_steps`` the batches every rank runs while a speed is still unknown.
     """
 
     world_size: int
@@ -51,15 +69,18 @@ class PlanConfig:
     epochs: int
     policy: str = ENGINE_DEFAULTS["policy"]
     initial_anchor: int = 4
-    min_anchor: int = 1
+    calibration_steps: int = 2
+    # Below 4 batches of the slowest rank a round loses more to step jitter and to the fast
+    # rank's partial batch than averaging less often would cost (scripts/sim-elche).
+    min_anchor: int = 4
     max_anchor: int = 200
     overhead_target: float = ENGINE_DEFAULTS["overhead_target"]
     # Small on purpose: a dead zone as wide as 10% lets a 10% imbalance stand, and the fast
     # rank idles for exactly that long every round (measured with scripts/bench-elche).
-    dead_zone: float = 0.02
+    dead_zone: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "batch_size", "epochs", "min_anchor"):
+        for name in ("world_size", "batch_size", "epochs", "min_anchor", "calibration_steps"):
             _check_int(name, getattr(self, name), 1)
         _check_int("dataset_size", self.dataset_size, self.world_size * self.batch_size,
                    why="world_size * batch_size: one batch per worker")
@@ -91,11 +112,8 @@ def _check(name: str, value: object, ok: bool, allowed: str) -> None:
 
 @dataclass(frozen=True)
 class RankSlice:
-    """Rank ``rank`` runs ``steps`` steps on the epoch's sample positions ``[start, stop)``.
-
-    ``stop - start == steps * batch_size`` except in a round cut at the end of an epoch, where a
-    rank's last batch may be partial (``steps == ceil((stop - start) / batch_size)``).
-    """
+    """Rank ``rank`` runs ``steps`` steps on the epoch's sample positions ``[start, stop)``:
+    ``steps = ceil((stop - start) / batch_size)``, the last batch possibly partial."""
 
     rank: int
     steps: int
@@ -117,39 +135,53 @@ class RoundPlan:
     counts: tuple[int, ...]
     slices: tuple[RankSlice, ...]
     last_in_epoch: bool
+    calibration: bool = False  # planned before every rank's speed was known
+    # An elastic round: rank ``elastic`` (the fastest) runs until rank ``signal_from`` (the
+    # slowest) has finished its share, at most up to its slice's ``stop`` (a reservation).
+    elastic: int | None = None
+    signal_from: int | None = None
 
     @property
     def num_samples(self) -> int:
+        """Samples the round uses (an elastic round: reserves; advance learns what it used)."""
         return sum(s.num_samples for s in self.slices)
 
     def weights(self) -> tuple[float, ...]:
-        """Averaging weights: ``w_r = samples_r / samples_total`` (0.0 for a rank with none)."""
-        total = self.num_samples
-        return tuple(s.num_samples / total for s in self.slices)
+        """Averaging weights: uniform, ``1 / world_size``. In the linear regime a replica's
+        displacement already grows with the steps it ran, so the uniform mean moves the model
+        by ``lr x samples / (world_size x batch_size)`` gradients, as sync does over the same
+        samples; weighting by samples would count the fast rank twice (an effective step
+        ~1.18x sync's at a 2.5x gap)."""
+        return (1 / len(self.slices),) * len(self.slices)
 
 
 @dataclass(frozen=True)
 class RoundStats:
-    """What every rank learns at an averaging event.
+    """What every rank learns at an averaging event about one round.
 
-    ``step_ms[r]``: rank r's mean ms per optimizer step in the round (NaN for a rank that ran no
-    step: it keeps its estimate). ``sync_ms``: the averaging's duration (max over ranks).
-    ``compute_ms``: max over ranks of compute time in the round.
+    ``busy_ms[r]``: rank r's busy time in the round (whole steps: data, compute, emulated
+    slowdown), ``samples[r]`` the samples that time covers (0: no measurement, the rank keeps
+    its estimate); in an elastic round the elastic rank's ``samples`` is what it used. ``sync_ms``: what the averaging cost, the communication proper (NaN: unknown).
     """
 
-    step_ms: tuple[float, ...]
+    busy_ms: tuple[float, ...]
+    samples: tuple[int, ...]
     sync_ms: float
-    compute_ms: float
+
+    @classmethod
+    def unknown(cls, world_size: int) -> RoundStats:
+        return cls((math.nan,) * world_size, (0,) * world_size, math.nan)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanState:
     """Everything the plan depends on; the same on every rank after every averaging.
 
-    ``speed_ms[r]`` is rank r's EMA of ms per step (``None`` until measured). ``anchor_history``
-    holds ``(round_index, new_anchor, reason)`` for every change, ``round_index`` being the
-    first round planned with the new anchor. ``prev_counts`` are the last round's counts before
-    any cut at the epoch end (the dead zone compares against them).
+    ``ms_per_sample[r]`` is rank r's speed estimate (``None`` until measured).
+    ``anchor_history`` holds ``(round_index, new_anchor, reason)`` for every change,
+    ``round_index`` being the first round planned with the new anchor. ``prev_shares`` are the
+    last round's samples per rank before any cut (the dead zone compares against them).
+    ``ceiling`` caps the anchor while the divergence guard holds it down (None: no cap).
     """
 
     config: PlanConfig
@@ -157,13 +189,18 @@ class PlanState:
     epoch: int = 0
     position: int = 0
     anchor: int
-    speed_ms: tuple[float | None, ...]
+    ms_per_sample: tuple[float | None, ...]
     anchor_history: tuple[tuple[int, int, str], ...] = ()
-    prev_counts: tuple[int, ...] | None = None
+    prev_shares: tuple[int, ...] | None = None
+    ceiling: int | None = None
 
     @property
     def finished(self) -> bool:
         return self.epoch == self.config.epochs
+
+    @property
+    def calibrated(self) -> bool:
+        return all(ms is not None for ms in self.ms_per_sample)
 
     @property
     def samples_seen(self) -> int:
@@ -174,51 +211,54 @@ class PlanState:
 
 def initial_state(config: PlanConfig) -> PlanState:
     """The state before the first round (anchor 1 under ``sync``: one DDP step per round)."""
-    anchor = 1 if config.policy == "sync" else config.initial_anchor
-    return PlanState(config=config, anchor=anchor, speed_ms=(None,) * config.world_size)
+    local = policy_named(config.policy).local_steps
+    return PlanState(config=config, anchor=config.initial_anchor if local else 1,
+                     ms_per_sample=(None,) * config.world_size)
 
 
-def ema(old: float | None, new: float) -> float:
-    """Error-adaptive EMA: the first sample raw, then ``old + alpha * (new - old)``.
+def update_speed(old: float | None, new: float, *, weight: float = 1.0) -> float:
+    """One round's measurement ``new`` (ms per sample) folded into the estimate ``old``.
 
-    ``alpha = clamp(|new - old| / old, 0.3, 0.8)``: a large change (a device throttling, another
-    job starting) is followed quickly, measurement noise is smoothed. Each sample is already
-    the mean of a whole round's steps, so the floor is 0.3 (flodl's 0.1 followed a drifting
-    device so slowly that the counts lagged it for many rounds).
+    The first measurement is taken raw; then ``old + SPEED_ALPHA * weight * (clip(new) - old)``
+    with ``weight`` in [0, 1] the share of a full round the measurement covers and ``new``
+    clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``. A round's mean over many steps is a
+    good measurement and is followed closely (rounds are few: a whole run may have a dozen);
+    a one-step tail round, the outlier flodl's error-adaptive EMA gave the *most* weight,
+    moves the estimate by a few percent at most.
     """
     if not (math.isfinite(new) and new > 0):
-        raise ValueError(f"ema: new = {new!r} must be a finite number > 0")
+        raise ValueError(f"update_speed: new = {new!r} must be a finite number > 0")
     if old is None:
         return new
-    if not old > 0:
-        raise ValueError(f"ema: old = {old!r} must be > 0 or None")
-    alpha = min(max(abs(new - old) / old, EMA_MIN_ALPHA), EMA_MAX_ALPHA)
-    return old + alpha * (new - old)
+    if not (math.isfinite(old) and old > 0):
+        raise ValueError(f"update_speed: old = {old!r} must be > 0 or None")
+    clipped = min(max(new, old / SPEED_CLIP), old * SPEED_CLIP)
+    return old + SPEED_ALPHA * min(max(weight, 0.0), 1.0) * (clipped - old)
 
 
-def step_counts(
-    *, anchor: int, speed_ms: Sequence[float | None], prev: Sequence[int] | None, dead_zone: float
-) -> tuple[int, ...]:
-    """Steps per rank: the slowest rank runs ``anchor``, rank r ``max(1, round(anchor * ms_slow
-    / ms_r))`` (half rounds up). An unmeasured rank (``None``) counts as the slowest known one;
-    with none measured every rank runs ``anchor``.
+def shares(*, anchor: int, batch_size: int, ms_per_sample: Sequence[float | None],
+           prev: Sequence[int] | None, dead_zone: float) -> tuple[int, ...]:
+    """Samples per rank in a full round: the slowest rank ``anchor * batch_size``, rank r
+    ``round(anchor * batch_size * ms_slow / ms_r)`` (half up). An unmeasured rank counts as the
+    slowest known one.
 
-    Dead zone: ``prev`` was planned with anchor ``min(prev)`` (the slowest rank ran exactly the
-    anchor). If that equals ``anchor`` and every rank's ideal count ``max(1, anchor * ms_slow /
-    ms_r)`` is within ``dead_zone`` (relative, strictly) of its previous count, ``prev`` is
-    kept, so speed jitter does not change counts from round to round.
+    Dead zone: ``prev`` was planned with the same anchor if its smallest share is
+    ``anchor * batch_size``; then, if every rank's ideal share is within ``dead_zone``
+    (relative, strictly) of its previous one, ``prev`` is kept: jitter does not reshuffle.
     """
     if anchor < 1:
-        raise ValueError(f"step_counts: anchor = {anchor} must be >= 1")
-    known = [ms for ms in speed_ms if ms is not None]
+        raise ValueError(f"shares: anchor = {anchor} must be >= 1")
+    known = [ms for ms in ms_per_sample if ms is not None]
     if any(not (math.isfinite(ms) and ms > 0) for ms in known):
-        raise ValueError(f"step_counts: speed_ms = {tuple(speed_ms)!r} must be finite and > 0")
+        raise ValueError(f"shares: ms_per_sample = {tuple(ms_per_sample)!r} must be finite "
+                         "and > 0")
     slow = max(known, default=1.0)
-    ideal = [max(1.0, anchor * slow / (slow if ms is None else ms)) for ms in speed_ms]
-    if (prev is not None and len(prev) == len(ideal) and min(prev, default=0) == anchor
+    base = anchor * batch_size
+    ideal = [base * slow / (slow if ms is None else ms) for ms in ms_per_sample]
+    if (prev is not None and len(prev) == len(ideal) and min(prev, default=0) == base
             and all(abs(x - p) < dead_zone * p for x, p in zip(ideal, prev, strict=True))):
         return tuple(prev)
-    return tuple(math.floor(x + 0.5) for x in ideal)
+    return tuple(max(base, math.floor(x + 0.5)) for x in ideal)
 
 
 def next_round(state: PlanState) -> RoundPlan:
@@ -226,29 +266,65 @@ def next_round(state: PlanState) -> RoundPlan:
     if state.finished:
         raise ValueError(f"next_round: the run is finished ({state.config.epochs} epochs)")
     config = state.config
-    planned = _planned_counts(state)
+    planned = _planned_shares(state)
     remaining = config.dataset_size - state.position
-    if sum(planned) * config.batch_size <= remaining:
-        samples = [c * config.batch_size for c in planned]
+    elastic = _elastic_ranks(state, planned, remaining)
+    if elastic is not None:
+        fast, _ = elastic
+        samples = list(planned)
+        samples[fast] = min(math.ceil(planned[fast] * ELASTIC_CAP),
+                            remaining - (sum(planned) - planned[fast]) - 1)
+    elif sum(planned) <= remaining:
+        samples = list(planned)
     else:
-        samples = _cut_samples(planned, remaining=remaining, batch_size=config.batch_size)
-    slices, start = [], state.position
-    for rank, n in enumerate(samples):
-        slices.append(RankSlice(rank, -(-n // config.batch_size), start, start + n))
+        steps = [-(-n // config.batch_size) for n in planned]
+        samples = _cut_samples(steps, remaining=remaining, batch_size=config.batch_size)
+    order = [r for r in range(config.world_size) if elastic is None or r != elastic[0]]
+    order += [] if elastic is None else [elastic[0]]  # the elastic slice last: it may end early
+    slices: list[RankSlice] = [None] * config.world_size  # type: ignore[list-item]
+    start = state.position
+    for rank in order:
+        n = samples[rank]
+        slices[rank] = RankSlice(rank, -(-n // config.batch_size), start, start + n)
         start += n
     return RoundPlan(round_index=state.round_index, epoch=state.epoch, anchor=state.anchor,
                      counts=tuple(s.steps for s in slices), slices=tuple(slices),
-                     last_in_epoch=start == config.dataset_size)
+                     last_in_epoch=elastic is None and start == config.dataset_size,
+                     calibration=_calibrating(state),
+                     elastic=None if elastic is None else elastic[0],
+                     signal_from=None if elastic is None else elastic[1])
 
 
-def _planned_counts(state: PlanState) -> tuple[int, ...]:
-    """The round's counts before any cut at the epoch end."""
-    if state.config.policy == "sync":
-        return (1,) * state.config.world_size
-    return step_counts(anchor=state.anchor, speed_ms=state.speed_ms, prev=state.prev_counts,
-                       dead_zone=state.config.dead_zone)
+def _elastic_ranks(state: PlanState, planned: Sequence[int],
+                   remaining: int) -> tuple[int, int] | None:
+    """(fastest, slowest) rank when the round can be elastic: the policy allows it, speeds are
+    known, there are two ranks or more, and the round's reservation stays short of the epoch's
+    end (the round that ends an epoch must be known to do so when it is planned)."""
+    config = state.config
+    if not (policy_named(config.policy).elastic and state.calibrated and config.world_size > 1):
+        return None
+    speeds = [float(ms) for ms in state.ms_per_sample]  # type: ignore[arg-type]
+    slow = max(range(len(speeds)), key=lambda r: (speeds[r], -r))
+    fast = min((r for r in range(len(speeds)) if r != slow), key=lambda r: (speeds[r], r))
+    if sum(planned) - planned[fast] + planned[fast] * ELASTIC_CAP >= remaining:
+        return None
+    return fast, slow
 
 
+def _calibrating(state: PlanState) -> bool:
+    return policy_named(state.config.policy).local_steps and not state.calibrated
+
+
+def _planned_shares(state: PlanState) -> tuple[int, ...]:
+    """The round's samples per rank before any cut at the epoch end."""
+    config = state.config
+    if not policy_named(config.policy).local_steps:
+        return (config.batch_size,) * config.world_size
+    if _calibrating(state):
+        return (config.calibration_steps * config.batch_size,) * config.world_size
+    return shares(anchor=state.anchor, batch_size=config.batch_size,
+                  ms_per_sample=state.ms_per_sample, prev=state.prev_shares,
+                  dead_zone=config.dead_zone)
 def _cut_samples(counts: Sequence[int], *, remaining: int, batch_size: int) -> list[int]:
     """Share ``remaining < sum(counts) * batch_size`` samples in proportion to ``counts``.
 
@@ -279,54 +355,84 @@ def _dhondt_pick(counts: Sequence[int], batches: Sequence[int]) -> int:
     return best
 
 
-def advance(state: PlanState, plan: RoundPlan, stats: RoundStats) -> PlanState:
-    """The state after ``plan`` ran and was averaged with ``stats``.
+def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
+            elastic_used: int | None = None) -> PlanState:
+    """The state after ``plan`` ran, given the ``stats`` the ranks exchanged at its boundary.
 
     Consumes the plan's samples (moving to the next epoch after ``last_in_epoch``), folds each
-    rank's finite, positive ``step_ms`` into its speed EMA (ranks that ran no step keep theirs),
-    and tunes the anchor (see ``_tuned_anchor``) except under ``sync`` and after a round cut at
-    the epoch end, whose short compute time would overstate the overhead.
+    rank's measured ms per sample into its estimate (:func:`update_speed`; weighted by the
+    share of a full round it covers; ranks without a measurement keep theirs) and tunes the
+    anchor (:func:`_tuned_anchor`), except under ``sync``. ``stats`` may describe an earlier
+    round than ``plan`` (async: the average that arrives at a boundary is the previous
+    round's); every rank passes the same, so every rank plans alike. An elastic round also
+    needs ``elastic_used``, the samples its elastic rank used of its reservation.
     """
     config = state.config
     if (plan.round_index, plan.epoch) != (state.round_index, state.epoch):
         raise ValueError(f"advance: plan {plan.round_index} (epoch {plan.epoch}) was not made "
                          f"from state at round {state.round_index} (epoch {state.epoch})")
-    if len(stats.step_ms) != config.world_size:
-        raise ValueError(f"advance: {len(stats.step_ms)} step_ms, world_size {config.world_size}")
-    planned = _planned_counts(state)
-    epoch, position = state.epoch, state.position + plan.num_samples
+    if len(stats.busy_ms) != config.world_size or len(stats.samples) != config.world_size:
+        raise ValueError(f"advance: stats for {len(stats.busy_ms)} ranks, world_size "
+                         f"{config.world_size}")
+    planned = _planned_shares(state)
+    used = plan.num_samples
+    if plan.elastic is not None:
+        taken = -1 if elastic_used is None else elastic_used
+        reserved = plan.slices[plan.elastic].num_samples
+        if not 0 < taken <= reserved:
+            raise ValueError(f"advance: the elastic rank used {taken} samples of the "
+                             f"{reserved} reserved")
+        used -= reserved - taken
+    epoch, position = state.epoch, state.position + used
     if plan.last_in_epoch:
         assert position == config.dataset_size
         epoch, position = epoch + 1, 0
+    full = max(planned)
     speeds = tuple(
-        ema(old, ms) if steps > 0 and math.isfinite(ms) and ms > 0 else old
-        for old, ms, steps in zip(state.speed_ms, stats.step_ms, plan.counts, strict=True)
+        update_speed(old, busy / n, weight=n / full) if n > 0 and _usable(busy / n) else old
+        for old, busy, n in zip(state.ms_per_sample, stats.busy_ms, stats.samples, strict=True)
     )
     new = replace(state, round_index=state.round_index + 1, epoch=epoch, position=position,
-                  speed_ms=speeds, prev_counts=planned)
-    if config.policy == "sync" or plan.num_samples < sum(planned) * config.batch_size:
+                  ms_per_sample=speeds, prev_shares=None if plan.calibration else planned)
+    if not policy_named(config.policy).local_steps:
         return new
-    anchor, reason = _tuned_anchor(state.anchor, stats, config)
+    anchor, reason = _tuned_anchor(new, stats)
     return _with_anchor(new, anchor, reason)
 
 
-def _tuned_anchor(anchor: int, stats: RoundStats, config: PlanConfig) -> tuple[int, str]:
-    """``overhead = sync_ms / compute_ms``; above the target the anchor grows proportionally
-    (``ceil(anchor * overhead / target)``), below half the target it shrinks by one; clamped to
-    ``[min_anchor, max_anchor]``. Unusable stats (compute_ms <= 0, NaN) leave it alone."""
-    if not (0 < stats.compute_ms < math.inf and 0 <= stats.sync_ms < math.inf):
+def _usable(ms: float) -> bool:
+    """A measured ms per sample the estimate can take: finite and > 0 (NaN: not measured; a
+    busy time so small that it underflows per sample is no measurement either)."""
+    return math.isfinite(ms) and ms > 0
+
+
+def _tuned_anchor(state: PlanState, stats: RoundStats) -> tuple[int, str]:
+    """``wanted = sync_ms / (overhead_target * batch_size * ms_slow)``: the anchor at which an
+    average costs ``overhead_target`` of a round's compute (``ms_slow`` the slowest rank's
+    ms per sample as measured in the same round, so the figure does not depend on how long
+    that round was). Above the anchor, the anchor grows to ``ceil(wanted)`` but at most
+    doubles per round (one slow average, e.g. the first one while connections are made, must
+    not set the anchor for the run); below half of it, it shrinks by one. Clamped to
+    ``[min_anchor, min(max_anchor, ceiling)]``. Unusable stats leave it alone."""
+    config, anchor = state.config, state.anchor
+    measured = [busy / n for busy, n in zip(stats.busy_ms, stats.samples, strict=True)
+                if n > 0 and _usable(busy / n)]
+    if not measured or not (0 <= stats.sync_ms < math.inf):
         return anchor, ""
-    overhead, target = stats.sync_ms / stats.compute_ms, config.overhead_target
-    if overhead > target:
-        grown = anchor * overhead / target  # infinite for a vanishing compute time
-        wanted = math.ceil(grown - _CEIL_TOLERANCE) if math.isfinite(grown) else config.max_anchor
-        sign = ">"
-    elif overhead < target / 2:
-        wanted, sign, target = anchor - 1, "<", target / 2
+    batch_ms = config.batch_size * max(measured)
+    wanted = stats.sync_ms / (config.overhead_target * batch_ms)
+    overhead = stats.sync_ms / (anchor * batch_ms)
+    if wanted > anchor:
+        target, sign = config.overhead_target, ">"
+        new = min(math.ceil(wanted - _CEIL_TOLERANCE), 2 * anchor) if math.isfinite(wanted) \
+            else 2 * anchor
+    elif wanted < anchor / 2:
+        target, sign, new = config.overhead_target / 2, "<", anchor - 1
     else:
         return anchor, ""
-    wanted = min(max(wanted, config.min_anchor), config.max_anchor)
-    return wanted, f"overhead {overhead:.3g} {sign} {target:.3g}"
+    high = config.max_anchor if state.ceiling is None else min(config.max_anchor, state.ceiling)
+    new = min(max(new, config.min_anchor), high)
+    return new, f"overhead {overhead:.3g} {sign} {target:.3g}"
 
 
 def _with_anchor(state: PlanState, anchor: int, reason: str) -> PlanState:
@@ -337,8 +443,17 @@ def _with_anchor(state: PlanState, anchor: int, reason: str) -> PlanState:
 
 
 def halve_anchor(state: PlanState, *, reason: str) -> PlanState:
-    """The divergence guard's lever: ``anchor = max(min_anchor, anchor // 2)``, recorded in
-    ``anchor_history``. A no-op under ``sync`` (its anchor is always 1)."""
-    if state.config.policy == "sync":
+    """The divergence guard's lever: ``anchor = max(1, anchor // 2)`` (below ``min_anchor`` if
+    need be), recorded in
+    ``anchor_history``, and the ceiling set to it so the tuner cannot grow it back (the guard
+    lifts the ceiling with :func:`with_ceiling` once the replicas agree again). A no-op under
+    ``sync`` (its anchor is always 1)."""
+    if not policy_named(state.config.policy).local_steps:
         return state
-    return _with_anchor(state, max(state.config.min_anchor, state.anchor // 2), reason)
+    halved = max(1, state.anchor // 2)
+    return replace(_with_anchor(state, halved, reason), ceiling=halved)
+
+
+def with_ceiling(state: PlanState, ceiling: int | None) -> PlanState:
+    """``state`` with the anchor's cap set to ``ceiling`` (None lifts it)."""
+    return replace(state, ceiling=ceiling)

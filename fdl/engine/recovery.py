@@ -41,8 +41,8 @@ from fdl.engine.checkpoint import (
 )
 from fdl.engine.evaluation import all_reduce_sum
 from fdl.engine.plan import PlanConfig, PlanState, initial_state
-from fdl.engine.policies import Worker
-from fdl.engine.speed import RunningMean
+from fdl.engine.rounds import Worker
+from fdl.engine.state import RankState, RoundReport
 from fdl.errors import UsageError
 from fdl.settings import RESUME_ENV
 
@@ -97,17 +97,17 @@ def checkpoint_problem(checkpoint: Checkpoint) -> str | None:
 # _rank_state, which write them).
 _ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
     "round_index": (int,), "epoch": (int,), "position": (int,), "anchor": (int,),
-    "speed_ms": (list,), "anchor_history": (list,), "prev_counts": (list, type(None)),
+    "ms_per_sample": (list,), "anchor_history": (list,), "prev_shares": (list, type(None)),
+    "ceiling": (int, type(None)),
     "policy": (str,), "world_size": (int,), "dataset_size": (int,), "history": (list,)}
 _RANK_FIELDS: dict[str, tuple[type, ...]] = {
-    "optimizer": (dict,), "rng": (dict,), "step_mean": (list, tuple), "guard_streak": (int,),
-    "epoch_loss": (list, tuple)}
+    "optimizer": (dict,), "rng": (dict,), "rank_state": (dict,)}
 
 
 def _engine_range_problem(engine: dict[str, Any], *, world_size: int) -> str | None:
-    if engine["world_size"] != world_size or len(engine["speed_ms"]) != world_size:
+    if engine["world_size"] != world_size or len(engine["ms_per_sample"]) != world_size:
         return (f"engine.json describes {engine['world_size']} ranks with "
-                f"{len(engine['speed_ms'])} speeds, the manifest {world_size} ranks")
+                f"{len(engine['ms_per_sample'])} speeds, the manifest {world_size} ranks")
     if not (0 <= engine["position"] <= engine["dataset_size"] and engine["epoch"] >= 0
             and engine["round_index"] >= 0 and engine["anchor"] >= 1):
         return "engine.json: round_index, epoch, position or anchor is out of range"
@@ -124,6 +124,10 @@ def _torch_file_problem(path: Path) -> str | None:
     problem = _shape_problem(loaded, _RANK_FIELDS, path.name)
     if problem is not None:
         return problem
+    try:
+        RankState.from_dict(loaded["rank_state"])
+    except (TypeError, ValueError) as exc:
+        return f"{path.name}: rank_state does not load ({str(exc)[:200]})"
     rng = loaded["rng"]
     torch_state = rng.get("torch")
     if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
@@ -172,12 +176,12 @@ def resume(checkpoint: Checkpoint, worker: Worker, plan_config: PlanConfig) -> R
                          hint="resume with the same model and optimizer, or start a new "
                               "run") from exc
     _restore_rng(rank_state["rng"], worker.device)
-    worker._step_mean = RunningMean(*rank_state["step_mean"])
-    worker._guard_streak = int(rank_state["guard_streak"])
+    restored = RankState.from_dict(rank_state["rank_state"])
     # A mid-epoch checkpoint carries the epoch's loss so far; with another world size the
     # ranks' partial sums no longer add up, and the epoch's loss counts from the resume.
-    same_world = checkpoint.world_size == worker.world_size
-    worker.epoch_loss = list(rank_state["epoch_loss"]) if same_world else [0.0, 0]
+    if checkpoint.world_size != worker.world_size:
+        restored.epoch_loss = [0.0, 0]
+    worker.rank_state = restored
     return Resumed(checkpoint, _plan_state(engine, plan_config), list(engine["history"]))
 
 
@@ -192,39 +196,41 @@ def _plan_state(engine: dict[str, Any], config: PlanConfig) -> PlanState:
         anchor = min(max(engine["anchor"], config.min_anchor), config.max_anchor)
         state = replace(state, anchor=anchor)
     if same_shape:
-        state = replace(state, speed_ms=tuple(engine["speed_ms"]),
-                        prev_counts=tuple(engine["prev_counts"]) if engine["prev_counts"]
-                        else None)
+        state = replace(state, ms_per_sample=tuple(engine["ms_per_sample"]),
+                        prev_shares=tuple(engine["prev_shares"]) if engine["prev_shares"]
+                        else None, ceiling=engine["ceiling"])
     return state
-
-
-# A time-based interval is checked at every CHECK_ROUNDS-th round that ends with one model on
-# every rank (cadence: every round; async: its blocking ones; solo: every round). Checking
-# costs an all-reduce of one number; a fixed round stride keeps every rank deciding at the same
-# rounds without a message.
-CHECK_ROUNDS = 8
 
 
 @dataclass
 class Checkpointer:
     """Takes checkpoints where the round loop offers them (``CheckpointHook``): at epoch ends
     (but the last) for ``N`` epochs or a time; with a time, also within an epoch, so a long
-    epoch does not lose more than the interval. Each is logged to the timeline."""
+    epoch does not lose more than the interval. Within an epoch the decision is made from the
+    ranks' clocks in the round reports (their mean, identical on every rank): no extra
+    collective, and under async the round loop first makes that boundary blocking. Each
+    checkpoint is logged to the timeline."""
 
     run_dir: Path
     every: CheckpointEvery
     history: list[dict[str, Any]]
     last: float = field(default_factory=time.perf_counter)
 
+    def since_last_s(self) -> float:
+        return time.perf_counter() - self.last
+
+    def due_within_epoch(self, reports: list[RoundReport]) -> bool:
+        if self.every.seconds is None or not reports:
+            return False
+        mean = sum(r.since_checkpoint_s for r in reports) / len(reports)
+        return mean >= self.every.seconds
+
     def at_epoch_end(self, state: PlanState, worker: Worker) -> None:
         if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(worker)):
             self._write(state, worker)
 
     def at_round(self, state: PlanState, worker: Worker) -> None:
-        if self.every.seconds is None or state.round_index % CHECK_ROUNDS:
-            return
-        if self._elapsed(worker) >= self.every.seconds:
-            self._write(state, worker)
+        self._write(state, worker)
 
     def _elapsed(self, worker: Worker) -> float:
         elapsed = time.perf_counter() - self.last
@@ -263,8 +269,7 @@ def _rank_state(worker: Worker) -> dict[str, Any]:
     if worker.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(worker.device)
     return {"optimizer": worker.optimizer.state_dict(), "rng": rng,
-            "step_mean": (worker._step_mean.count, worker._step_mean.total),
-            "guard_streak": worker._guard_streak, "epoch_loss": list(worker.epoch_loss)}
+            "rank_state": worker.rank_state.to_dict()}
 
 
 def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:
@@ -277,9 +282,10 @@ def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:
 def _engine_state(state: PlanState, history: list[dict[str, Any]]) -> dict[str, Any]:
     config = state.config
     return {"round_index": state.round_index, "epoch": state.epoch, "position": state.position,
-            "anchor": state.anchor, "speed_ms": list(state.speed_ms),
+            "anchor": state.anchor, "ms_per_sample": list(state.ms_per_sample),
             "anchor_history": [list(item) for item in state.anchor_history],
-            "prev_counts": list(state.prev_counts) if state.prev_counts else None,
+            "prev_shares": list(state.prev_shares) if state.prev_shares else None,
+            "ceiling": state.ceiling,
             "policy": config.policy, "world_size": config.world_size,
             "dataset_size": config.dataset_size, "batch_size": config.batch_size,
             "epochs": config.epochs, "history": history}

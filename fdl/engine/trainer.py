@@ -31,8 +31,9 @@ from fdl.engine.checkpoint import CheckpointEvery
 from fdl.engine.config import EngineConfig, resolve_config
 from fdl.engine.evaluation import all_reduce_sum, evaluate_model
 from fdl.engine.plan import PlanConfig, PlanState, initial_state
-from fdl.engine.policies import NUM_STATS, Worker, train
+from fdl.engine.policies import policy_named
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
+from fdl.engine.rounds import NUM_STATS, Worker, train
 from fdl.engine.timeline import Timeline
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS
@@ -76,12 +77,11 @@ class Trainer:
         rank, world_size, local_rank = _dist_env()
         self._validate(config, world_size)
         device = _pick_device(local_rank, config.backend)
-        backend = _resolve_backend(config.backend, device)
-        created_group = _init_group(backend, device, world_size)
+        created_group, backend, group = _init_group(config.backend, device, world_size)
         sampler = _node_sampler(config.run_dir, local_rank=local_rank, device=device)
         try:
             return self._fit(config, rank=rank, world_size=world_size, device=device,
-                             backend=backend)
+                             backend=backend, group=group)
         finally:
             if sampler is not None:
                 sampler.stop()
@@ -110,23 +110,28 @@ class Trainer:
                              f"{world_size} worker(s)")
 
     def _fit(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device,
-             backend: str) -> TrainResult:
-        torch.manual_seed(config.seed)
+             backend: str, group: Any) -> TrainResult:
+        torch.manual_seed(config.seed)  # the same initialisation on every rank
         model = self.model().to(device)
         distributed = world_size > 1
         if distributed:
             broadcast_from_rank0([t.data for t in (*model.parameters(), *model.buffers())],
-                                 via_host=backend != "nccl")
+                                 via_host=backend != "nccl", group=group)
+        # From here on each rank draws its own random streams (dropout, augmentation): the same
+        # masks on every rank would waste the extra replicas.
+        torch.manual_seed(rank_seed(config.seed, rank))
         optimizer = self.optimizer(model.parameters())
+        policy = policy_named(config.policy)
         step_model: nn.Module = model
-        if distributed and config.policy == "sync":
+        if distributed and policy.wraps_ddp:
             from torch.nn.parallel import DistributedDataParallel
 
             step_model = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None)
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=group)
         averager = Averager(model, rank=rank, world_size=world_size, backend=backend,
-                            device=device, num_stats=NUM_STATS,
-                            params=config.policy != "sync") if distributed else None
+                            device=device, num_stats=NUM_STATS, group=group,
+                            params=policy.averages_params) if distributed else None
         run_dir = config.run_dir
         if run_dir is not None and rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -239,8 +244,8 @@ class _EpochLog:
             self.last_eval, self.last_loss = history[-1]["eval"], history[-1]["train_loss"]
 
     def epoch_end(self, epoch: int, worker: Worker) -> None:
-        loss_sum, count = all_reduce_sum(worker.epoch_loss, device=worker.device)
-        worker.epoch_loss = [0.0, 0]
+        loss_sum, count = all_reduce_sum(worker.rank_state.epoch_loss, device=worker.device)
+        worker.rank_state.epoch_loss = [0.0, 0]
         self.last_loss = loss_sum / count if count else None
         begin = time.perf_counter()
         if self.trainer.eval_data is not None and self.trainer.evaluate is not None:
@@ -315,18 +320,47 @@ def _pick_device(local_rank: int, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "cpu"
-    return backend
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random streams after initialisation (rank 0 keeps ``seed``,
+    so a solo run draws what it always drew)."""
+    return seed + 1_000_003 * rank
 
 
-def _init_group(backend: str, device: torch.device, world_size: int) -> bool:
-    if world_size <= 1 or dist.is_initialized():
-        return False
-    dist.init_process_group(backend="nccl" if backend == "nccl" else "gloo",
-                            device_id=device if device.type == "cuda" else None)
-    return True
+def agreed_backend(requested: str, *, can_nccl: bool, all_can_nccl: Callable[[bool], bool]) -> str:
+    """The averaging backend every rank uses. ``auto`` is decided for the whole group:
+    ``all_can_nccl(mine)`` is True only if every rank can use NCCL (a GPU and NCCL) — a group
+    mixing a CPU worker with GPU workers would otherwise pick gloo on one side and NCCL on the
+    other and hang in the first collective."""
+    if requested != "auto":
+        return requested
+    return "nccl" if all_can_nccl(can_nccl) else "cpu"
+
+
+def _init_group(requested: str, device: torch.device, world_size: int) -> tuple[bool, str, Any]:
+    """Join the process group; returns (created it, backend, the group averaging uses).
+
+    ``nccl`` and ``cpu`` make the default group of that kind. ``auto`` makes a gloo default
+    group (every worker can), agrees on one backend over it (:func:`agreed_backend`) and, when
+    every rank can use NCCL, adds an NCCL group for the averaging and DDP."""
+    can_nccl = device.type == "cuda" and dist.is_nccl_available()
+    if world_size <= 1:
+        return False, agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=bool), None
+    created = not dist.is_initialized()
+    if requested != "auto":
+        if created:
+            dist.init_process_group(backend="nccl" if requested == "nccl" else "gloo",
+                                    device_id=device if device.type == "cuda" else None)
+        return created, requested, None
+    if created:
+        dist.init_process_group(backend="gloo")
+    backend = agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=_all_true)
+    return created, backend, dist.new_group(backend="nccl") if backend == "nccl" else None
+
+
+def _all_true(mine: bool) -> bool:
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _device_label(device: torch.device) -> str:

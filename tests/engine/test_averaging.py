@@ -1,8 +1,9 @@
 """The Averager over a real 2-process gloo group (``file://`` rendezvous, no port).
 
-Both workers are started once per module; each runs every scenario on a fresh model and
-writes what it observed to ``rank<r>.json``, which the tests below read back. A scenario that
-raises records its traceback instead, so only its own test fails.
+Both workers are started once per module; each runs every scenario of the module's
+``SCENARIOS`` on a fresh model and writes what it observed to ``rank<r>.json``, which the tests
+read back. A scenario that raises records its traceback instead, so only its own test fails.
+``test_averaging_dtypes.py`` runs its own scenarios through the same harness (``run_ranks``).
 
 Rank 0's replica holds 1.0 everywhere and rank 1's 3.0, with weights 0.75 and 0.25, so the
 average is 0.75 x 1 + 0.25 x 3 = 1.5 exactly in float32.
@@ -10,6 +11,7 @@ average is 0.75 x 1 + 0.25 x 3 = 1.5 exactly in float32.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import traceback
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from fdl.engine.averaging import Averager, checksum
+from fdl.engine.averaging import Averager, broadcast_from_rank0, checksum
 
 WORLD_SIZE = 2
 VALUES = (1.0, 3.0)
@@ -103,16 +105,75 @@ def buffers_only(rank: int) -> dict[str, Any]:
             "num_batches_tracked": int(model[1].num_batches_tracked)}
 
 
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "gather", "scatter",
+               "barrier", "send", "recv", "isend", "irecv")
+
+
+def counted_average(rank: int) -> dict[str, Any]:
+    """A blocking average with every torch.distributed collective wrapped to log its calls."""
+    model = build_model(rank)
+    averager = make_averager(model, rank)
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    try:
+        for name in COLLECTIVES:
+            setattr(dist, name, counting(name))
+        averager.pack(weight=WEIGHTS[rank], stats=stats_row(rank), keep_snapshot=True)
+        averager.all_reduce(async_op=False)
+        averager.distance_from_average()
+        averager.load_average()
+        averager.stats()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"calls": calls, "checksum": checksum(model),
+            "num_batches_tracked": int(model[1].num_batches_tracked)}
+
+
+def subgroups(rank: int) -> dict[str, Any]:
+    """Each rank alone in its own group: averaging and broadcasting over it must not mix in
+    the other rank's values (they would over the default group)."""
+    groups = [dist.new_group([r]) for r in range(WORLD_SIZE)]  # every rank creates every group
+    own = groups[rank]
+    model = build_model(rank)
+    averager = Averager(model, rank=0, world_size=1, backend="cpu", device=torch.device("cpu"),
+                        num_stats=NUM_STATS, group=own)
+    averager.pack(weight=1.0, stats=stats_row(rank), keep_snapshot=True)
+    averager.all_reduce(async_op=False)
+    averager.load_average()
+    broadcast_from_rank0([t.data for t in (*model.parameters(), *model.buffers())],
+                         via_host=True, group=own)
+    return {"floats": floats(model), "stats": averager.stats(),
+            "num_batches_tracked": int(model[1].num_batches_tracked)}
+
+
+def broadcast(rank: int) -> dict[str, Any]:
+    model = build_model(rank)
+    broadcast_from_rank0([t.data for t in (*model.parameters(), *model.buffers())],
+                         via_host=True)
+    return {"floats": floats(model), "num_batches_tracked": int(model[1].num_batches_tracked),
+            "checksum": checksum(model)}
+
+
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
-    "blocking": blocking_average, "async": async_average, "buffers_only": buffers_only}
+    "blocking": blocking_average, "async": async_average, "buffers_only": buffers_only,
+    "counted": counted_average, "subgroups": subgroups, "broadcast": broadcast}
 
 
-def worker(rank: int, directory: str) -> None:
+def worker(rank: int, directory: str, module: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{directory}/rdzv", rank=rank,
                             world_size=WORLD_SIZE, timeout=timedelta(seconds=30))
     results: dict[str, Any] = {}
     try:
-        for name, scenario in SCENARIOS.items():
+        for name, scenario in importlib.import_module(module).SCENARIOS.items():
             try:
                 results[name] = scenario(rank)
             except Exception:
@@ -123,12 +184,16 @@ def worker(rank: int, directory: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    directory = tmp_path_factory.mktemp("averaging")
-    mp.spawn(worker, args=(str(directory),), nprocs=WORLD_SIZE, join=True)
+def run_ranks(directory: Path, module: str) -> list[dict[str, Any]]:
+    """Run ``module``'s SCENARIOS on WORLD_SIZE gloo workers; every rank's results."""
+    mp.spawn(worker, args=(str(directory), module), nprocs=WORLD_SIZE, join=True)
     return [json.loads((directory / f"rank{r}.json").read_text(encoding="utf-8"))
             for r in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_ranks(tmp_path_factory.mktemp("averaging"), __name__)
 
 
 def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -190,6 +255,29 @@ def test_params_false_averages_buffers_and_leaves_parameters_alone(ranks):
         assert all(value == VALUES[rank] for value in result["params"])
         assert all(value == AVERAGE for value in result["buffers"])
         assert result["num_batches_tracked"] == max(NUM_BATCHES_TRACKED)
+
+
+def test_a_blocking_average_issues_exactly_one_collective(ranks):
+    first, second = scenario(ranks, "counted")
+    assert first["calls"] == second["calls"] == ["all_reduce"]
+    # integer buffers rode along in that one collective: max taken, replicas bitwise equal
+    assert first["num_batches_tracked"] == second["num_batches_tracked"] == \
+        max(NUM_BATCHES_TRACKED)
+    assert first["checksum"] == second["checksum"]
+
+
+def test_averaging_and_broadcast_run_over_the_given_group(ranks):
+    for rank, result in enumerate(scenario(ranks, "subgroups")):
+        assert all(value == VALUES[rank] for value in result["floats"])
+        assert result["num_batches_tracked"] == NUM_BATCHES_TRACKED[rank]
+        assert result["stats"] == [stats_row(rank)]
+
+
+def test_broadcast_from_rank0_gives_every_rank_rank0s_values(ranks):
+    first, second = scenario(ranks, "broadcast")
+    assert all(value == VALUES[0] for value in second["floats"])
+    assert second["num_batches_tracked"] == NUM_BATCHES_TRACKED[0]
+    assert first["checksum"] == second["checksum"]
 
 
 def test_checksum_is_a_function_of_the_bits():

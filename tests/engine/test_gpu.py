@@ -1,16 +1,30 @@
 """GPU / NCCL layer (opt-in): skipped without CUDA (`pytest -m gpu tests/engine/test_gpu.py`).
-The one-GPU tests ran on an H100 with torch 2.11+cu130 (2026-11-23); the two-GPU ones have not
-run yet (no machine with two GPUs was available)."""
+The one-GPU training tests ran on an H100 with torch 2.11+cu130 (2026-11-23); the two-GPU ones
+have not run yet (no machine with two GPUs was available).
+
+The step-timing tests (issue 13: StepTimer times steps with CUDA events and never calls
+``torch.cuda.synchronize``) were written on a machine without a GPU and have not run anywhere
+yet: whoever first runs them on a GPU, please say so here. They check that the events of a round
+add up to its wall time, that the timer never synchronizes the device (so work on another
+stream is never booked as a step), and, with two GPUs, that async's NCCL reduce launched at a
+boundary finishes during the next round's compute without delaying its first step
+(scripts/nccl_overlap.py measures, with a control timed the old way).
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_fdl
+from helpers import clean_env, run_fdl
 
+from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.timeline import read_events
 
 pytestmark = [pytest.mark.gpu,
@@ -68,3 +82,107 @@ def test_a_cuda_run_resumes_from_its_checkpoint_loaded_as_data(tmp_path):
     result = json.loads((out / "rank0.json").read_text())
     assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
     assert result["summary"]["resumed_from"].startswith("ckpt-r")
+
+
+def timed_round(device: torch.device, step: Callable[[], object], steps: int, *,
+                slowdown: float = 1.0, slept: list[float] | None = None) -> StepTimer:
+    """A round as the round loop times it: ``start``/``stop`` around each step, ``finish``."""
+    timer = StepTimer(slowdown=slowdown, mean=RunningMean(), device=device,
+                      sleep=(slept if slept is not None else []).append)
+    for _ in range(steps):
+        timer.start()
+        step()
+        timer.stop()
+    timer.finish()
+    return timer
+
+
+def gpu_bound_step(device: torch.device) -> Callable[[], object]:
+    matrix = torch.randn(4096, 4096, device=device)
+    return lambda: [torch.mm(matrix, matrix) for _ in range(4)]
+
+
+def host_bound_step(device: torch.device) -> Callable[[], object]:
+    """Collating a batch on the host and copying it over dominates; the kernels are short."""
+    host = torch.randn(512, 512)
+    return lambda: (host @ host @ host).to(device).sum()
+
+
+@pytest.mark.parametrize("make_step", [gpu_bound_step, host_bound_step],
+                         ids=["gpu-bound", "host-bound"])
+def test_event_timing_matches_the_wall_time_of_a_round(make_step):
+    """The sum of the steps' event intervals is the round's wall time (measured around it with
+    a synchronize on both sides), whether the kernels or the host work set the pace."""
+    device = torch.device("cuda", 0)
+    step = make_step(device)
+    timed_round(device, step, 3)  # warm-up
+    torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    timer = timed_round(device, step, 20)
+    torch.cuda.synchronize(device)
+    wall_s = time.perf_counter() - began
+    assert timer.steps == 20 and len(timer.step_times_s) == 20
+    assert timer.busy_s <= wall_s
+    assert timer.busy_s == pytest.approx(wall_s, rel=0.15)
+
+
+def sleep_cycles(device: torch.device, seconds: float) -> int:
+    """How many ``torch.cuda._sleep`` cycles last ``seconds`` on this GPU (a spin kernel of one
+    block: it holds a stream without competing for the SMs, like a collective in flight)."""
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began.record()
+    torch.cuda._sleep(10_000_000)
+    ended.record()
+    ended.synchronize()
+    return int(10_000_000 * seconds * 1000 / began.elapsed_time(ended))
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 2.5])
+def test_the_timer_never_synchronizes_the_device(monkeypatch, slowdown):
+    """While another stream runs 0.5 s of work (what async's reduce does at a boundary), a round
+    of short steps is timed and read without waiting for it: ``torch.cuda.synchronize`` would
+    raise, the side work is still running when the figures are read, and no step carries it."""
+    device = torch.device("cuda", 0)
+    matrix = torch.randn(2048, 2048, device=device)
+    step = lambda: torch.mm(matrix, matrix)  # noqa: E731
+    timed_round(device, step, 3)  # warm-up
+    solo = timed_round(device, step, 5)
+    cycles = sleep_cycles(device, 0.5)
+    torch.cuda.synchronize(device)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("StepTimer called torch.cuda.synchronize")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    side = torch.cuda.Stream(device)
+    side_done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        side_done.record(side)
+    slept: list[float] = []
+    timer = timed_round(device, step, 5, slowdown=slowdown, slept=slept)
+    assert not side_done.query(), "the round waited for the other stream"
+    assert all(s <= 3 * max(solo.step_times_s) + 1e-3 for s in timer.step_times_s), \
+        (timer.step_times_s, solo.step_times_s)
+    assert len(slept) == (5 if slowdown > 1 else 0)
+    assert timer.sleep_s == pytest.approx(sum(slept))
+    side_done.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_async_nccl_reduce_overlaps_the_next_rounds_compute(tmp_path):
+    """Round k's reduce, launched at the boundary, ends after round k+1 began and before its
+    compute ends, and round k+1's first step takes what a first step takes alone, where the old
+    timing (device-wide synchronize) books the reduce in it (the control)."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "nccl_overlap.py"), str(tmp_path)],
+                          capture_output=True, text=True, env=clean_env(), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        if not result["calibrated"]:
+            pytest.skip(f"the reduce is too fast against a step to tell them apart: {result}")
+        assert result["compute_start_to_reduce_end_ms"] > 0, result
+        assert result["reduce_end_to_compute_end_ms"] > 0, result
+        assert result["first_ms"] <= 3 * result["solo_first_ms"] + 0.5, result
+        assert result["first_ms"] < 0.5 * result["reduce_overlapped_ms"], result
+        assert result["control_first_ms"] >= 0.5 * result["reduce_ms"], result

@@ -1,65 +1,204 @@
-"""The divergence guard's rule, summary.json's numbers, and the per-rank timeline."""
+"""The divergence guard's rule (driven with the planner's own anchor tuner), summary.json's
+numbers, and the per-rank timeline."""
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fdl.engine.config import resolve_config
-from fdl.engine.policies import guard_streak
+from fdl.engine.guard import BASELINE_ROUNDS, RELEASE_ROUNDS, STREAK, Verdict, observe
+from fdl.engine.plan import PlanConfig, PlanState, RoundStats, advance, initial_state, next_round
+from fdl.engine.state import GuardState, RankState
 from fdl.engine.summary import build_summary
 from fdl.engine.timeline import Timeline, read_events
 
 # ---------------------------------------------------------------------------------------------
-# guard_streak
+# The divergence guard (fdl.engine.guard.observe)
+
+THRESHOLD = 4.0
+BASE_X = 0.0025  # the baseline rounds' distance / (lr_scale * steps)
 
 
-def run_guard(distances: list[float], threshold: float = 0.5) -> list[tuple[int, bool]]:
-    streak, verdicts = 0, []
-    for distance in distances:
-        streak, halve = guard_streak(streak, distance, threshold)
-        verdicts.append((streak, halve))
-    return verdicts
+def plan_state(*, anchor: int = 16) -> PlanState:
+    """A cadence plan in a world of one (rounds that are never elastic), anchor ``anchor``."""
+    config = PlanConfig(world_size=1, batch_size=8, dataset_size=10**7, epochs=1,
+                        policy="cadence", initial_anchor=anchor, max_anchor=200)
+    return initial_state(config)
 
 
-def test_three_rounds_above_halve_and_reset_the_streak():
-    assert run_guard([0.6, 0.7, 0.9]) == [(1, False), (2, False), (0, True)]
+def learnt(guard: GuardState | None = None) -> GuardState:
+    """A guard that has learnt its baseline: BASE_X per LR and step."""
+    guard = GuardState() if guard is None else guard
+    for _ in range(BASELINE_ROUNDS):
+        observe(guard, plan_state(), distance=BASE_X * 4, lr_scale=1.0, steps=4,
+                threshold=THRESHOLD)
+    return guard
 
 
-def test_a_round_below_resets_the_streak():
-    assert run_guard([0.6, 0.7, 0.1, 0.6, 0.6]) == [
-        (1, False), (2, False), (0, False), (1, False), (2, False)]
+def at_level(guard: GuardState, state: PlanState, level: float, *, lr_scale: float = 1.0,
+             steps: int = 4) -> tuple[PlanState, Verdict]:
+    """Observe an average whose drift is ``level`` times the baseline."""
+    return observe(guard, state, distance=level * BASE_X * lr_scale * steps,
+                   lr_scale=lr_scale, steps=steps, threshold=THRESHOLD)
 
 
-def test_a_distance_equal_to_the_threshold_is_not_above_it():
-    assert run_guard([0.6, 0.5, 0.6, 0.6, 0.6]) == [
-        (1, False), (0, False), (1, False), (2, False), (0, True)]
+def test_the_baseline_is_learnt_over_the_first_rounds_without_acting():
+    guard, state = GuardState(), plan_state()
+    xs = [0.001, 0.004, 0.002, 0.003, 0.005]
+    assert len(xs) == BASELINE_ROUNDS
+    for x in xs:  # even a large drift here only teaches the guard what is usual
+        after, verdict = observe(guard, state, distance=x * 8 * 0.5, lr_scale=0.5, steps=8,
+                                 threshold=THRESHOLD)
+        assert after is state
+        assert math.isnan(verdict.level) and verdict.streak == 0 and not verdict.halved
+    assert guard.baseline_rounds == BASELINE_ROUNDS
+    assert guard.baseline_sum == pytest.approx(sum(xs))
+    _, verdict = observe(guard, state, distance=0.006 * 4, lr_scale=1.0, steps=4,
+                         threshold=THRESHOLD)
+    assert verdict.level == pytest.approx(0.006 / (sum(xs) / len(xs)))
+    assert guard.baseline_rounds == BASELINE_ROUNDS  # learnt once, then fixed
 
 
-def test_a_long_divergence_halves_every_third_round():
-    verdicts = run_guard([2.0] * 7)
-    assert [halve for _, halve in verdicts] == [False, False, True, False, False, True, False]
+def test_three_rounds_above_the_threshold_halve_the_anchor_and_set_the_ceiling():
+    guard, state = learnt(), plan_state(anchor=16)
+    for streak in (1, 2):
+        after, verdict = at_level(guard, state, 10.0)
+        assert after is state and verdict.streak == streak and not verdict.halved
+        assert verdict.level == pytest.approx(10.0)
+    after, verdict = at_level(guard, state, 10.0)
+    assert verdict.halved and verdict.streak == STREAK
+    assert (after.anchor, after.ceiling) == (8, 8)
+    assert after.anchor_history[-1][1] == 8
+    assert after.anchor_history[-1][2].startswith("divergence guard")
+    assert guard.streak == 0  # the next halving needs three more rounds
+    again = after
+    for _ in range(2):
+        again, verdict = at_level(guard, again, 10.0)
+        assert not verdict.halved
+    again, verdict = at_level(guard, again, 10.0)
+    assert verdict.halved and (again.anchor, again.ceiling) == (4, 4)
 
 
-def test_a_streak_carried_over_goes_on_where_it_stopped():
-    """The streak lives in the worker's checkpoint: a resumed rank passes the saved streak, and
-    the guard halves on the round that completes three, whichever process saw the first two."""
-    distances = [0.6, 0.7, 0.9, 0.1, 0.8, 0.8, 0.8, 0.8]
-    whole = run_guard(distances)
-    for cut in range(1, len(distances)):
-        streak = whole[cut - 1][0]  # what the checkpoint after round ``cut - 1`` holds
-        resumed = []
-        for distance in distances[cut:]:
-            streak, halve = guard_streak(streak, distance, 0.5)
-            resumed.append((streak, halve))
-        assert whole[:cut] + resumed == whole, cut
+def test_a_round_at_or_below_the_threshold_breaks_the_streak():
+    guard, state = learnt(), plan_state()
+    streaks = [at_level(guard, state, level)[1].streak
+               for level in (5.0, 6.0, THRESHOLD, 5.0, 5.0, 1.0, 9.0)]
+    assert streaks == [1, 2, 0, 1, 2, 0, 1]
+    assert state.ceiling is None
 
 
-def test_the_threshold_is_the_argument():
-    assert run_guard([0.9, 0.9, 0.9], threshold=1.0) == [(0, False)] * 3
-    assert run_guard([0.9, 0.9, 0.9], threshold=0.1)[-1] == (0, True)
+def grow(state: PlanState, rounds: int) -> list[int]:
+    """Run ``rounds`` rounds whose averages cost far more than the overhead target allows:
+    the tuner asks for a larger anchor every round. Returns the anchor after each."""
+    anchors = []
+    for _ in range(rounds):
+        plan = next_round(state)
+        samples = plan.slices[0].num_samples
+        state = advance(state, plan, RoundStats((float(samples),), (samples,), 1000.0))
+        anchors.append(state.anchor)
+    return anchors
+
+
+def test_the_tuner_cannot_grow_a_halved_anchor_back():
+    guard, state = learnt(), plan_state(anchor=16)
+    for _ in range(STREAK):
+        state, verdict = at_level(guard, state, 10.0)
+    assert verdict.halved and state.anchor == 8
+    assert max(grow(state, 10)) == 8
+    # the same rounds without the ceiling: the tuner does ask for more
+    assert max(grow(replace(state, ceiling=None), 10)) > 8
+
+
+def test_a_halving_below_the_minimum_anchor_holds_too():
+    guard, state = learnt(), plan_state(anchor=4)  # min_anchor is 4: the tuner clamps up to it
+    for _ in range(STREAK):
+        state, _ = at_level(guard, state, 10.0)
+    assert (state.anchor, state.ceiling) == (2, 2)
+    assert set(grow(state, 5)) == {2}
+
+
+def test_the_ceiling_is_lifted_after_enough_calm_rounds_in_a_row():
+    guard, state = learnt(), plan_state(anchor=16)
+    for _ in range(STREAK):
+        state, _ = at_level(guard, state, 10.0)
+    assert state.ceiling == 8
+    for _ in range(RELEASE_ROUNDS - 1):
+        state, verdict = at_level(guard, state, 1.0)
+        assert not verdict.released
+    state, verdict = at_level(guard, state, THRESHOLD / 2)  # not calm: the count starts over
+    assert state.ceiling == 8 and not verdict.released and verdict.streak == 0
+    for _ in range(RELEASE_ROUNDS - 1):
+        state, verdict = at_level(guard, state, 1.0)
+    assert state.ceiling == 8 and not verdict.released
+    state, verdict = at_level(guard, state, 1.0)
+    assert verdict.released and state.ceiling is None and state.anchor == 8
+    assert max(grow(state, 10)) > 8  # the tuner may grow it again
+    for _ in range(RELEASE_ROUNDS):  # calm rounds without a ceiling release nothing
+        state, verdict = at_level(guard, state, 1.0)
+        assert not verdict.released
+
+
+@pytest.mark.parametrize("blown", [math.nan, math.inf])
+def test_a_replica_that_blew_up_counts_as_diverging(blown):
+    guard, state = learnt(), plan_state(anchor=16)
+    for streak in (1, 2, 3):
+        state, verdict = observe(guard, state, distance=blown, lr_scale=1.0, steps=4,
+                                 threshold=THRESHOLD)
+        assert verdict.level == math.inf and verdict.streak == streak
+    assert verdict.halved and state.anchor == 8
+
+
+def test_a_blow_up_during_the_baseline_counts_and_does_not_teach_it():
+    guard, state = GuardState(), plan_state(anchor=16)
+    observe(guard, state, distance=0.01, lr_scale=1.0, steps=4, threshold=THRESHOLD)
+    for _ in range(STREAK):
+        state, verdict = observe(guard, state, distance=math.nan, lr_scale=1.0, steps=4,
+                                 threshold=THRESHOLD)
+    assert verdict.halved and state.anchor == 8
+    assert (guard.baseline_rounds, guard.baseline_sum) == (1, pytest.approx(0.01 / 4))
+
+
+def test_drift_is_judged_per_unit_of_learning_rate_and_step():
+    """Drift grows with the LR and the steps between averages: ten times either, with ten
+    times the drift, is the usual level; ten times the drift with neither is divergence."""
+    guard, state = learnt(), plan_state()
+    distance = 10 * BASE_X * 4
+    for lr_scale, steps in ((10.0, 4), (1.0, 40), (2.5, 16)):
+        _, verdict = observe(guard, state, distance=distance, lr_scale=lr_scale, steps=steps,
+                             threshold=THRESHOLD)
+        assert verdict.level == pytest.approx(1.0) and verdict.streak == 0
+    _, verdict = observe(guard, state, distance=distance, lr_scale=1.0, steps=4,
+                         threshold=THRESHOLD)
+    assert verdict.level == pytest.approx(10.0) and verdict.streak == 1
+
+
+def test_a_guard_restored_from_a_checkpoint_goes_on_where_it_stopped():
+    """The guard's memory travels in RankState: a resumed rank halves on the round that
+    completes the streak and releases on the one that completes the calm, whichever process
+    saw the rounds before."""
+    levels = [1.0, 6.0, 7.0, 1.0, 8.0, 8.0, 9.0] + [1.0] * RELEASE_ROUNDS + [5.0, 5.0]
+
+    def run(guard: GuardState, state: PlanState, part: list[float]) -> tuple[list, PlanState]:
+        verdicts = []
+        for level in part:
+            state, verdict = at_level(guard, state, level)
+            verdicts.append((verdict.streak, verdict.halved, verdict.released, state.ceiling))
+        return verdicts, state
+
+    whole, _ = run(learnt(), plan_state(), levels)
+    assert any(v[1] for v in whole) and any(v[2] for v in whole)
+    for cut in range(1, len(levels)):
+        guard = learnt()
+        first, state = run(guard, plan_state(), levels[:cut])
+        saved = RankState(guard=guard).to_dict()
+        restored = RankState.from_dict(saved).guard
+        rest, _ = run(restored, state, levels[cut:])
+        assert first + rest == whole, cut
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,25 +1,34 @@
-"""StepTimer as the trainer uses it: one timer a round, all of a rank's timers sharing one
-RunningMean (``run_slice`` builds ``StepTimer(slowdown=..., mean=worker's mean)``).
+"""StepTimer as the round loop uses it: one timer a round, all of a rank's timers sharing one
+RunningMean, ``finish()`` at the end of each round.
 
 A fake clock runs the steps: each step takes the compute time the test gives it, and the
 timer's emulated sleep moves the same clock, so every figure is exact and no test waits. For a
 step of compute ``e`` the timer sleeps ``(f - 1) x`` the rank's mean compute per step so far
 (``e`` included), not ``(f - 1) x e``: a real slower device does not amplify its host's noise.
+
+The CUDA path runs on a fake GPU driven by the same clock (the GPU is the one thing tests may
+fake): streams whose queued work ends at a known time, events that complete when the work queued
+before them has, ``Event.synchronize`` that moves the host clock to that point, and a
+device-wide ``torch.cuda.synchronize`` that waits for every stream, NCCL's included, as the real
+one does. The figures of both paths must agree wherever the GPU keeps up with the host.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from fdl.engine.speed import RunningMean, StepTimer
 
+DEVICE = torch.device("cuda", 1)
+
 
 class FakeClock:
-    """``now`` moves only when a step computes (``run``) or the timer sleeps; ``log`` records
-    the calls in order."""
+    """``now`` moves only when the host works (``now +=``), sleeps or waits for the fake GPU;
+    ``log`` records the calls in order."""
 
     def __init__(self):
         self.now = 100.0
@@ -35,84 +44,228 @@ class FakeClock:
         self.now += seconds
 
 
-def timer_for(clock: FakeClock, *, slowdown: float, mean: RunningMean) -> StepTimer:
-    return StepTimer(slowdown=slowdown, mean=mean, clock=clock, sleep=clock.sleep)
+@dataclass
+class FakeStream:
+    done_at: float = 0.0  # when the work queued on it so far ends
 
 
-def run_round(timer: StepTimer, clock: FakeClock, compute_s: list[float]) -> StepTimer:
+@dataclass
+class FakeGpu:
+    """The parts of torch.cuda the timer may touch, on ``clock``."""
+
+    clock: FakeClock
+    compute: FakeStream = field(default_factory=FakeStream)
+    nccl: FakeStream = field(default_factory=FakeStream)
+    devices: list[object] = field(default_factory=list)  # what current_stream was asked for
+
+    def launch(self, seconds: float, stream: FakeStream | None = None) -> None:
+        """Queue ``seconds`` of kernels; the host does not wait."""
+        stream = stream or self.compute
+        stream.done_at = max(stream.done_at, self.clock.now) + seconds
+
+    def current_stream(self, device: object = None) -> FakeStream:
+        self.devices.append(device)
+        return self.compute
+
+    def synchronize(self, device: object = None) -> None:
+        self.clock.log.append("synchronize")
+        self.clock.now = max(self.clock.now, self.compute.done_at, self.nccl.done_at)
+
+    def event(self, *, enable_timing: bool = False) -> FakeEvent:
+        assert enable_timing, "an event without timing cannot be read"
+        return FakeEvent(self.clock)
+
+
+class FakeEvent:
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+        self.at: float | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.at = max(stream.done_at, self.clock.now)
+        stream.done_at = self.at
+
+    def synchronize(self) -> None:
+        self.clock.log.append("event.synchronize")
+        self.clock.now = max(self.clock.now, self.at)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        # CUDA refuses to read an event that has not completed (cudaErrorNotReady)
+        assert end.at is not None and end.at <= self.clock.now, "end event not completed"
+        return (end.at - self.at) * 1000
+
+
+@pytest.fixture
+def gpu(monkeypatch) -> FakeGpu:
+    fake = FakeGpu(FakeClock())
+    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", fake.current_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    return fake
+
+
+@dataclass
+class Rig:
+    """One backend: the host clock (``gpu`` None) or the fake GPU."""
+
+    clock: FakeClock
+    gpu: FakeGpu | None
+
+    def timer(self, *, slowdown: float, mean: RunningMean) -> StepTimer:
+        return StepTimer(slowdown=slowdown, mean=mean, clock=self.clock, sleep=self.clock.sleep,
+                         device=DEVICE if self.gpu else None)
+
+    def compute(self, seconds: float) -> None:
+        if self.gpu:
+            self.gpu.launch(seconds)
+        else:
+            self.clock.now += seconds
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def rig(request, gpu) -> Rig:
+    return Rig(gpu.clock, gpu if request.param == "cuda" else None)
+
+
+def run_round(rig: Rig, timer: StepTimer, compute_s: list[float]) -> StepTimer:
     for seconds in compute_s:
         timer.start()
-        clock.now += seconds
+        rig.compute(seconds)
         timer.stop()
+    timer.finish()
     return timer
 
 
-def test_the_emulated_sleep_follows_the_running_mean_across_rounds():
-    clock, mean = FakeClock(), RunningMean()
-    first = run_round(timer_for(clock, slowdown=3.0, mean=mean), clock, [0.010, 0.020])
+def test_the_emulated_sleep_follows_the_running_mean_across_rounds(rig):
+    mean = RunningMean()
+    first = run_round(rig, rig.timer(slowdown=3.0, mean=mean), [0.010, 0.020])
     # mean 0.010 then 0.015: sleeps 2 x 0.010 and 2 x 0.015 (not 2 x 0.020, the last step)
-    assert clock.sleeps == pytest.approx([0.020, 0.030])
+    assert rig.clock.sleeps == pytest.approx([0.020, 0.030])
     assert first.steps == 2
+    assert first.step_times_s == pytest.approx([0.010, 0.020])
     assert first.sleep_s == pytest.approx(0.050)
     assert first.busy_s == pytest.approx(0.030 + 0.050)
     assert first.step_ms == pytest.approx(40.0)
 
-    second = run_round(timer_for(clock, slowdown=3.0, mean=mean), clock, [0.030])
+    second = run_round(rig, rig.timer(slowdown=3.0, mean=mean), [0.030])
     # the next round's timer starts from the same mean: (0.010 + 0.020 + 0.030) / 3 = 0.020
-    assert clock.sleeps[2:] == pytest.approx([0.040])
+    assert rig.clock.sleeps[2:] == pytest.approx([0.040])
     assert (second.steps, second.sleep_s) == (1, pytest.approx(0.040))
     assert second.step_ms == pytest.approx(70.0)
     assert (mean.count, mean.total) == (3, pytest.approx(0.060))
 
 
-def test_an_outlier_step_is_not_amplified():
-    clock, mean = FakeClock(), RunningMean()
-    timer = run_round(timer_for(clock, slowdown=2.0, mean=mean), clock, [0.010] * 9 + [0.110])
+def test_an_outlier_step_is_not_amplified(rig):
+    timer = run_round(rig, rig.timer(slowdown=2.0, mean=RunningMean()), [0.010] * 9 + [0.110])
     # the hiccup adds its own 0.1 s and moves the mean by 0.01 s, so the last sleep is 0.02 s
-    assert clock.sleeps[-1] == pytest.approx(0.020)
+    assert rig.clock.sleeps[-1] == pytest.approx(0.020)
     assert timer.sleep_s == pytest.approx(9 * 0.010 + 0.020)
     assert timer.busy_s == pytest.approx(0.200 + timer.sleep_s)
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 0.5])
-def test_no_slowdown_or_a_speedup_never_sleeps_and_still_feeds_the_mean(slowdown):
-    clock, mean = FakeClock(), RunningMean()
-    timer = run_round(timer_for(clock, slowdown=slowdown, mean=mean), clock, [0.010, 0.030])
-    assert clock.sleeps == [] and timer.sleep_s == 0.0
+def test_no_slowdown_or_a_speedup_never_sleeps_and_still_feeds_the_mean(rig, slowdown):
+    mean = RunningMean()
+    timer = run_round(rig, rig.timer(slowdown=slowdown, mean=mean), [0.010, 0.030])
+    assert rig.clock.sleeps == [] and timer.sleep_s == 0.0
     assert timer.busy_s == pytest.approx(0.040)  # a factor below 1 does not shorten steps
     assert timer.step_ms == pytest.approx(20.0)
     assert (mean.count, mean.total) == (2, pytest.approx(0.040))
 
 
-def test_a_checkpointed_mean_goes_on_where_it_stopped():
+def test_a_checkpointed_mean_goes_on_where_it_stopped(rig):
     """A resumed rank restores its mean as RunningMean(count, total): the first sleep after the
     resume is on the whole run's mean, not on the first step alone."""
-    clock, mean = FakeClock(), RunningMean(4, 0.200)  # 50 ms a step before the checkpoint
-    run_round(timer_for(clock, slowdown=2.0, mean=mean), clock, [0.010])
-    assert clock.sleeps == pytest.approx([0.210 / 5])
+    run_round(rig, rig.timer(slowdown=2.0, mean=RunningMean(4, 0.200)), [0.010])
+    assert rig.clock.sleeps == pytest.approx([0.210 / 5])
 
 
-def test_step_ms_is_nan_without_steps():
-    timer = StepTimer(slowdown=2.0, mean=RunningMean())
-    assert timer.steps == 0 and math.isnan(timer.step_ms)
+def test_step_ms_is_nan_without_steps(rig):
+    timer = run_round(rig, rig.timer(slowdown=2.0, mean=RunningMean()), [])
+    assert timer.steps == 0 and math.isnan(timer.step_ms) and timer.busy_s == 0.0
 
 
-def test_a_cuda_step_waits_for_the_device_before_reading_the_clock(monkeypatch):
+def test_finish_is_a_no_op_on_the_cpu():
     clock = FakeClock()
-    synced: list[torch.device] = []
-
-    def synchronize(device):
-        clock.log.append("synchronize")
-        synced.append(device)
-
-    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-    timer = timer_for(clock, slowdown=1.0, mean=RunningMean())
+    timer = StepTimer(slowdown=2.0, mean=RunningMean(), clock=clock, sleep=clock.sleep)
     timer.start()
-    timer.stop(sync_device=torch.device("cuda", 1))
-    timer.start()
-    timer.stop(sync_device=torch.device("cpu"))  # nothing to wait for on the CPU
-    assert clock.log == ["clock", "synchronize", "clock", "clock", "clock"]
-    assert synced == [torch.device("cuda", 1)]
+    clock.now += 0.010
+    timer.stop()
+    figures = (timer.steps, timer.busy_s, timer.sleep_s, list(timer.step_times_s))
+    log = list(clock.log)
+    timer.finish()
+    timer.finish()
+    assert (timer.steps, timer.busy_s, timer.sleep_s, timer.step_times_s) == figures
+    assert figures == (1, pytest.approx(0.020), pytest.approx(0.010), [pytest.approx(0.010)])
+    assert clock.log == log == ["clock", "clock"]
+
+
+@pytest.mark.parametrize(("host_s", "gpu_s", "step_times_s"), [
+    (0.001, [0.010, 0.020, 0.030], [0.011, 0.020, 0.030]),  # GPU-bound: the host runs ahead
+    (0.050, [0.010, 0.010, 0.010], [0.060, 0.050, 0.050]),  # host-bound: the GPU waits for it
+], ids=["gpu-bound", "host-bound"])
+def test_cuda_steps_are_queued_and_read_once_at_finish(gpu, host_s, gpu_s, step_times_s):
+    """Without a slowdown the host never waits during the round; ``finish()`` waits for the
+    last step's event only, and the steps' times add up to the round's wall time, whichever of
+    host work (fetching, collating, copying the batch) and kernels is the slower."""
+    clock, mean = gpu.clock, RunningMean()
+    timer = StepTimer(mean=mean, clock=clock, device=DEVICE)
+    for seconds in gpu_s:
+        timer.start()
+        clock.now += host_s  # the batch is fetched and copied inside the step
+        gpu.launch(seconds)
+        timer.stop()
+    assert clock.now == pytest.approx(100.0 + host_s * len(gpu_s))  # the host never waited
+    assert timer.steps == len(gpu_s)
+    with pytest.raises(AssertionError, match="finish"):
+        _ = timer.busy_s
+    timer.finish()
+    assert clock.log == ["event.synchronize"]
+    assert clock.now == pytest.approx(gpu.compute.done_at)  # the round's kernels are done
+    assert timer.step_times_s == pytest.approx(step_times_s)
+    assert timer.busy_s == pytest.approx(clock.now - 100.0)  # the round's wall time
+    assert (mean.count, mean.total) == (len(gpu_s), pytest.approx(timer.busy_s))
+    timer.finish()
+    assert clock.log == ["event.synchronize"]
+    assert gpu.devices and set(gpu.devices) == {DEVICE}
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 2.5])
+def test_an_average_on_another_stream_is_not_booked_as_compute(gpu, slowdown):
+    """Async's reduce, launched at the boundary on NCCL's stream, runs for 0.5 s while the next
+    round computes three 10 ms steps. The timer never waits for it: the steps are booked at
+    10 ms each and the host is done with the round long before the reduce ends (a device-wide
+    synchronize would have waited for it and booked it in the first step)."""
+    clock = gpu.clock
+    gpu.launch(0.5, stream=gpu.nccl)
+    timer = StepTimer(slowdown=slowdown, mean=RunningMean(), clock=clock, sleep=clock.sleep,
+                      device=DEVICE)
+    for _ in range(3):
+        timer.start()
+        gpu.launch(0.010)
+        timer.stop()
+    timer.finish()
+    assert "synchronize" not in clock.log
+    assert timer.step_times_s == pytest.approx([0.010] * 3)
+    assert timer.busy_s == pytest.approx(3 * 0.010 * slowdown)
+    assert clock.now == pytest.approx(100.0 + timer.busy_s)
+    assert clock.now < gpu.nccl.done_at - 0.4
+
+
+def test_a_cuda_slowdown_waits_for_each_step_before_it_sleeps(gpu):
+    """Emulation needs each step's time when it ends: the slow rank waits for that step's end
+    event (the compute stream, nothing else) and then sleeps on the mean."""
+    clock = gpu.clock
+    timer = StepTimer(slowdown=2.0, mean=RunningMean(), clock=clock, sleep=clock.sleep,
+                      device=DEVICE)
+    for seconds in [0.010, 0.030]:
+        timer.start()
+        gpu.launch(seconds)
+        timer.stop()
+        assert clock.now == pytest.approx(gpu.compute.done_at + clock.sleeps[-1])
+    assert clock.log == ["event.synchronize"] * 2
+    assert clock.sleeps == pytest.approx([0.010, 0.020])
+    assert timer.busy_s == pytest.approx(0.040 + 0.030)  # readable without finish()
 
 
 def test_the_default_clock_measures_real_work():
@@ -122,5 +275,6 @@ def test_the_default_clock_measures_real_work():
         timer.start()
         sum(i * i for i in range(20_000))
         timer.stop()
+    timer.finish()
     assert timer.steps == mean.count == 3
     assert timer.busy_s > 0 and timer.busy_s == pytest.approx(mean.total)

@@ -1,0 +1,251 @@
+"""El Che on a virtual clock: the engine's own planner, policies and per-rank bookkeeping driven
+by a timing model instead of devices, to see in seconds what a policy does on hardware nobody
+here has (``scripts/sim-elche``).
+
+What is the engine's code, unchanged: :func:`fdl.engine.plan.next_round` and
+:func:`~fdl.engine.plan.advance` (counts, speeds, anchor), the policy objects (which boundaries
+block), :class:`fdl.engine.state.RankState` (what a rank reports and how it books an average's
+cost) and :func:`fdl.engine.state.round_stats` (what the planner learns). What is modelled
+(:class:`Profile`): each rank's time per batch (a fixed part plus a part proportional to the
+samples, so a partial batch is cheaper but not proportionally), multiplicative log-normal
+jitter per step, host work per step (inside the step timer, as in the engine), the reduce time
+(``latency + bytes / bandwidth``), and how a background reduce overlaps compute: on a CUDA
+stream it costs the compute nothing, on a host thread (gloo) it slows the compute it overlaps
+by ``contention``. A blocking boundary ends when the last rank arrives plus the reduce; a
+background one lets each rank go on at once and makes it wait at the next boundary for the
+average it launched. In an elastic round the fastest rank steps until the slowest one's share
+is done (its last step may end after it). Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
+time is not counted, as in the engine's ``wall_s``). ``sync`` is modelled as lock-step steps
+plus the exposed part of DDP's gradient all-reduce.
+
+Deterministic (a seeded ``random.Random``), no sleeping, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field, replace
+
+from fdl.engine.plan import PlanConfig, RoundPlan, RoundStats, advance, initial_state, next_round
+from fdl.engine.policies import policy_named
+from fdl.engine.state import RankState, RoundReport, round_stats
+
+FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
+DDP_EXPOSED = 0.3  # of sync's gradient all-reduce not hidden behind the backward pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    batch_ms: tuple[float, ...]  # compute per full batch, per rank
+    params: int  # averaged values (4 bytes each)
+    bandwidth_gbs: float  # reduce bandwidth, GB/s
+    latency_ms: float = 0.05
+    host_ms: float = 0.5  # data, collate, host-to-device copy: per step, inside the timer
+    jitter: float = 0.02  # sigma of the per-step log-normal factor
+    overlap: str = "stream"  # "stream" (CUDA) or "thread" (gloo on a shared host)
+    contention: float = 0.5  # thread overlap: compute slowdown while a reduce runs
+    batch_size: int = 128
+    dataset_size: int = 50_000
+    epochs: int = 3
+
+    @property
+    def reduce_ms(self) -> float:
+        return self.latency_ms + 4 * self.params / (self.bandwidth_gbs * 1e6)
+
+    def step_ms(self, rank: int, samples: int, rng: random.Random) -> float:
+        """One step's time on ``rank`` (host work included), drawn with jitter."""
+        share = FIXED_SHARE + (1 - FIXED_SHARE) * samples / self.batch_size
+        noise = math.exp(rng.gauss(0.0, self.jitter) - self.jitter ** 2 / 2)
+        return (self.batch_ms[rank] * share + self.host_ms) * noise
+
+    @property
+    def ideal_samples_per_s(self) -> float:
+        """Every rank training alone at its own speed, summed."""
+        return sum(self.batch_size * 1000 / (ms + self.host_ms) for ms in self.batch_ms)
+
+
+@dataclass
+class SimResult:
+    profile: str
+    policy: str
+    samples: int
+    wall_s: float
+    ideal_samples_per_s: float
+    averages: int
+    final_anchor: int
+    idle: tuple[float, ...]
+    anchors: list[int] = field(default_factory=list)
+
+    @property
+    def efficiency(self) -> float:
+        return self.samples / self.wall_s / self.ideal_samples_per_s
+
+
+@dataclass
+class _Pending:
+    done_ms: float
+    reports: list[RoundReport]
+
+
+def simulate(profile: Profile, policy: str, *, seed: int = 0,
+             overhead_target: float | None = None) -> SimResult:
+    """Run ``profile`` under ``policy`` on the virtual clock; the same seed gives the same
+    result."""
+    rng = random.Random(seed)
+    world = len(profile.batch_ms)
+    config = PlanConfig(world_size=world, batch_size=profile.batch_size,
+                        dataset_size=profile.dataset_size, epochs=profile.epochs, policy=policy)
+    if overhead_target is not None:
+        config = replace(config, overhead_target=overhead_target)
+    if not policy_named(policy).local_steps:
+        return _simulate_sync(profile, config, rng)
+    state, ranks = initial_state(config), [RankState() for _ in range(world)]
+    clock, busy_total = [0.0] * world, [0.0] * world
+    pending: _Pending | None = None
+    averages, anchors, trained = 0, [], 0
+    rule = policy_named(policy)
+    while not state.finished:
+        plan = next_round(state)
+        used = [s.num_samples for s in plan.slices]
+        busy = [_compute(profile, plan, r, clock[r], pending, rng)[0] for r in range(world)]
+        if plan.elastic is not None:  # the fastest rank runs until the slowest is done
+            deadline = clock[plan.signal_from] + busy[plan.signal_from]
+            busy[plan.elastic], used[plan.elastic] = _compute(
+                profile, plan, plan.elastic, clock[plan.elastic], pending, rng,
+                until_ms=deadline)
+        trained += sum(used)
+        arrive = [clock[r] + busy[r] for r in range(world)]
+        reports = [ranks[r].report(busy_ms=busy[r], samples=used[r], since_checkpoint_s=0.0)
+                   for r in range(world)]
+        blocking = rule.blocking(plan, checkpoint_due=False)
+        ready = [max(a, pending.done_ms) for a in arrive] if pending else list(arrive)
+        rows = pending.reports if pending else None
+        if blocking:
+            done = max(ready) + profile.reduce_ms
+            leave, rows, pending = [done] * world, reports, None
+        else:
+            pending = _Pending(max(ready) + profile.reduce_ms, reports)
+            leave = ready
+        for r in range(world):
+            ranks[r].after_sync(leave[r] - arrive[r], blocking=blocking)
+            busy_total[r] += busy[r]
+        averages += 1
+        stats = round_stats(rows) if rows is not None else RoundStats.unknown(world)
+        state = advance(state, plan, stats,
+                        elastic_used=None if plan.elastic is None else used[plan.elastic])
+        anchors.append(state.anchor)
+        if plan.last_in_epoch:  # the epoch's loss all-reduce and evaluation: everyone waits
+            leave = [max(leave) + profile.latency_ms] * world
+        clock = leave
+    wall_ms = max(clock)
+    return SimResult(profile.name, policy, trained, wall_ms / 1000,
+                     profile.ideal_samples_per_s, averages, state.anchor,
+                     tuple(1 - b / wall_ms for b in busy_total), anchors)
+
+
+def _compute(profile: Profile, plan: RoundPlan, rank: int, start_ms: float,
+             pending: _Pending | None, rng: random.Random,
+             until_ms: float | None = None) -> tuple[float, int]:
+    """Rank ``rank``'s busy time in ``plan`` and the samples it used: its steps (with
+    ``until_ms``, an elastic rank's: steps until the first one that ends after it), plus, on a
+    host thread, the share of a background reduce still running that it gives up."""
+    mine = plan.slices[rank]
+    busy, left = 0.0, mine.num_samples
+    for index in range(mine.steps):
+        if until_ms is not None and index and start_ms + busy >= until_ms:
+            break
+        n = min(left, profile.batch_size)
+        busy += profile.step_ms(rank, n, rng)
+        left -= n
+    if pending is not None and profile.overlap == "thread" and pending.done_ms > start_ms:
+        overlap = min(pending.done_ms - start_ms, busy)
+        busy += overlap * profile.contention
+    return busy, mine.num_samples - left
+
+
+def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random) -> SimResult:
+    state, wall, world = initial_state(config), 0.0, config.world_size
+    busy_total = [0.0] * world
+    while not state.finished:
+        plan = next_round(state)
+        steps = [profile.step_ms(r, s.num_samples, rng) if s.steps else 0.0
+                 for r, s in enumerate(plan.slices)]
+        for r in range(world):
+            busy_total[r] += steps[r]
+        wall += max(steps) + DDP_EXPOSED * profile.reduce_ms
+        state = advance(state, plan, RoundStats.unknown(world))
+    return SimResult(profile.name, config.policy, config.epochs * config.dataset_size,
+                     wall / 1000, profile.ideal_samples_per_s, 0, 1,
+                     tuple(1 - b / wall for b in busy_total))
+
+
+RTX_5060_TI_RESNET20_MS = 12.0  # modelled, not measured: ms per batch of 128 on the fast card
+GPT_NANO_MS = 45.0
+PCIE_GBS, GIGABIT_GBS = 6.0, 0.118
+RESNET20_PARAMS, GPT_NANO_PARAMS, BENCH_MLP_PARAMS = 272_474, 10_700_000, 2_380_000
+
+
+def profiles() -> list[Profile]:
+    """The table ``scripts/sim-elche`` prints (docs/elche.md explains each row)."""
+    resnet = Profile("5060 Ti + 1060, ResNet-20 (2.6x)",
+                     (RTX_5060_TI_RESNET20_MS, RTX_5060_TI_RESNET20_MS * 2.6),
+                     RESNET20_PARAMS, PCIE_GBS)
+    gpt = Profile("5060 Ti + 1060, GPT-nano (2.8x)", (GPT_NANO_MS, GPT_NANO_MS * 2.8),
+                  GPT_NANO_PARAMS, PCIE_GBS, batch_size=64, dataset_size=100_000)
+    fast = RTX_5060_TI_RESNET20_MS
+    return [
+        resnet,
+        gpt,
+        replace(resnet, name="ResNet-20, 1.5x gap", batch_ms=(fast, fast * 1.5)),
+        replace(resnet, name="ResNet-20, 4x gap", batch_ms=(fast, fast * 4)),
+        replace(resnet, name="ResNet-20, 3 ranks (1, 1.5, 3)",
+                batch_ms=(fast, fast * 1.5, fast * 3)),
+        replace(resnet, name="ResNet-20 2.6x, jitter 10%", jitter=0.10),
+        replace(resnet, name="ResNet-20 2.6x, 1 Gbit/s network", bandwidth_gbs=GIGABIT_GBS,
+                latency_ms=0.3, overlap="thread", contention=0.1),
+        replace(gpt, name="GPT-nano 2.8x, 1 Gbit/s network", bandwidth_gbs=GIGABIT_GBS,
+                latency_ms=0.3, overlap="thread", contention=0.1),
+        Profile("this machine's bench: MLP, 2 CPU workers, 2.5x", (21.9, 21.9 * 2.5),
+                BENCH_MLP_PARAMS, 1.0, latency_ms=0.5, host_ms=0.3, jitter=0.10,
+                overlap="thread", contention=0.5, dataset_size=16_384),
+    ]
+
+
+def table(*, seeds: int = 3, overhead_target: float | None = None) -> str:
+    """The markdown table of every profile under every policy: the median efficiency over
+    ``seeds`` seeds (and the range), the final anchor and the averages of the median run."""
+    lines = ["| profile | sync | cadence | async | anchor (cadence / async) | averages |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for profile in profiles():
+        cells, anchors, averages = [], [], []
+        for policy in ("sync", "cadence", "async"):
+            runs = sorted((simulate(profile, policy, seed=seed,
+                                    overhead_target=overhead_target) for seed in range(seeds)),
+                          key=lambda r: r.efficiency)
+            median = runs[len(runs) // 2]
+            cells.append(f"{median.efficiency:.3f}")
+            if policy != "sync":
+                anchors.append(str(median.final_anchor))
+                averages.append(str(median.averages))
+        lines.append(f"| {profile.name} | {' | '.join(cells)} | {' / '.join(anchors)} | "
+                     f"{' / '.join(averages)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="scripts/sim-elche", description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=3, help="runs per cell (the median shows)")
+    parser.add_argument("--overhead-target", type=float, default=None,
+                        help="the planner's overhead target (default: the engine's)")
+    args = parser.parse_args(argv)
+    if args.seeds < 1 or (args.overhead_target is not None and not args.overhead_target > 0):
+        parser.error("--seeds must be >= 1 and --overhead-target > 0")
+    print(table(seeds=args.seeds, overhead_target=args.overhead_target))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""What one rank carries from round to round (:class:`RankState`) and what it tells the others
+about a round (:class:`RoundReport`), as plain data: the round loop, recovery and the simulator
+all use these, so a checkpoint saves exactly what the loop reads and the simulator follows the
+engine's own bookkeeping.
+
+A round's report travels in the averaging collective: rank r fills row r of a block of
+``len(REPORT_FIELDS)`` numbers per rank, the SUM all-reduce gives every rank every row, and
+:func:`round_stats` turns the rows into the planner's :class:`~fdl.engine.plan.RoundStats` —
+the same on every rank. ``wait_ms`` and ``distance`` describe the *previous* average (this one
+is not over when the row is packed). Pure: no torch, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+from fdl.engine.plan import RoundStats
+
+NAN = math.nan
+NO_DISTANCE = -1.0  # a report before any average measured one
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One rank's figures for one round."""
+
+    busy_ms: float  # whole steps: data, host work, compute, emulated slowdown
+    samples: int  # the samples busy_ms covers
+    wait_ms: float  # what this rank's previous average cost it (NaN: none yet)
+    distance: float  # ||snapshot - average|| / ||average|| at the previous average, or -1
+    since_checkpoint_s: float  # this rank's clock since the last checkpoint (or the start)
+
+    def to_row(self) -> list[float]:
+        return [float(getattr(self, name)) for name in REPORT_FIELDS]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RoundReport:
+        values = dict(zip(REPORT_FIELDS, row, strict=True))
+        samples = values["samples"]
+        values["samples"] = int(samples) if math.isfinite(samples) else 0
+        return cls(**values)
+
+
+REPORT_FIELDS = tuple(f.name for f in fields(RoundReport))
+
+
+def round_stats(reports: Sequence[RoundReport]) -> RoundStats:
+    """The planner's view of a round. ``sync_ms`` is the smallest wait over ranks — the
+    communication proper, since every other rank also waited for the slowest one — and
+    unknown (NaN) unless every rank reported one."""
+    waits = [r.wait_ms for r in reports]
+    sync_ms = min(waits) if all(math.isfinite(w) for w in waits) else NAN
+    return RoundStats(tuple(r.busy_ms for r in reports), tuple(r.samples for r in reports),
+                      sync_ms)
+
+
+def largest_distance(reports: Sequence[RoundReport]) -> float:
+    """The divergence guard's input: the largest distance any rank reported; ``NO_DISTANCE``
+    when none did. A NaN or infinite distance (a replica that blew up) counts as infinite."""
+    values = [r.distance for r in reports if not r.distance < 0]
+    if not values:
+        return NO_DISTANCE
+    return max(v if math.isfinite(v) else math.inf for v in values)
+
+
+@dataclass
+class GuardState:
+    """The divergence guard's memory (see :mod:`fdl.engine.guard`)."""
+
+    baseline_sum: float = 0.0
+    baseline_rounds: int = 0
+    streak: int = 0
+    calm: int = 0
+
+
+@dataclass
+class RankState:
+    """Everything one rank keeps between rounds besides the model, the optimizer and the plan.
+    Recovery saves it with :meth:`to_dict` and restores it with :meth:`from_dict`."""
+
+    step_count: int = 0  # slowdown emulation: the running mean of compute per step
+    step_total_s: float = 0.0
+    epoch_loss: list[float] = field(default_factory=lambda: [0.0, 0])
+    last_wait_ms: float = NAN
+    last_distance: float = NO_DISTANCE
+    last_blocking_ms: float = 0.0
+    guard: GuardState = field(default_factory=GuardState)
+
+    def report(self, *, busy_ms: float, samples: int, since_checkpoint_s: float) -> RoundReport:
+        return RoundReport(busy_ms=busy_ms, samples=samples, wait_ms=self.last_wait_ms,
+                           distance=self.last_distance, since_checkpoint_s=since_checkpoint_s)
+
+    def after_sync(self, elapsed_ms: float, *, blocking: bool) -> None:
+        """Book what an average cost this rank. A background average still costs its full
+        time in CPU, memory and link bandwidth that the compute shares (on a 2-core host, all
+        of it): it counts at least at what the last blocking average cost, or the anchor
+        shrinks and averages multiply, each slowing the compute."""
+        if blocking:
+            self.last_blocking_ms = elapsed_ms
+            self.last_wait_ms = elapsed_ms
+        else:
+            self.last_wait_ms = max(elapsed_ms, self.last_blocking_ms)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> RankState:
+        """The inverse of :meth:`to_dict`; ``ValueError`` for anything else (a checkpoint is
+        read back as untrusted data)."""
+        if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
+            raise ValueError(f"rank state has fields {sorted(data) if isinstance(data, dict) else data!r}")
+        guard = data["guard"]
+        if not isinstance(guard, dict) or set(guard) != {f.name for f in fields(GuardState)}:
+            raise ValueError(f"rank state's guard is {guard!r:.80}")
+        state = cls(**{**data, "guard": GuardState(**guard)})  # type: ignore[arg-type]
+        _check_types(state)
+        return state
+
+
+def _check_types(state: RankState) -> None:
+    numbers = (state.step_total_s, state.last_wait_ms, state.last_distance,
+               state.last_blocking_ms, state.guard.baseline_sum)
+    counts = (state.step_count, state.guard.baseline_rounds, state.guard.streak,
+              state.guard.calm)
+    ok = (all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers)
+          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in counts)
+          and isinstance(state.epoch_loss, list) and len(state.epoch_loss) == 2
+          and all(isinstance(x, (int, float)) for x in state.epoch_loss))
+    if not ok:
+        raise ValueError(f"rank state holds values of the wrong type: {state!r:.200}")

@@ -1,0 +1,65 @@
+"""fdl.engine.policies: what each policy does at a round boundary, for every kind of round.
+
+The round loop asks ``policy.blocking(plan, checkpoint_due=...)`` at every boundary: a wrong
+answer either makes async wait for every average (no overlap) or leaves the ranks with
+different models where one model is needed (evaluation, the epoch's loss, a checkpoint)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fdl.engine.plan import RankSlice, RoundPlan
+from fdl.engine.policies import ASYNC, CADENCE, SYNC, policy_named
+from fdl.settings import POLICIES
+
+
+def plan(*, calibration: bool = False, last_in_epoch: bool = False) -> RoundPlan:
+    slices = (RankSlice(0, 4, 0, 128), RankSlice(1, 2, 128, 192))
+    return RoundPlan(round_index=3, epoch=0, anchor=2, counts=(4, 2), slices=slices,
+                     last_in_epoch=last_in_epoch, calibration=calibration)
+
+
+ROUND_KINDS = list(itertools.product([False, True], repeat=3))  # calibration, last, due
+
+
+@pytest.mark.parametrize(("calibration", "last", "due"), ROUND_KINDS)
+@pytest.mark.parametrize("policy", [SYNC, CADENCE], ids=["sync", "cadence"])
+def test_sync_and_cadence_always_wait_for_the_average(policy, calibration, last, due):
+    assert policy.blocking(plan(calibration=calibration, last_in_epoch=last),
+                           checkpoint_due=due) is True
+
+
+@pytest.mark.parametrize(("calibration", "last", "due"), ROUND_KINDS)
+def test_async_blocks_only_where_one_model_is_needed(calibration, last, due):
+    """The calibration round (its cost tunes the anchor), an epoch's last round (evaluation,
+    the epoch's loss) and a round after which a checkpoint is due; an ordinary round goes on
+    while its average runs."""
+    assert ASYNC.blocking(plan(calibration=calibration, last_in_epoch=last),
+                          checkpoint_due=due) is (calibration or last or due)
+
+
+def test_sync_averages_only_at_epoch_ends_and_the_others_every_round():
+    assert SYNC.averages_at(plan()) is False
+    assert SYNC.averages_at(plan(calibration=True)) is False
+    assert SYNC.averages_at(plan(last_in_epoch=True)) is True
+    for policy in (CADENCE, ASYNC):
+        assert policy.averages_at(plan()) is True
+        assert policy.averages_at(plan(last_in_epoch=True)) is True
+
+
+def test_only_sync_wraps_ddp_and_only_local_step_policies_average_parameters():
+    assert (SYNC.wraps_ddp, CADENCE.wraps_ddp, ASYNC.wraps_ddp) == (True, False, False)
+    assert (SYNC.averages_params, CADENCE.averages_params, ASYNC.averages_params) == (
+        False, True, True)
+    assert (SYNC.local_steps, CADENCE.local_steps, ASYNC.local_steps) == (False, True, True)
+    assert (SYNC.background, CADENCE.background, ASYNC.background) == (False, False, True)
+
+
+def test_every_setting_name_has_its_policy_and_nothing_else_does():
+    assert [policy_named(name).name for name in POLICIES] == list(POLICIES)
+    assert {policy_named(name) for name in POLICIES} == {SYNC, CADENCE, ASYNC}
+    with pytest.raises(KeyError):
+        policy_named("turbo")
+
