@@ -154,7 +154,8 @@ class Averager:
         packed (the divergence guard's measure). Call after the reduction completed."""
         average = self.flat[:self.numel]
         norm = float(average.norm())
-        return float((self.snapshot - average).norm()) / norm if norm > 0 else 0.0
+        # A NaN or infinite average (a replica blew up) reads as NaN: divergence, not calm.
+        return 0.0 if norm == 0 else float((self.snapshot - average).norm()) / norm
 
     def _int_values(self, device: torch.device) -> torch.Tensor:
         """Every integer buffer, flattened into one int64 tensor on ``device`` (blocking)."""

@@ -1,8 +1,9 @@
 """El Che end to end: `fdl run` with 2 real gloo workers on loopback, one emulated 2.5x slower.
 
 Checks the contracts: sync equals plain torch DDP; replicas are bitwise identical after every
-blocking average and at the end; the divergence guard acts; summary.json has every field;
-the launcher's flags beat the script's values, which beat defaults.
+blocking average and at the end; summary.json has every field; the launcher's flags beat the
+script's values, which beat defaults. (The divergence guard acting on a real run:
+test_divergence_run.py; the trainer's correctness fixes: test_trainer_fixes.py.)
 """
 
 from __future__ import annotations
@@ -113,14 +114,3 @@ def test_launcher_flag_beats_script_value_beats_default(tmp_path):
     assert engine["backend"] == {"value": "auto", "source": "default"}
     assert engine["resolved_backend"] == "cpu"
 
-
-def test_divergence_guard_halves_the_anchor(tmp_path):
-    # A threshold of 0: every average counts as diverging, so every third one must halve.
-    _, run_dir = fdl_train(tmp_path, "--policy", "cadence",
-                           env={"FDL_DIVERGENCE_THRESHOLD": "0"})
-    events = read_events(run_dir / "timeline" / "rank0.jsonl")
-    halvings = [e for e in events if e["kind"] == "anchor" and e["reason"] == "divergence guard"]
-    assert halvings
-    assert all(e["anchor"] == max(1, e["previous"] // 2) for e in halvings)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert any("divergence guard" in item[2] for item in summary["anchor_history"])

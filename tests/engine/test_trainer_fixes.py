@@ -147,7 +147,7 @@ def test_syncs_tail_round_trains_as_plain_ddp_does(tmp_path):
 
 # --- async: time-based checkpoints within an epoch ---------------------------------------------
 
-NUM_SAMPLES = 16384
+NUM_SAMPLES = 32768
 ASYNC_FLAGS = ("--policy", "async", "--epochs", "1", "--checkpoint-every", "0.05s")
 SMALL_ANCHOR = {"FDL_OVERHEAD_TARGET": "100"}  # the anchor stays at its minimum: many rounds
 
@@ -155,6 +155,13 @@ SMALL_ANCHOR = {"FDL_OVERHEAD_TARGET": "100"}  # the anchor stays at its minimum
 def events(run_dir: Path, rank: int, kind: str) -> list[dict]:
     return [e for e in read_events(run_dir / "timeline" / f"rank{rank}.jsonl")
             if e["kind"] == kind]
+
+
+def since_last_start(run_dir: Path, rank: int) -> list[dict]:
+    """Rank ``rank``'s events of its last attempt."""
+    all_events = read_events(run_dir / "timeline" / f"rank{rank}.jsonl")
+    last = max(i for i, e in enumerate(all_events) if e["kind"] == "start")
+    return all_events[last + 1:]
 
 
 def test_async_checkpoints_within_an_epoch_at_a_blocking_average_and_resumes_there(tmp_path):
@@ -181,21 +188,9 @@ def test_async_checkpoints_within_an_epoch_at_a_blocking_average_and_resumes_the
         starts = events(run_dir, rank, "start")
         assert [s["resumed_from"] for s in starts] == [None, newest.name]
     # the resumed attempt trains exactly the samples the checkpoint had left
-    rounds = [e for rank in (0, 1) for e in read_events(run_dir / "timeline" /
-                                                         f"rank{rank}.jsonl")]
-    resumed = [e for e in _after_last_start(rounds) if e["kind"] == "round"]
+    resumed = [e for rank in (0, 1) for e in since_last_start(run_dir, rank)
+               if e["kind"] == "round"]
     assert sum(e["samples"] for e in resumed) == NUM_SAMPLES - engine["position"]
     result = json.loads((out / "rank0.json").read_text())
     assert [(r["epoch"], r["samples"]) for r in result["history"]] == [(1, NUM_SAMPLES)]
     assert result["summary"]["resumed_from"] == newest.name
-
-
-def _after_last_start(all_events: list[dict]) -> list[dict]:
-    """Each rank's events after its last ``start`` event."""
-    by_rank: dict[int, list[dict]] = {}
-    for event in all_events:
-        if event["kind"] == "start":
-            by_rank[event["rank"]] = []
-        elif event["rank"] in by_rank:
-            by_rank[event["rank"]].append(event)
-    return [e for rank_events in by_rank.values() for e in rank_events]

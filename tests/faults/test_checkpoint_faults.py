@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,6 @@ from fdl.engine.timeline import read_events
 from fdl.errors import UsageError
 
 SCRIPT = Path(__file__).parents[1] / "engine" / "scripts" / "recovery_train.py"
-OLDER, NEWEST = "ckpt-r00000002", "ckpt-r00000004"  # after epochs 1 and 2 of 256 samples
 
 
 class RunsCode:
@@ -59,22 +59,32 @@ def with_payload(path: Path, marker: Path) -> bytes:
     return pickled(state)
 
 
+@dataclass(frozen=True)
+class Trained:
+    run_dir: Path
+    older: str  # the checkpoint taken after epoch 1
+    newest: str  # after epoch 2 (the last epoch takes none: model.pt is the result)
+
+
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
+def trained_run(tmp_path_factory) -> Trained:
     base = tmp_path_factory.mktemp("trained")
     (base / "out").mkdir()
     result = run_fdl("run", "--run-dir", str(base / "run"), "--nproc-per-node", "1",
                      "--epochs", "3", "--checkpoint-every", "1", "--quiet-ranks", str(SCRIPT),
                      str(base / "out"), "256", cwd=base, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    names = sorted(p.name for p in (base / "run" / "checkpoints").iterdir())
-    assert names == [OLDER, NEWEST]
-    return base / "run"
+    checkpoints = base / "run" / "checkpoints"
+    names = sorted(p.name for p in checkpoints.iterdir())  # ckpt-r<round>: in round order
+    epochs = [json.loads((checkpoints / name / "engine.json").read_text())["epoch"]
+              for name in names]
+    assert epochs == [1, 2], names
+    return Trained(base / "run", *names)
 
 
 @pytest.fixture
 def run_copy(trained_run, tmp_path) -> Path:
-    return Path(shutil.copytree(trained_run, tmp_path / "run"))
+    return Path(shutil.copytree(trained_run.run_dir, tmp_path / "run"))
 
 
 def resume(run_dir: Path):
@@ -88,40 +98,43 @@ def last_start(run_dir: Path) -> dict:
             if e["kind"] == "start"][-1]
 
 
-def test_a_checkpoint_that_runs_code_when_loaded_is_refused_and_the_previous_used(run_copy):
+def test_a_checkpoint_that_runs_code_when_loaded_is_refused_and_the_previous_used(
+        trained_run, run_copy):
+    older, newest_name = trained_run.older, trained_run.newest
     marker = run_copy.parent / "code-ran"
-    newest = run_copy / "checkpoints" / NEWEST
+    newest = run_copy / "checkpoints" / newest_name
     plant(newest, "rank0.pt", with_payload(newest / "rank0.pt", marker))
     result, output = resume(run_copy)
     assert not marker.exists(), "unpickling a checkpoint ran code"
     assert result.returncode == 0, output[-3000:]
-    assert f"checkpoint skipped: {NEWEST}: rank0.pt" in output
+    assert f"checkpoint skipped: {newest_name}: rank0.pt" in output
     start = last_start(run_copy)
-    assert start["resumed_from"] == OLDER and start["epoch"] == 1
-    assert any(line.startswith(f"{NEWEST}: rank0.pt") for line in start["skipped"])
+    assert start["resumed_from"] == older and start["epoch"] == 1
+    assert any(line.startswith(f"{newest_name}: rank0.pt") for line in start["skipped"])
 
 
-def test_a_garbage_model_file_that_matches_its_manifest_falls_back(run_copy):
-    plant(run_copy / "checkpoints" / NEWEST, "model.pt", bytes(range(256)) * 12)
+def test_a_garbage_model_file_that_matches_its_manifest_falls_back(trained_run, run_copy):
+    older, newest = trained_run.older, trained_run.newest
+    plant(run_copy / "checkpoints" / newest, "model.pt", bytes(range(256)) * 12)
     # a worker killed mid-line left half an event: the resumed run's events must survive it
     with (run_copy / "timeline" / "rank0.jsonl").open("a") as handle:
         handle.write('{"t": 1.0, "rank": 0, "kind": "rou')
     result, output = resume(run_copy)
     assert result.returncode == 0, output[-3000:]
     assert "Traceback" not in output
-    assert f"checkpoint skipped: {NEWEST}: model.pt" in output
-    assert last_start(run_copy)["resumed_from"] == OLDER
-    assert json.loads((run_copy / "summary.json").read_text())["resumed_from"] == OLDER
+    assert f"checkpoint skipped: {newest}: model.pt" in output
+    assert last_start(run_copy)["resumed_from"] == older
+    assert json.loads((run_copy / "summary.json").read_text())["resumed_from"] == older
 
 
 def test_every_checkpoint_refused_stops_an_explicit_resume(trained_run, tmp_path, monkeypatch):
-    run_dir = Path(shutil.copytree(trained_run, tmp_path / "run"))
+    run_dir = Path(shutil.copytree(trained_run.run_dir, tmp_path / "run"))
     marker = tmp_path / "code-ran"
-    for name in (OLDER, NEWEST):
+    for name in (trained_run.older, trained_run.newest):
         path = run_dir / "checkpoints" / name
         plant(path, "rank0.pt", with_payload(path / "rank0.pt", marker))
     env = {"FDL_RESUME": "1"}
-    with pytest.raises(UsageError, match=rf"no usable checkpoint .*{OLDER}: rank0\.pt"):
+    with pytest.raises(UsageError, match=rf"no usable checkpoint .*{trained_run.older}: rank0\.pt"):
         find_resume_checkpoint(run_dir, rank=0, world_size=1, env=env)
     # after a crash (no explicit --resume) the restarted group starts afresh, with the warnings
     found, skipped = find_resume_checkpoint(run_dir, rank=0, world_size=1,
@@ -138,27 +151,36 @@ def rank_state_with(path: Path, **changes) -> bytes:
     return pickled({**torch.load(path, weights_only=True), **changes})
 
 
+def rank_state_field(path: Path, **changes) -> dict:
+    """The RankState saved in ``path`` with ``changes``."""
+    return {**torch.load(path, weights_only=True)["rank_state"], **changes}
+
+
 @pytest.mark.parametrize(("name", "content", "why"), [
     ("engine.json", lambda p: b'{"epoch": "two"}', "engine.json has no 'round_index'"),
     ("engine.json", lambda p: b"[1, 2]", "engine.json holds a list"),
     ("engine.json", lambda p: engine_with(p, world_size=3), "describes 3 ranks"),
     ("engine.json", lambda p: engine_with(p, position=-5), "out of range"),
     ("rank0.pt", lambda p: pickled([1, 2]), "rank0.pt holds a list"),
-    ("rank0.pt", lambda p: rank_state_with(p, guard_streak="0"), "'guard_streak' is '0'"),
+    ("rank0.pt", lambda p: rank_state_with(p, rank_state=[0, 0.0]), "'rank_state' is [0, 0.0]"),
+    ("rank0.pt", lambda p: rank_state_with(p, rank_state={"guard_streak": 0}),
+     "rank_state does not load"),
+    ("rank0.pt", lambda p: rank_state_with(p, rank_state=rank_state_field(p, step_count="9")),
+     "rank_state does not load"),
     ("rank0.pt", lambda p: rank_state_with(p, rng={"torch": torch.zeros(3), "python": None}),
      "not torch's RNG state"),
     ("model.pt", lambda p: pickled(torch.zeros(2)), "model.pt holds a Tensor"),
 ], ids=["engine-fields", "engine-list", "engine-world", "engine-range", "rank-list",
-        "rank-field", "rank-rng", "model-tensor"])
+        "rank-field", "rank-state-v1", "rank-state-type", "rank-rng", "model-tensor"])
 def test_a_checkpoint_file_that_loads_but_holds_the_wrong_thing_is_skipped(
         trained_run, tmp_path, name, content, why):
-    run_dir = Path(shutil.copytree(trained_run, tmp_path / "run"))
-    newest = run_dir / "checkpoints" / NEWEST
+    run_dir = Path(shutil.copytree(trained_run.run_dir, tmp_path / "run"))
+    newest = run_dir / "checkpoints" / trained_run.newest
     plant(newest, name, content(newest / name))
     found, skipped = find_resume_checkpoint(run_dir, rank=0, world_size=1,
                                             env={"FDL_RESUME": "1"})
-    assert found is not None and found.name == OLDER
-    assert len(skipped) == 1 and skipped[0].startswith(f"{NEWEST}: {name}")
+    assert found is not None and found.name == trained_run.older
+    assert len(skipped) == 1 and skipped[0].startswith(f"{trained_run.newest}: {name}")
     assert why in skipped[0]
 
 
