@@ -258,7 +258,8 @@ def shares(*, anchor: int, batch_size: int, ms_per_sample: Sequence[float | None
     if (prev is not None and len(prev) == len(ideal) and min(prev, default=0) == base
             and all(abs(x - p) < dead_zone * p for x, p in zip(ideal, prev, strict=True))):
         return tuple(prev)
-    return tuple(max(base, math.floor(x + 0.5)) for x in ideal)
+    # A speed ratio beyond float range (ms_r underflowing) must still give a finite share.
+    return tuple(max(base, math.floor(min(x, 2.0 ** 53) + 0.5)) for x in ideal)
 
 
 def next_round(state: PlanState) -> RoundPlan:
