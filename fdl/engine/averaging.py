@@ -5,8 +5,8 @@
     [ w_r x theta (parameters, then floating buffers) | integer rows | stats rows ]
       numel values                                     world_size rows each
 
-A SUM all-reduce yields the weighted average ``sum_r w_r theta_r`` (weights = samples in the
-round, summing to 1) and, because rank r fills only its own row of the two row blocks and
+A SUM all-reduce yields the weighted average ``sum_r w_r theta_r`` (the weights the plan
+gives, summing to 1: uniform, see fdl.engine.plan.RoundPlan.weights) and, because rank r fills only its own row of the two row blocks and
 leaves the others zero, every rank's integer buffers and timing stats, identical on every rank
 — so every rank plans the next round alike. Integer buffers (BatchNorm's
 ``num_batches_tracked``) take the maximum over ranks, computed locally from those rows rather

@@ -181,7 +181,7 @@ def run_slice(worker: Worker, plan: RoundPlan,
     join = worker.step_model.join(divide_by_initial_world_size=False) if uneven \
         else contextlib.nullcontext()
     skip_first = plan.calibration and state.samples_seen == 0
-    started, timed_samples = time.perf_counter(), 0
+    started, timed_samples, data_s = time.perf_counter(), 0, 0.0
     # The round's loss is summed on the device and read once, after the round: reading it each
     # step would make the host wait for the GPU every step and stop it queueing work ahead.
     round_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
@@ -192,7 +192,9 @@ def run_slice(worker: Worker, plan: RoundPlan,
                 break
             clock = warmup if skip_first and index == 0 else timer
             clock.start()
+            fetch = time.perf_counter()
             batch = to_device(next(batches), worker.device)
+            data_s += time.perf_counter() - fetch
             if worker.schedule is not None:
                 done = state.samples_seen + plan.num_samples * index / max(1, mine.steps)
                 _set_lr(worker, worker.schedule(min(1.0, done / total)))
@@ -209,7 +211,8 @@ def run_slice(worker: Worker, plan: RoundPlan,
     warmup.finish()
     rank_state.step_count, rank_state.step_total_s = mean.count, mean.total
     used = mine.num_samples if plan.elastic != worker.rank else timed_samples
-    _book_round(worker, plan, used, timer, warmup, time.perf_counter() - started)
+    _book_round(worker, plan, used, timer, warmup, compute_s=time.perf_counter() - started,
+                data_s=data_s)
     since = worker.checkpointer.since_last_s() if worker.checkpointer is not None else 0.0
     report = rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,
                                samples=timed_samples if timer.steps else 0,
@@ -278,7 +281,7 @@ def _store() -> Any:
 
 
 def _book_round(worker: Worker, plan: RoundPlan, used: int, timer: StepTimer,
-                warmup: StepTimer, compute_s: float) -> None:
+                warmup: StepTimer, *, compute_s: float, data_s: float) -> None:
     totals = worker.totals
     steps = timer.steps + warmup.steps
     totals.samples += used
@@ -286,7 +289,7 @@ def _book_round(worker: Worker, plan: RoundPlan, used: int, timer: StepTimer,
     totals.busy_s += timer.busy_s + warmup.busy_s
     totals.sleep_s += timer.sleep_s + warmup.sleep_s
     worker.timeline.event("round", round=plan.round_index, epoch=plan.epoch, steps=steps,
-                          samples=used, compute_s=compute_s,
+                          samples=used, compute_s=compute_s, data_s=data_s,
                           busy_s=timer.busy_s + warmup.busy_s, step_ms=timer.step_ms,
                           sleep_s=timer.sleep_s + warmup.sleep_s, anchor=plan.anchor,
                           lr_scale=worker.lr_scale)

@@ -77,13 +77,9 @@ class StepTimer:
         else:
             self._started = self.clock()
 
-    def stop(self, *, sync_device: object = None) -> None:
+    def stop(self) -> None:
         """End a step: after its optimizer step. On CUDA this returns without waiting for the
-        GPU unless the timer emulates a slowdown.
-
-        ``sync_device`` is transitional and ignored: the round loop (fdl/engine/rounds.py)
-        still passes its device here. It goes once the loop builds its timers with
-        ``device=`` and calls ``finish()``."""
+        GPU unless the timer emulates a slowdown."""
         self.steps += 1
         if not self._cuda:
             self._account(self.clock() - self._started)

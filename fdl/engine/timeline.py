@@ -4,13 +4,17 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
 
 * ``start``  — ``attempt`` (0, or the elastic restart count), ``world_size``, ``resumed_from``
   (checkpoint name or null), ``epoch``, ``round``, ``skipped`` (invalid newer checkpoints)
-* ``round``  — ``round``, ``epoch``, ``steps``, ``samples``, ``compute_s`` (the step loop's wall
-  time), ``data_s`` (fetching batches, inside compute_s), ``step_ms``, ``sleep_s`` (emulated
-  slowdown, inside compute_s), ``anchor``; written when the round's compute ends
-* ``sync``   — ``round``, ``start``, ``end``, ``wait_s`` (time blocked), ``bytes``, ``policy``,
-  ``checksum`` (when FDL_VERIFY_REPLICAS=1, or the final average)
-* ``anchor`` — ``round``, ``anchor``, ``reason`` (tuning and divergence-guard halvings)
-* ``guard``  — ``round``, ``distance`` (max over ranks), ``streak``
+* ``round``  — ``round``, ``epoch``, ``steps``, ``samples`` (used: an elastic rank's may be
+  fewer than reserved), ``compute_s`` (the step loop's wall time), ``busy_s`` (the timed
+  steps, whole: data, compute, emulated sleep), ``data_s`` (fetching batches, inside both),
+  ``step_ms``, ``sleep_s`` (emulated slowdown), ``anchor``, ``lr_scale``; written when the
+  round's compute ends
+* ``sync``   — ``round``, ``start``, ``end``, ``wait_s`` (time blocked), ``blocking``,
+  ``bytes``, ``checksum`` (when FDL_VERIFY_REPLICAS=1)
+* ``anchor`` — ``round``, ``anchor``, ``previous``, ``reason`` (tuning and divergence-guard
+  halvings)
+* ``guard``  — ``round``, ``distance`` (max over ranks), ``level`` (drift over its usual level),
+  ``streak``, ``halve``, ``released`` (the anchor's ceiling lifted)
 * ``epoch``  — ``epoch``, ``samples``, ``train_loss``, ``eval``
 * ``checkpoint`` — ``round``, ``epoch``, ``position`` (in the epoch's stream), ``name``,
   ``bytes``, ``write_s``

