@@ -150,8 +150,8 @@ class RoundPlan:
         """Averaging weights: uniform, ``1 / world_size``. In the linear regime a replica's
         displacement already grows with the steps it ran, so the uniform mean moves the model
         by ``lr x samples / (world_size x batch_size)`` gradients, as sync does over the same
-        samples; weighting by samples would count the fast rank twice (an effective step
-        ~1.18x sync's at a 2.5x gap)."""
+        samples; weighting by samples would count the fast rank twice (``sum c_r^2 / sum c_r``
+        gradients against ``sum c_r / world_size``: 1.18x for counts 2.5 : 1)."""
         return (1 / len(self.slices),) * len(self.slices)
 
 
@@ -258,8 +258,11 @@ def shares(*, anchor: int, batch_size: int, ms_per_sample: Sequence[float | None
     if (prev is not None and len(prev) == len(ideal) and min(prev, default=0) == base
             and all(abs(x - p) < dead_zone * p for x, p in zip(ideal, prev, strict=True))):
         return tuple(prev)
-    # A speed ratio beyond float range (ms_r underflowing) must still give a finite share.
-    return tuple(max(base, math.floor(min(x, 2.0 ** 53) + 0.5)) for x in ideal)
+    # Whole batches: a partial batch in every round could be a single sample, which BatchNorm
+    # refuses in training (and it pays a step's fixed cost for little); the elastic rank absorbs
+    # the rounding. A speed ratio beyond float range must still give a finite share.
+    return tuple(max(base, batch_size * math.floor(min(x, 2.0 ** 53) / batch_size + 0.5))
+                 for x in ideal)
 
 
 def next_round(state: PlanState) -> RoundPlan:
@@ -273,8 +276,9 @@ def next_round(state: PlanState) -> RoundPlan:
     if elastic is not None:
         fast, _ = elastic
         samples = list(planned)
-        samples[fast] = min(math.ceil(planned[fast] * ELASTIC_CAP),
-                            remaining - (sum(planned) - planned[fast]) - 1)
+        room = remaining - (sum(planned) - planned[fast]) - 1
+        samples[fast] = config.batch_size * min(
+            math.ceil(planned[fast] * ELASTIC_CAP / config.batch_size), room // config.batch_size)
     elif sum(planned) <= remaining:
         samples = list(planned)
     else:

@@ -170,12 +170,18 @@ def test_the_slowest_rank_runs_anchor_batches_the_others_as_many_samples_in_that
     assert share(4, [1.0, 0.4, 0.5]) == (40, 100, 80)
 
 
-def test_shares_are_in_samples_not_whole_batches():
-    assert share(4, [0.3, 1.0]) == (133, 40)  # 133.3 samples, not 130 or 140
+def test_shares_are_whole_batches_rounded_half_up():
+    # A partial batch in every round could be one sample, which BatchNorm refuses in training.
+    assert share(4, [0.3, 1.0]) == (130, 40)  # 133.3 samples: 13.3 batches, not 133 samples
+    assert share(4, [0.28, 1.0]) == (140, 40)  # 142.9 samples: 14.3 batches
+    assert share(4, [0.26, 1.0]) == (150, 40)  # 153.8 samples: 15.4 batches, not 160
+    assert share(4, [0.22, 1.0]) == (180, 40)  # 181.8 samples: 18.2 batches, not 190
 
 
 def test_shares_round_half_up():
-    assert share(1, [2.0, 5.0], batch_size=1) == (3, 1)  # 2.5 -> 3
+    assert share(1, [2.0, 5.0], batch_size=1) == (3, 1)  # 2.5 samples -> 3
+    assert share(1, [2.0, 5.0], batch_size=2) == (6, 2)  # 5 samples, 2.5 batches -> 3
+    assert share(1, [2.0, 4.5], batch_size=2) == (4, 2)  # 4.5 samples, 2.25 batches -> 2
 
 
 def test_unmeasured_ranks_count_as_the_slowest_known():
@@ -185,20 +191,26 @@ def test_unmeasured_ranks_count_as_the_slowest_known():
 
 
 def test_dead_zone_keeps_shares_when_speeds_wiggle_less_than_it():
-    # 0.4 -> 0.403 ms: the ideal share 99.26 (rounds to 99) is within 1% of 100, so 100 stays.
-    assert share(4, [0.403, 1.0], prev=(100, 40)) == (100, 40)
-    assert share(4, [0.403, 1.0], prev=(100, 40), dead_zone=0.0) == (99, 40)
+    # 0.4 -> 0.398 ms: the ideal share 1005.03 (100.5 batches, rounding up to 1010) is within
+    # 1% of 1000, so 1000 stays.
+    assert share(40, [0.398, 1.0], prev=(1000, 400)) == (1000, 400)
+    assert share(40, [0.398, 1.0], prev=(1000, 400), dead_zone=0.0) == (1010, 400)
+    # 0.4 -> 0.403 ms: the ideal 99.26 rounds to the same 10 batches, dead zone or not.
+    assert share(4, [0.403, 1.0], prev=(100, 40), dead_zone=0.0) == (100, 40)
 
 
 def test_dead_zone_is_strict_and_gives_way_to_a_real_change():
-    assert share(4, [40.0, 99.0], prev=(100, 40)) == (99, 40)  # ideal 99.0: exactly 1% off
-    assert share(4, [40.0, 99.0], prev=(100, 40), dead_zone=0.0101) == (100, 40)
+    # ideal 990.0 (99 batches) and 1010.0 (101 batches): exactly 1% off 1000
+    assert share(40, [400.0, 990.0], prev=(1000, 400)) == (990, 400)
+    assert share(40, [400.0, 1010.0], prev=(1000, 400)) == (1010, 400)
+    assert share(40, [400.0, 990.0], prev=(1000, 400), dead_zone=0.0101) == (1000, 400)
     assert share(4, [0.5, 1.0], prev=(100, 40)) == (80, 40)
 
 
 def test_dead_zone_is_off_when_the_anchor_changed_or_the_world_did():
-    # prev was planned with anchor 4 (its smallest share is 40); with anchor 5 it is recomputed.
-    assert share(5, [0.4, 1.0], prev=(100, 40), dead_zone=0.5) == (125, 50)
+    # prev was planned with anchor 4 (its smallest share is 40); with anchor 5 it is recomputed
+    # (125 samples: 12.5 batches, rounding up to 13).
+    assert share(5, [0.4, 1.0], prev=(100, 40), dead_zone=0.5) == (130, 50)
     assert share(4, [0.4, 1.0, 1.0], prev=(100, 40), dead_zone=0.5) == (100, 40, 40)
 
 
@@ -266,22 +278,25 @@ def test_elastic_rank_is_the_fastest_and_waits_on_the_slowest():
     assert None not in (plan.elastic, plan.signal_from) and plan.elastic != plan.signal_from
 
 
-def test_reservation_is_the_cap_times_the_share_rounded_up():
+def test_reservation_is_the_cap_times_the_share_rounded_up_to_whole_batches():
     assert ELASTIC_CAP > 1
-    plan = next_round(calibrated(0.3, 1.0))  # shares (133, 40)
-    assert plan.slices[0] == RankSlice(0, 20, 40, 40 + math.ceil(133 * ELASTIC_CAP))
+    plan = next_round(calibrated(0.3, 1.0))  # shares (130, 40): 195 samples, up to 20 batches
+    assert plan.slices[0] == RankSlice(0, 20, 40, 40 + 10 * math.ceil(130 * ELASTIC_CAP / 10))
+    assert plan.slices[0].num_samples == 200
 
 
 def test_reservation_never_reaches_the_epoch_end():
     state = replace(calibrated(0.3, 1.0, dataset_size=1240), position=1000)
-    plan = next_round(state)  # 40 + 199.5 < 240 remaining: elastic, but 200 would end the epoch
+    # shares (130, 40): 40 + 195 < 240 remaining: elastic, but 20 batches would end the epoch,
+    # and 199 samples would end in a partial batch: 19 whole batches are reserved
+    plan = next_round(state)
     assert plan.elastic == 0 and not plan.last_in_epoch
-    assert plan.slices == (RankSlice(0, 20, 1040, 1239), RankSlice(1, 4, 1000, 1040))
-    state = advance(state, plan, measured(0.3, 1.0), elastic_used=199)
-    assert (state.epoch, state.position) == (0, 1239)
-    plan = next_round(state)  # the one sample left: a cut round ends the epoch
+    assert plan.slices == (RankSlice(0, 19, 1040, 1230), RankSlice(1, 4, 1000, 1040))
+    state = advance(state, plan, measured(0.3, 1.0), elastic_used=190)
+    assert (state.epoch, state.position) == (0, 1230)
+    plan = next_round(state)  # the one batch left: a cut round ends the epoch
     assert plan.elastic is None and plan.last_in_epoch
-    assert plan.slices == (RankSlice(0, 1, 1239, 1240), RankSlice(1, 0, 1240, 1240))
+    assert plan.slices == (RankSlice(0, 1, 1230, 1240), RankSlice(1, 0, 1240, 1240))
 
 
 def test_no_elastic_round_when_the_cap_would_reach_the_epoch_end():
@@ -744,27 +759,40 @@ def check_elastic(state: PlanState, plan: RoundPlan, planned, remaining: int) ->
     assert fast in fastest_candidates(ms) and slow != fast and ms[slow] == max(ms)
     others = sum(planned) - planned[fast]
     assert others + ELASTIC_CAP * planned[fast] < remaining
-    reserved = plan.slices[fast].num_samples
-    assert reserved == min(math.ceil(planned[fast] * ELASTIC_CAP), remaining - others - 1)
-    assert planned[fast] <= reserved
+    reserved, batch = plan.slices[fast].num_samples, state.config.batch_size
+    # whole batches: the cap rounded up, or as many as fit short of the epoch's end
+    assert reserved % batch == 0
+    capped = batch * math.ceil(planned[fast] * ELASTIC_CAP / batch)
+    assert reserved == min(capped, (remaining - others - 1) // batch * batch)
+    assert planned[fast] <= reserved <= remaining - others - 1
     assert all(s.num_samples == n for s, n in zip(plan.slices, planned, strict=True)
                if s.rank != fast)
 
 
 def check_shares_follow_speeds(state: PlanState, planned: tuple[int, ...]) -> None:
     """The documented rule, computed here from the state's speeds: the slowest rank runs
-    ``anchor * batch_size`` samples, rank r ``that * ms_slow / ms_r`` rounded (an unmeasured
-    rank counts as the slowest), or the previous shares stand because every rank's ideal is
-    within the dead zone of them."""
+    ``anchor * batch_size`` samples, rank r ``that * ms_slow / ms_r`` rounded half up to whole
+    batches (an unmeasured rank counts as the slowest), or the previous shares stand because
+    every rank's ideal is within the dead zone of them."""
     config = state.config
     base = state.anchor * config.batch_size
     slow = max((ms for ms in state.ms_per_sample if ms is not None), default=1.0)
     ideal = [base * slow / (slow if ms is None else ms) for ms in state.ms_per_sample]
     assert min(planned) == base >= 1
-    rounded = all(abs(x - n) <= 0.5 + 1e-9 * x for x, n in zip(ideal, planned, strict=True))
+    assert all(n % config.batch_size == 0 for n in planned)
+    rounded = all(rounds_half_up_to_batches(x, n, config.batch_size)
+                  for x, n in zip(ideal, planned, strict=True))
     held = planned == state.prev_shares and all(
         abs(x - n) < config.dead_zone * n for x, n in zip(ideal, planned, strict=True))
     assert rounded or held, (ideal, planned, state.prev_shares)
+
+
+def rounds_half_up_to_batches(ideal: float, share: int, batch_size: int) -> bool:
+    """``share`` is ``ideal`` rounded half up to a multiple of ``batch_size`` (float noise
+    aside): within half a batch of it, and a tie goes up."""
+    tolerance = 1e-9 * ideal
+    return (share % batch_size == 0
+            and -batch_size / 2 - tolerance < share - ideal <= batch_size / 2 + tolerance)
 
 
 def check_speeds(step: Round) -> None:
@@ -850,8 +878,9 @@ def test_whole_run_uses_every_sample_of_every_epoch_exactly_once(config, speeds,
 def test_steady_speeds_balance_every_round_after_one_calibration_round(config, speeds, sync_ms):
     """El Che's point: with speeds that do not change (and no dead zone), one calibration round
     measures them; from then on every rank's share of a full round takes the slowest rank's
-    ``anchor x batch_size x ms_slow`` to within half a sample, and the elastic rank's
-    reservation lasts until the slowest rank is done."""
+    ``anchor x batch_size x ms_slow`` to within half a batch, and the elastic rank's
+    reservation lasts until the slowest rank is done: from anchor 2 (at anchor 1 half a batch
+    is a third of a rank's round) and unless the epoch's end cut it short of the cap."""
     config = replace(config, dead_zone=0.0)
     ms = tuple(speeds[:config.world_size])
     state, num_calibrations = initial_state(config), 0
@@ -863,20 +892,23 @@ def test_steady_speeds_balance_every_round_after_one_calibration_round(config, s
             fast, reserved = plan.elastic, plan.slices[plan.elastic].num_samples
             slowest_done = max(s.num_samples * ms[s.rank] for s in plan.slices if s.rank != fast)
             needed = max(1, math.ceil(slowest_done / ms[fast] - 1e-9))
-            if state.anchor * config.batch_size >= 2 and reserved >= 12:  # rounding aside
-                assert needed <= reserved
             used = min(reserved, needed)
         samples = [used if s.rank == plan.elastic else s.num_samples for s in plan.slices]
         stats = RoundStats(tuple(m * n for m, n in zip(ms, samples, strict=True)),
                            tuple(samples), sync_ms)
         after = advance(state, plan, stats, elastic_used=used)
         remaining = config.dataset_size - state.position
+        if plan.elastic is not None and state.anchor >= 2:
+            planned, batch = after.prev_shares, config.batch_size
+            capped = batch * math.ceil(planned[fast] * ELASTIC_CAP / batch)
+            if capped < remaining - (sum(planned) - planned[fast]):  # the epoch's end is beyond
+                assert needed <= reserved, (needed, reserved, plan)
         if not plan.calibration and (plan.elastic is not None
                                      or sum(after.prev_shares) <= remaining):  # a full round
             assert state.ms_per_sample == pytest.approx(ms)
             slowest = state.anchor * config.batch_size * max(ms)
             for n, m in zip(after.prev_shares, ms, strict=True):
-                assert abs(n * m - slowest) <= m / 2 + 1e-6 * slowest
+                assert abs(n * m - slowest) <= config.batch_size * m / 2 + 1e-6 * slowest
         state = after
     assert num_calibrations == 1
 
@@ -889,4 +921,4 @@ def test_shares_follow_the_speed_ratio(ratio, anchor, batch_size, slow):
                                     ms_per_sample=[slow / ratio, slow], prev=None, dead_zone=0.0)
     base = anchor * batch_size
     assert slow_share == base
-    assert abs(fast_share - base * ratio) <= 0.5 + 1e-9 * base * ratio
+    assert rounds_half_up_to_batches(base * ratio, fast_share, batch_size)
