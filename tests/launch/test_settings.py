@@ -311,7 +311,8 @@ def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
 
 def test_resolve_ignores_a_flag_value_for_an_env_only_setting() -> None:
     settings = resolve(flags={"overhead_target": "0.2"}, env={}, file_values={}, file_path=None)
-    assert settings["overhead_target"] == Setting(0.05, "default")
+    assert settings["overhead_target"] == Setting(BY_NAME["overhead_target"].default, "default")
+    assert BY_NAME["overhead_target"].default != 0.2
 
 
 def test_bad_flag_is_a_usage_error() -> None:
