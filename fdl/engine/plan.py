@@ -20,8 +20,8 @@ random number::
 * **Calibration.** Until every rank's speed is known, a round gives every rank
   ``calibration_steps`` batches: cheap, since the fast rank idles only for that long.
 * **Speed estimate.** ``ms_r`` is an EMA of each round's busy time per sample (the whole step:
-  data, host work, compute), its ``alpha`` scaled by how much of a full round the measurement
-  covers and each measurement clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``: a short
+  data, host work, compute), its ``alpha`` scaled by how much of the rank's own full round the
+  measurement covers and each measurement clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``: a short
   tail round barely moves it, a full round's mean is followed closely.
 * **Anchor.** ``wanted = sync_ms / (overhead_target * batch_size * ms_slow)`` is the anchor
   whose averaging costs ``overhead_target`` of the compute; above the current anchor it is
@@ -31,8 +31,10 @@ random number::
 
 Epoch ``e`` is one stream of ``dataset_size`` sample positions (the engine maps positions to a
 permutation seeded by ``(seed, e)``). A round takes the next ``sum(n_r)`` positions, rank 0
-first; the round that reaches the end of the epoch is cut to what remains, so every sample is
-used exactly once per epoch.
+first (an elastic rank's reservation last), so every sample is used exactly once per epoch.
+Once at most ``TAIL_MERGE`` (1.5) full rounds are left, the next round takes all of them, split
+so that the last rank to finish finishes soonest: no sliver of a round at the epoch's end that
+pays an average of its own and idles a rank on its rounding.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS, POLICIES
 
 ELASTIC_CAP = 1.5  # the elastic rank may take up to this times its planned share
+# With at most this many full rounds left, the next round takes the rest of the epoch.
+TAIL_MERGE = 1.5
 SPEED_ALPHA = 0.7
 SPEED_CLIP = 2.0
 # Float noise must not add a batch: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
@@ -272,11 +276,17 @@ def next_round(state: PlanState) -> RoundPlan:
     config = state.config
     planned = _planned_shares(state)
     remaining = config.dataset_size - state.position
-    elastic = _elastic_ranks(state, planned, remaining)
-    if elastic is not None:
+    elastic = None
+    if _ends_epoch(state, planned, remaining):
+        samples = _balanced_split(remaining, state.ms_per_sample,  # type: ignore[arg-type]
+                                  batch_size=config.batch_size)
+    elif (elastic := _elastic_ranks(state, planned, remaining)) is not None:
         fast, _ = elastic
         samples = list(planned)
-        room = remaining - (sum(planned) - planned[fast]) - 1
+        # Short of the epoch's end by at least (TAIL_MERGE - 1) of a full round: the round after
+        # this one is then the epoch's last, and not a sliver that pays a whole average.
+        room = remaining - (sum(planned) - planned[fast]) - math.ceil(
+            (TAIL_MERGE - 1) * sum(planned))
         samples[fast] = config.batch_size * min(
             math.ceil(planned[fast] * ELASTIC_CAP / config.batch_size), room // config.batch_size)
     elif sum(planned) <= remaining:
@@ -300,19 +310,46 @@ def next_round(state: PlanState) -> RoundPlan:
                      signal_from=None if elastic is None else elastic[1])
 
 
+def _ends_epoch(state: PlanState, planned: Sequence[int], remaining: int) -> bool:
+    """Whether this round takes the rest of the epoch, balanced by speed: with local steps and
+    known speeds, once at most ``TAIL_MERGE`` full rounds are left (one round a little longer
+    instead of a full one and a short tail that idles a rank on its rounding and pays an
+    average of its own)."""
+    return (policy_named(state.config.policy).local_steps and state.calibrated
+            and remaining <= TAIL_MERGE * sum(planned))
+
+
+def _balanced_split(remaining: int, ms_per_sample: Sequence[float], *,
+                    batch_size: int) -> list[int]:
+    """``remaining`` samples shared so that the last rank to finish finishes first: whole
+    batches, then the partial one if any, each to the rank that would end it soonest (ties to
+    the lower rank) — the shortest round whole batches allow. Starts from the proportional
+    floor, so the greedy part is at most ``world_size`` batches."""
+    num_batches, partial = divmod(remaining, batch_size)
+    slowest = max(ms_per_sample)
+    rates = [min(slowest / ms, 2.0 ** 53) for ms in ms_per_sample]  # finite for any ratio
+    batches = [math.floor(num_batches * v / sum(rates)) for v in rates]
+    for _ in range(num_batches - sum(batches)):
+        batches[min(range(len(rates)),
+                    key=lambda r: ((batches[r] + 1) * ms_per_sample[r], r))] += 1
+    samples = [b * batch_size for b in batches]
+    if partial:
+        samples[min(range(len(rates)),
+                    key=lambda r: ((samples[r] + partial) * ms_per_sample[r], r))] += partial
+    return samples
+
+
 def _elastic_ranks(state: PlanState, planned: Sequence[int],
                    remaining: int) -> tuple[int, int] | None:
     """(fastest, slowest) rank when the round can be elastic: the policy allows it, speeds are
-    known, there are two ranks or more, and the round's reservation stays short of the epoch's
-    end (the round that ends an epoch must be known to do so when it is planned)."""
+    known and there are two ranks or more (the round that ends an epoch is never elastic: it
+    must be known to end it when it is planned, see :func:`_ends_epoch`)."""
     config = state.config
     if not (policy_named(config.policy).elastic and state.calibrated and config.world_size > 1):
         return None
     speeds = [float(ms) for ms in state.ms_per_sample]  # type: ignore[arg-type]
     slow = max(range(len(speeds)), key=lambda r: (speeds[r], -r))
     fast = min((r for r in range(len(speeds)) if r != slow), key=lambda r: (speeds[r], r))
-    if sum(planned) - planned[fast] + planned[fast] * ELASTIC_CAP >= remaining:
-        return None
     return fast, slow
 
 
@@ -366,7 +403,7 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
 
     Consumes the plan's samples (moving to the next epoch after ``last_in_epoch``), folds each
     rank's measured ms per sample into its estimate (:func:`update_speed`; weighted by the
-    share of a full round it covers; ranks without a measurement keep theirs) and tunes the
+    share of its own full round it covers; ranks without a measurement keep theirs) and tunes the
     anchor (:func:`_tuned_anchor`), except under ``sync``. ``stats`` may describe an earlier
     round than ``plan`` (async: the average that arrives at a boundary is the previous
     round's); every rank passes the same, so every rank plans alike. An elastic round also
@@ -392,10 +429,13 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
     if plan.last_in_epoch:
         assert position == config.dataset_size
         epoch, position = epoch + 1, 0
-    full = max(planned)
+    # A measurement's weight is the share of the rank's *own* full round it covers: weighed
+    # against the largest share, every round of a slow rank counted as a partial one, and its
+    # estimate crept for rounds from a calibration that a cold first step inflated.
     speeds = tuple(
-        update_speed(old, busy / n, weight=n / full) if n > 0 and _usable(busy / n) else old
-        for old, busy, n in zip(state.ms_per_sample, stats.busy_ms, stats.samples, strict=True)
+        update_speed(old, busy / n, weight=n / own) if n > 0 and _usable(busy / n) else old
+        for old, busy, n, own in zip(state.ms_per_sample, stats.busy_ms, stats.samples,
+                                     planned, strict=True)
     )
     new = replace(state, round_index=state.round_index + 1, epoch=epoch, position=position,
                   ms_per_sample=speeds, prev_shares=None if plan.calibration else planned)
