@@ -18,7 +18,10 @@ random number::
         state = advance(state, plan, stats)
 
 * **Calibration.** Until every rank's speed is known, a round gives every rank
-  ``calibration_steps`` batches: cheap, since the fast rank idles only for that long.
+  ``calibration_steps`` batches, and under cadence and async a shared pool of batches after
+  them that a rank done with its own takes from, one batch at a time, until every rank is done:
+  the fast ranks do not idle while the slowest calibrates (its first step is the slowest of
+  the run), and they measure their speed over more steps.
 * **Speed estimate.** ``ms_r`` is an EMA of each round's busy time per sample (the whole step:
   data, host work, compute), its ``alpha`` scaled by how much of the rank's own full round the
   measurement covers and each measurement clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``: a short
@@ -50,6 +53,9 @@ from fdl.settings import ENGINE_DEFAULTS, POLICIES
 ELASTIC_CAP = 1.5  # the elastic rank may take up to this times its planned share
 # With at most this many full rounds left, the next round takes the rest of the epoch.
 TAIL_MERGE = 1.5
+# The calibration round's shared pool: this many batches per calibration step per rank beyond
+# the first, enough for a rank some 8x faster than the slowest to keep busy meanwhile.
+CALIBRATION_POOL = 8
 SPEED_ALPHA = 0.7
 SPEED_CLIP = 2.0
 # Float noise must not add a batch: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
@@ -144,10 +150,20 @@ class RoundPlan:
     # slowest) has finished its share, at most up to its slice's ``stop`` (a reservation).
     elastic: int | None = None
     signal_from: int | None = None
+    # The calibration round's shared pool: ``pool`` whole batches right after the slices, which
+    # every rank that has run its own share takes one at a time until every rank has (so the
+    # fast ones do not idle while the slowest calibrates); advance learns how many were taken.
+    pool: int = 0
+
+    @property
+    def pool_start(self) -> int:
+        """The pool's first sample position: the end of the round's slices."""
+        return max(s.stop for s in self.slices)
 
     @property
     def num_samples(self) -> int:
-        """Samples the round uses (an elastic round: reserves; advance learns what it used)."""
+        """Samples the round uses (an elastic round or a pool: reserves; advance learns what
+        was used)."""
         return sum(s.num_samples for s in self.slices)
 
     def weights(self) -> tuple[float, ...]:
@@ -302,12 +318,26 @@ def next_round(state: PlanState) -> RoundPlan:
         n = samples[rank]
         slices[rank] = RankSlice(rank, -(-n // config.batch_size), start, start + n)
         start += n
+    pool = _calibration_pool(state, remaining - sum(samples))
     return RoundPlan(round_index=state.round_index, epoch=state.epoch, anchor=state.anchor,
                      counts=tuple(s.steps for s in slices), slices=tuple(slices),
-                     last_in_epoch=elastic is None and start == config.dataset_size,
+                     last_in_epoch=elastic is None and not pool and start == config.dataset_size,
                      calibration=_calibrating(state),
                      elastic=None if elastic is None else elastic[0],
-                     signal_from=None if elastic is None else elastic[1])
+                     signal_from=None if elastic is None else elastic[1], pool=pool)
+
+
+def _calibration_pool(state: PlanState, room: int) -> int:
+    """Batches in the calibration round's pool: under an elastic policy with two ranks or
+    more, ``CALIBRATION_POOL x calibration_steps x (world_size - 1)`` whole batches, fewer if
+    the epoch has not that many past the slices (the pool never reaches the epoch's end, so the
+    round is known not to end it)."""
+    config = state.config
+    if not (_calibrating(state) and policy_named(config.policy).elastic
+            and config.world_size > 1):
+        return 0
+    wanted = CALIBRATION_POOL * config.calibration_steps * (config.world_size - 1)
+    return max(0, min(wanted, (room - 1) // config.batch_size))
 
 
 def _ends_epoch(state: PlanState, planned: Sequence[int], remaining: int) -> bool:
@@ -398,7 +428,7 @@ def _dhondt_pick(counts: Sequence[int], batches: Sequence[int]) -> int:
 
 
 def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
-            elastic_used: int | None = None) -> PlanState:
+            elastic_used: int | None = None, pool_used: int | None = None) -> PlanState:
     """The state after ``plan`` ran, given the ``stats`` the ranks exchanged at its boundary.
 
     Consumes the plan's samples (moving to the next epoch after ``last_in_epoch``), folds each
@@ -407,7 +437,8 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
     anchor (:func:`_tuned_anchor`), except under ``sync``. ``stats`` may describe an earlier
     round than ``plan`` (async: the average that arrives at a boundary is the previous
     round's); every rank passes the same, so every rank plans alike. An elastic round also
-    needs ``elastic_used``, the samples its elastic rank used of its reservation.
+    needs ``elastic_used``, the samples its elastic rank used of its reservation, and a round
+    with a pool ``pool_used``, the batches taken from it.
     """
     config = state.config
     if (plan.round_index, plan.epoch) != (state.round_index, state.epoch):
@@ -425,6 +456,12 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
             raise ValueError(f"advance: the elastic rank used {taken} samples of the "
                              f"{reserved} reserved")
         used -= reserved - taken
+    if plan.pool:
+        if pool_used is None or not 0 <= pool_used <= plan.pool:
+            raise ValueError(f"advance: {pool_used!r} batches taken from a pool of {plan.pool}")
+        used += pool_used * config.batch_size
+    elif pool_used:
+        raise ValueError(f"advance: {pool_used} batches taken from a round without a pool")
     epoch, position = state.epoch, state.position + used
     if plan.last_in_epoch:
         assert position == config.dataset_size

@@ -33,7 +33,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -129,7 +129,7 @@ def train(worker: Worker, state: PlanState) -> PlanState:
     policy, pending, last_reports = worker.policy, None, []
     while not state.finished:
         plan = next_round(state)
-        report, elastic_used = run_slice(worker, plan, state)
+        report, elastic_used, pool_used = run_slice(worker, plan, state)
         reports: list[RoundReport] | None = None
         consensus = worker.averager is None
         if worker.averager is not None and policy.averages_at(plan):
@@ -140,7 +140,7 @@ def train(worker: Worker, state: PlanState) -> PlanState:
         elif worker.averager is None:
             reports = [report]
         stats = round_stats(reports) if reports else RoundStats.unknown(worker.world_size)
-        advanced = advance(state, plan, stats, elastic_used=elastic_used)
+        advanced = advance(state, plan, stats, elastic_used=elastic_used, pool_used=pool_used)
         if advanced.anchor != state.anchor:
             worker.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
@@ -159,20 +159,22 @@ def train(worker: Worker, state: PlanState) -> PlanState:
 
 
 def run_slice(worker: Worker, plan: RoundPlan,
-              state: PlanState) -> tuple[RoundReport, int | None]:
+              state: PlanState) -> tuple[RoundReport, int | None, int | None]:
     """This rank's steps of the round; returns its report. In the calibration round the run's
     very first step (allocations, lazy initialisation) is timed apart and left out of the
     report, so it does not pass for the rank's speed. Also returns, in an elastic round, the
-    samples the elastic rank used (the same on every rank)."""
+    samples the elastic rank used, and in a round with a pool the batches the ranks took from
+    it (the same on every rank)."""
     mine = plan.slices[worker.rank]
-    rank_state = worker.rank_state
+    rank_state, batch_size = worker.rank_state, worker.config.batch_size
     mean = RunningMean(rank_state.step_count, rank_state.step_total_s)  # slowdown emulation
     timer = StepTimer(slowdown=worker.slowdown, mean=mean, device=worker.device)
     # The warm-up step stays out of the emulation's mean too: its sleep follows its own time.
     warmup = StepTimer(slowdown=worker.slowdown, device=worker.device)
     total = worker.config.epochs * len(worker.dataset)
-    batches = slice_batches(worker.dataset, worker.order(plan.epoch), start=mine.start,
-                            stop=mine.stop, batch_size=worker.config.batch_size)
+    order = worker.order(plan.epoch)
+    batches = slice_batches(worker.dataset, order, start=mine.start, stop=mine.stop,
+                            batch_size=batch_size)
     # DDP needs every rank in every gradient all-reduce: a rank left without samples in an
     # epoch's cut last round joins (shadows the collectives) instead of hanging the others; the
     # gradient is divided by the ranks that have data, as a plain DDP step on them would be.
@@ -185,39 +187,54 @@ def run_slice(worker: Worker, plan: RoundPlan,
     # The round's loss is summed on the device and read once, after the round: reading it each
     # step would make the host wait for the GPU every step and stop it queueing work ahead.
     round_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
+
+    def step(source: Iterator[Any], samples: int, progress: float, *, warm: bool) -> None:
+        nonlocal timed_samples, data_s, round_loss
+        clock = warmup if warm else timer
+        clock.start()
+        fetch = time.perf_counter()
+        batch = to_device(next(source), worker.device)
+        data_s += time.perf_counter() - fetch
+        if worker.schedule is not None:
+            _set_lr(worker, worker.schedule(min(1.0, progress / total)))
+        loss = _step(worker, batch)
+        clock.stop()
+        if not warm:
+            timed_samples += samples
+        round_loss += loss
+        rank_state.epoch_loss[1] += 1
+
     signal = _Signal.open(worker, plan)
     with join:
         for index in range(mine.steps):
             if index and signal.arrived(plan):
                 break
-            clock = warmup if skip_first and index == 0 else timer
-            clock.start()
-            fetch = time.perf_counter()
-            batch = to_device(next(batches), worker.device)
-            data_s += time.perf_counter() - fetch
-            if worker.schedule is not None:
-                done = state.samples_seen + plan.num_samples * index / max(1, mine.steps)
-                _set_lr(worker, worker.schedule(min(1.0, done / total)))
-            loss = _step(worker, batch)
-            clock.stop()
-            if clock is timer:
-                timed_samples += min(worker.config.batch_size,
-                                     mine.num_samples - index * worker.config.batch_size)
-            round_loss += loss
-            rank_state.epoch_loss[1] += 1
+            step(batches, min(batch_size, mine.num_samples - index * batch_size),
+                 state.samples_seen + plan.num_samples * index / max(1, mine.steps),
+                 warm=skip_first and index == 0)
     elastic_used = signal.close(worker, plan, used=timed_samples)
+    pool = _Pool.open(worker, plan)
+    taken = 0
+    while (j := pool.take()) is not None:
+        low = plan.pool_start + j * batch_size
+        step(slice_batches(worker.dataset, order, start=low, stop=low + batch_size,
+                           batch_size=batch_size), batch_size,
+             state.samples_seen + low - state.position,
+             warm=skip_first and mine.steps == 0 and taken == 0)
+        taken += 1
+    pool_used = pool.close()
     rank_state.epoch_loss[0] += float(round_loss)
     timer.finish()
     warmup.finish()
     rank_state.step_count, rank_state.step_total_s = mean.count, mean.total
     used = mine.num_samples if plan.elastic != worker.rank else timed_samples
-    _book_round(worker, plan, used, timer, warmup, compute_s=time.perf_counter() - started,
-                data_s=data_s)
+    _book_round(worker, plan, used + taken * batch_size, timer, warmup,
+                compute_s=time.perf_counter() - started, data_s=data_s)
     since = worker.checkpointer.since_last_s() if worker.checkpointer is not None else 0.0
     report = rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,
                                samples=timed_samples if timer.steps else 0,
                                since_checkpoint_s=since)
-    return report, elastic_used
+    return report, elastic_used, pool_used
 
 
 @dataclass
@@ -238,12 +255,8 @@ class _Signal:
     def open(cls, worker: Worker, plan: RoundPlan) -> _Signal:
         if plan.elastic is None:
             return cls()
-        store = _store()
-        if store is None:
-            raise RuntimeError("an elastic round needs the process group's store")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls("receive" if worker.rank == plan.elastic else "send", store,
-                   f"fdl/elastic/{attempt}/")
+        return cls("receive" if worker.rank == plan.elastic else "send", _required_store(),
+                   f"fdl/elastic/{_attempt()}/")
 
     def arrived(self, plan: RoundPlan) -> bool:
         return self.role == "receive" and self.store.check([self._key("done", plan)])
@@ -267,6 +280,57 @@ class _Signal:
 
     def _key(self, name: str, plan: RoundPlan) -> str:
         return f"{self.key}{name}/{plan.round_index}"
+
+
+@dataclass
+class _Pool:
+    """The calibration round's shared pool, through the store's atomic counters: a rank done
+    with its own slice counts itself ``done``, then takes the next batch index (``taken``) while
+    some rank is still on its slice and the pool lasts: so no rank idles while the slowest
+    calibrates, and none runs more than one step past it. The last rank to stop publishes how
+    many batches were taken; every rank reads it before planning the next round."""
+
+    size: int = 0
+    world_size: int = 1
+    store: Any = None
+    key: str = ""
+
+    @classmethod
+    def open(cls, worker: Worker, plan: RoundPlan) -> _Pool:
+        if not plan.pool:
+            return cls()
+        pool = cls(plan.pool, worker.world_size, _required_store(),
+                   f"fdl/pool/{_attempt()}/{plan.round_index}/")
+        pool.store.add(pool.key + "done", 1)
+        return pool
+
+    def take(self) -> int | None:
+        """The next pool batch's index for this rank, or None: everyone is done or the pool is
+        empty (an index past the pool is drawn and dropped; close() counts those out)."""
+        if not self.size or int(self.store.add(self.key + "done", 0)) >= self.world_size:
+            return None
+        index = int(self.store.add(self.key + "taken", 1)) - 1
+        return index if index < self.size else None
+
+    def close(self) -> int | None:
+        """The batches taken from the pool by every rank (None: no pool)."""
+        if not self.size:
+            return None
+        if int(self.store.add(self.key + "stopped", 1)) == self.world_size:
+            taken = int(self.store.add(self.key + "taken", 0))
+            self.store.set(self.key + "used", str(min(taken, self.size)))
+        return int(self.store.get(self.key + "used"))  # waits for the last rank to stop
+
+
+def _attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _required_store() -> Any:
+    store = _store()
+    if store is None:
+        raise RuntimeError("an elastic round or a pool needs the process group's store")
+    return store
 
 
 def _store() -> Any:

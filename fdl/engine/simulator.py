@@ -14,7 +14,8 @@ stream it costs the compute nothing, on a host thread (gloo) it slows the comput
 by ``contention``. A blocking boundary ends when the last rank arrives plus the reduce; a
 background one lets each rank go on at once and makes it wait at the next boundary for the
 average it launched. In an elastic round the fastest rank steps until the slowest one's share
-is done (its last step may end after it). Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
+is done (its last step may end after it); in the calibration round every rank done with its
+share takes batches from the pool until every rank is done. Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
 time is not counted, as in the engine's ``wall_s``). ``sync`` is modelled as lock-step steps
 plus the exposed part of DDP's gradient all-reduce.
 
@@ -115,6 +116,8 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
             busy[plan.elastic], used[plan.elastic] = _compute(
                 profile, plan, plan.elastic, clock[plan.elastic], pending, rng,
                 until_ms=deadline)
+        pool_used = _take_from_pool(profile, plan, clock, busy, used, rng) if plan.pool \
+            else None
         trained += sum(used)
         arrive = [clock[r] + busy[r] for r in range(world)]
         reports = [ranks[r].report(busy_ms=busy[r], samples=used[r], since_checkpoint_s=0.0)
@@ -134,7 +137,8 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
         averages += 1
         stats = round_stats(rows) if rows is not None else RoundStats.unknown(world)
         state = advance(state, plan, stats,
-                        elastic_used=None if plan.elastic is None else used[plan.elastic])
+                        elastic_used=None if plan.elastic is None else used[plan.elastic],
+                        pool_used=pool_used)
         anchors.append(state.anchor)
         if plan.last_in_epoch:  # the epoch's loss all-reduce and evaluation: everyone waits
             leave = [max(leave) + profile.latency_ms] * world
@@ -143,6 +147,24 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
     return SimResult(profile.name, policy, trained, wall_ms / 1000,
                      profile.ideal_samples_per_s, averages, state.anchor,
                      tuple(1 - b / wall_ms for b in busy_total), anchors)
+
+
+def _take_from_pool(profile: Profile, plan: RoundPlan, clock: list[float], busy: list[float],
+                    used: list[int], rng: random.Random) -> int:
+    """The calibration pool (the engine's ``_Pool``): a rank done with its slice takes the
+    next batch while some rank is still on its own and the pool lasts, earliest rank first.
+    Adds to ``busy`` and ``used`` in place; returns the batches taken."""
+    world = len(busy)
+    all_done = max(clock[r] + busy[r] for r in range(world))
+    taken = 0
+    while taken < plan.pool:
+        now, rank = min((clock[r] + busy[r], r) for r in range(world))
+        if now >= all_done:
+            break
+        busy[rank] += profile.step_ms(rank, profile.batch_size, rng)
+        used[rank] += profile.batch_size
+        taken += 1
+    return taken
 
 
 def _compute(profile: Profile, plan: RoundPlan, rank: int, start_ms: float,

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import fdl.engine.plan as plan_module
 import fdl.engine.policies as policies_module
 from fdl.engine.plan import (
+    CALIBRATION_POOL,
     ELASTIC_CAP,
     SPEED_ALPHA,
     SPEED_CLIP,
@@ -62,7 +63,7 @@ def run_round(state: PlanState, stats: RoundStats, *, used: int | None = None) -
     plan = next_round(state)
     if plan.elastic is not None and used is None:
         used = plan.slices[plan.elastic].num_samples
-    return advance(state, plan, stats, elastic_used=used)
+    return advance(state, plan, stats, elastic_used=used, pool_used=0 if plan.pool else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,24 +242,64 @@ def test_initial_state():
 def test_calibration_round_gives_every_rank_calibration_steps_batches_in_rank_order():
     plan = next_round(initial_state(config(calibration_steps=3)))
     assert plan == RoundPlan(round_index=0, epoch=0, anchor=4, counts=(3, 3), slices=(
-        RankSlice(0, 3, 0, 30), RankSlice(1, 3, 30, 60)), last_in_epoch=False, calibration=True)
-    assert plan.num_samples == 60 and plan.weights() == (0.5, 0.5)
+        RankSlice(0, 3, 0, 30), RankSlice(1, 3, 30, 60)), last_in_epoch=False, calibration=True,
+        pool=CALIBRATION_POOL * 3)
+    assert plan.num_samples == 60 and plan.weights() == (0.5, 0.5) and plan.pool_start == 60
+
+
+@pytest.mark.parametrize("taken", [0, 1, CALIBRATION_POOL * 2])
+def test_calibration_round_advances_by_the_pool_batches_taken(taken):
+    state = initial_state(config())
+    plan = next_round(state)
+    assert plan.pool == CALIBRATION_POOL * 2 and plan.pool_start == 40
+    after = advance(state, plan, measured(1.0, 1.0), pool_used=taken)
+    assert after.position == 40 + 10 * taken and after.calibrated
+    assert min(s.start for s in next_round(after).slices) == 40 + 10 * taken
+
+
+@pytest.mark.parametrize("taken", [None, -1, CALIBRATION_POOL * 2 + 1])
+def test_advance_refuses_a_pool_count_that_cannot_be(taken):
+    state = initial_state(config())
+    with pytest.raises(ValueError, match="pool"):
+        advance(state, next_round(state), measured(1.0, 1.0), pool_used=taken)
+    state = calibrated(1.0, 1.0)
+    with pytest.raises(ValueError, match="without a pool"):
+        advance(state, next_round(state), measured(1.0, 1.0), elastic_used=10, pool_used=2)
+
+
+@pytest.mark.parametrize(("state", "pool"), [
+    (initial_state(config(world_size=3, calibration_steps=2)), CALIBRATION_POOL * 2 * 2),
+    (initial_state(config(policy="async")), CALIBRATION_POOL * 2),
+    (initial_state(config(world_size=1)), 0),  # no one to wait for
+    (initial_state(config(policy="sync")), 0),  # no calibration
+    (calibrated(1.0, 1.0), 0),  # speeds known
+    (initial_state(config(dataset_size=75)), 3),  # 35 past the slices: 3 whole batches short
+    (initial_state(config(dataset_size=41)), 0),  # of the end, none when one would reach it
+])
+def test_calibration_pool_size(state, pool):
+    plan = next_round(state)
+    assert plan.pool == pool
+    if pool:
+        assert not plan.last_in_epoch
+        assert plan.pool_start + pool * 10 < state.config.dataset_size
 
 
 def test_calibration_lasts_while_any_speed_is_unknown():
     state = initial_state(config(world_size=3, calibration_steps=1))
     state = advance(state, next_round(state), RoundStats((10.0, math.nan, 30.0), (10, 10, 10),
-                                                         math.nan))
+                                                         math.nan), pool_used=0)
     assert state.ms_per_sample == (1.0, None, 3.0) and not state.calibrated
     plan = next_round(state)
     assert plan.calibration and plan.elastic is None
     assert [s.num_samples for s in plan.slices] == [10, 10, 10]
-    state = advance(state, plan, RoundStats((10.0, 5.0, 30.0), (10, 10, 10), math.nan))
-    assert state.calibrated
+    state = advance(state, plan, RoundStats((10.0, 5.0, 30.0), (10, 10, 10), math.nan),
+                    pool_used=2)
+    assert state.calibrated and state.position == 80
     plan = next_round(state)
     assert not plan.calibration
     assert (plan.elastic, plan.signal_from) == (1, 2)
     assert [s.num_samples for s in plan.slices] == [120, 360, 40]  # shares (120, 240, 40)
+    assert plan.slices[0].start == 80
 
 
 def test_elastic_round_places_the_fastest_rank_last_with_a_reservation():
@@ -379,7 +420,9 @@ def test_next_round_refuses_a_finished_run():
 
 def test_advance_consumes_samples_and_wraps_epochs():
     state = initial_state(config(dataset_size=100, epochs=2, calibration_steps=4))
-    state = advance(state, plan := next_round(state), measured(1.0, 1.0))
+    plan = next_round(state)
+    assert plan.pool == 1  # 20 samples past the slices: one whole batch short of the end
+    state = advance(state, plan, measured(1.0, 1.0), pool_used=0)
     assert (state.round_index, state.epoch, state.position, state.samples_seen) == (1, 0, 80, 80)
     assert not plan.last_in_epoch
     state = advance(state, plan := next_round(state), measured(1.0, 1.0, n=10))
@@ -479,7 +522,8 @@ def test_tuner_uses_the_slowest_rank_as_measured_in_the_same_round():
 
 def test_calibration_round_tunes_the_anchor():
     state = initial_state(config())
-    state = advance(state, next_round(state), measured(1.0, 1.0, n=20, sync_ms=3.0))
+    state = advance(state, next_round(state), measured(1.0, 1.0, n=20, sync_ms=3.0),
+                    pool_used=0)
     assert state.anchor == 6 and state.anchor_history[0][:2] == (1, 6)
 
 
@@ -515,9 +559,9 @@ def test_prev_shares_are_the_planned_shares_before_any_cut_or_reservation():
 def test_advance_rejects_a_plan_from_another_state_and_stats_of_another_world():
     state = initial_state(config())
     plan = next_round(state)
-    later = advance(state, plan, measured(1.0, 1.0))
+    later = advance(state, plan, measured(1.0, 1.0), pool_used=0)
     with pytest.raises(ValueError, match="not made from state"):
-        advance(later, plan, measured(1.0, 1.0))
+        advance(later, plan, measured(1.0, 1.0), pool_used=0)
     with pytest.raises(ValueError, match="world_size"):
         advance(state, plan, measured(1.0, 1.0, 1.0))
     with pytest.raises(ValueError, match="world_size"):
@@ -538,7 +582,8 @@ def test_a_vanishing_step_time_doubles_the_anchor_up_to_its_maximum():
 
 def test_a_busy_time_that_underflows_per_sample_is_no_measurement():
     state = initial_state(config())
-    after = advance(state, next_round(state), RoundStats((5e-324, 20.0), (20, 20), math.nan))
+    after = advance(state, next_round(state), RoundStats((5e-324, 20.0), (20, 20), math.nan),
+                    pool_used=0)
     assert after.ms_per_sample == (None, 1.0)
 
 
@@ -546,7 +591,7 @@ def test_a_speed_ratio_beyond_float_range_still_plans_a_round():
     # found by hypothesis: one sample in 5e-324 ms is finite and > 0 per sample, so it is taken
     # raw; the fast rank's ideal share, 40 * 1.0 / 5e-324, is inf, and shares() cannot round it.
     state = advance(initial_state(config()), next_round(initial_state(config())),
-                    RoundStats((5e-324, 20.0), (1, 20), math.nan))
+                    RoundStats((5e-324, 20.0), (1, 20), math.nan), pool_used=0)
     plan = next_round(state)
     assert plan.num_samples <= 10_000 - state.position
     assert all(s.stop <= 10_000 for s in plan.slices)
@@ -672,6 +717,7 @@ class Round:
     elastic_used: int | None
     stats: RoundStats
     after: PlanState
+    pool_used: int = 0
 
     @property
     def planned(self) -> tuple[int, ...]:
@@ -690,6 +736,11 @@ class Round:
             return mine.start, mine.start + self.elastic_used
         return mine.start, mine.stop
 
+    def pool_range(self) -> tuple[int, int]:
+        """The positions the ranks took from the round's pool, whoever took them."""
+        start = self.plan.pool_start
+        return start, start + self.pool_used * self.state.config.batch_size
+
 
 def run_to_the_end(config: PlanConfig, base_ms, weather) -> tuple[PlanState, list[Round]]:
     """Every round of a whole run, with the weather cycled."""
@@ -707,8 +758,10 @@ def run_to_the_end(config: PlanConfig, base_ms, weather) -> tuple[PlanState, lis
                      base_ms[r] * today.jitter[r] * n if n else math.nan
                      for r, n in enumerate(samples))
         stats = RoundStats(busy_ms=busy, samples=samples, sync_ms=today.sync_ms)
-        after = advance(state, plan, stats, elastic_used=used)
-        rounds.append(Round(state, plan, used, stats, after))
+        taken = min(plan.pool, math.floor(today.elastic_fraction * (plan.pool + 1)))
+        after = advance(state, plan, stats, elastic_used=used,
+                        pool_used=taken if plan.pool else None)
+        rounds.append(Round(state, plan, used, stats, after, taken))
         state = after
         if today.guard == "halve":
             halved = halve_anchor(state, reason="diverged")
@@ -736,7 +789,12 @@ def check_layout(step: Round) -> None:
     assert laid[0].start == state.position
     assert all(a.stop == b.start for a, b in pairwise(laid))
     assert laid[-1].stop <= config.dataset_size
-    assert plan.last_in_epoch == (plan.elastic is None and laid[-1].stop == config.dataset_size)
+    assert plan.last_in_epoch == (plan.elastic is None and not plan.pool
+                                  and laid[-1].stop == config.dataset_size)
+    if plan.pool:  # the calibration round's pool: right after the slices, short of the end
+        assert plan.calibration and config.world_size > 1 and config.policy != "sync"
+        assert plan.pool_start == laid[-1].stop
+        assert plan.pool_start + plan.pool * config.batch_size < config.dataset_size
     assert plan.counts == tuple(s.steps for s in plan.slices)
     assert all(s.steps == -(-s.num_samples // config.batch_size) for s in plan.slices)
     assert plan.weights() == (1 / config.world_size,) * config.world_size
@@ -906,7 +964,7 @@ def test_whole_run_uses_every_sample_of_every_epoch_exactly_once(config, speeds,
         check_speeds(step)
         check_anchor(step)
         assert step.state.samples_seen == seen
-        ranges = [step.used(r) for r in range(config.world_size)]
+        ranges = [step.used(r) for r in range(config.world_size)] + [step.pool_range()]
         seen += sum(stop - start for start, stop in ranges)
         assert step.after.samples_seen == seen
         used.setdefault(step.plan.epoch, []).extend(r for r in ranges if r[1] > r[0])
@@ -946,7 +1004,8 @@ def test_steady_speeds_balance_every_round_after_one_calibration_round(config, s
         samples = [used if s.rank == plan.elastic else s.num_samples for s in plan.slices]
         stats = RoundStats(tuple(m * n for m, n in zip(ms, samples, strict=True)),
                            tuple(samples), sync_ms)
-        after = advance(state, plan, stats, elastic_used=used)
+        after = advance(state, plan, stats, elastic_used=used,
+                        pool_used=plan.pool // 2 if plan.pool else None)
         remaining = config.dataset_size - state.position
         if plan.elastic is not None and state.anchor >= 2:
             planned, batch = after.prev_shares, config.batch_size

@@ -194,3 +194,25 @@ def test_async_checkpoints_within_an_epoch_at_a_blocking_average_and_resumes_the
     result = json.loads((out / "rank0.json").read_text())
     assert [(r["epoch"], r["samples"]) for r in result["history"]] == [(1, NUM_SAMPLES)]
     assert result["summary"]["resumed_from"] == newest.name
+
+
+# --- the calibration pool and the epoch's last round ------------------------------------------
+
+
+def test_every_sample_once_per_epoch_with_the_calibration_pool_and_balanced_epoch_ends(tmp_path):
+    """A real cadence run with a slow rank (8x): the fast rank takes batches from the
+    calibration round's pool while the slow one calibrates, and yet every sample is trained on
+    exactly once per epoch across the ranks (the pool's count reaches every rank's plan)."""
+    num_samples = 603  # not a multiple of the batch: the epoch's last round has a partial batch
+    out, run_dir = fdl_run(tmp_path, "sample_ledger.py", str(num_samples),
+                           flags=("--policy", "cadence", "--simulate-slowdown", "1,8"))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    counts = torch.bincount(torch.tensor(seen[0] + seen[1]), minlength=num_samples)
+    assert counts.tolist() == [2] * num_samples  # 2 epochs
+    rounds = [[e for e in read_events(run_dir / "timeline" / f"rank{r}.jsonl")
+               if e["kind"] == "round"] for r in (0, 1)]
+    first = [ranks[0] for ranks in rounds]
+    assert first[1]["steps"] == 2  # the slow rank calibrates on its own slice
+    assert first[0]["steps"] > 2  # the fast one went on with the pool meanwhile
+    for r in (0, 1):  # what each rank booked is what it trained on
+        assert sum(e["samples"] for e in rounds[r]) == len(seen[r])
