@@ -39,13 +39,18 @@ def main() -> None:
     cells = [("solo fast", 1, None, "cadence"), (f"solo slow ({slow}x)", 1, slow, "cadence"),
              ("sync", 2, pair, "sync"), ("cadence", 2, pair, "cadence"),
              ("async", 2, pair, "async"), ("sync, equal workers", 2, None, "sync"),
-             ("torch DDP, equal workers", 2, None, None)]
+             ("torch DDP, equal workers", 2, None, None),
+             (f"solo fast + solo slow ({slow}x) at once", 2, slow, "concurrent")]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
     for repeat in range(args.repeat):  # round-robin: a slow spell of the host hits every cell
         for name, nproc, slowdown, policy in cells:
             slug = f"{name.split(' (')[0].replace(' ', '-').replace(',', '')}-{repeat}"
-            result = (plain_ddp(args.out / slug, model_args) if policy is None else
-                      fdl_run(args.out / slug, nproc, slowdown, policy, model_args))
+            if policy is None:
+                result = plain_ddp(args.out / slug, model_args)
+            elif policy == "concurrent":
+                result = concurrent_solos(args.out / slug, slowdown, args, model_args)
+            else:
+                result = fdl_run(args.out / slug, nproc, slowdown, policy, model_args)
             runs[name].append(result)
             print(f"  {repeat + 1}/{args.repeat} {name:<26} {result['samples_per_s']:8.0f} "
                   "samples/s", file=sys.stderr)
@@ -70,6 +75,32 @@ def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
             "accuracy": summary["eval"].get("accuracy"), "wall_s": summary["wall_s"],
             "sync_overhead": summary["sync"]["overhead"], "syncs": summary["sync"]["rounds"],
             "idle": summary["idle_fraction"], "final_anchor": summary.get("final_anchor")}
+
+
+def concurrent_solos(out: Path, slowdown: str, args: argparse.Namespace,
+                     model_args: list[str]) -> dict:
+    """Solo fast and solo slow as two independent runs at the same time, the slow one on
+    1/slowdown of the samples so that both run about as long: what the two workers deliver
+    together on this host when neither waits for the other (two processes on one host share
+    its caches and memory bandwidth, which the ideal, made of runs alone, does not)."""
+    slow_samples = max(args.batch_size,
+                       round(args.train_samples / args.slow / args.batch_size) * args.batch_size)
+    slow_args = list(model_args)
+    slow_args[slow_args.index("--train-samples") + 1] = str(slow_samples)
+    argv = [shutil.which("fdl") or "fdl", "run", "--quiet-ranks", "--nproc-per-node", "1",
+            "--policy", "cadence"]
+    procs = [subprocess.Popen([*argv, "--run-dir", str(out / "fast"), str(EXAMPLE), *model_args],
+                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+             subprocess.Popen([*argv, "--run-dir", str(out / "slow"), "--simulate-slowdown",
+                               slowdown, str(EXAMPLE), *slow_args], env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    for proc in procs:
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    rates = [json.loads((out / name / "summary.json").read_text())["throughput"]["samples_per_s"]
+             for name in ("fast", "slow")]
+    return {"samples_per_s": sum(rates), "per_rank": rates, "accuracy": None,
+            "sync_overhead": None}
 
 
 def median_row(results: list[dict]) -> dict:
@@ -115,14 +146,18 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
                      f"{ratio:.2f} | {acc} | {over} | {row.get('syncs', '-')} |")
     sync_eq, ddp = rows["sync, equal workers"]["samples_per_s"], \
         rows["torch DDP, equal workers"]["samples_per_s"]
+    at_once = rows[f"solo fast + solo slow ({args.slow:g}x) at once"]["samples_per_s"]
     lines += ["", f"ideal = solo fast + solo slow = {ideal:.0f} samples/s; "
-                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f}"]
+                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f}; the two solo "
+                  f"runs at once: {at_once / ideal:.2f} of ideal (this host's ceiling for two "
+                  "workers)"]
     for name in ("cadence", "async"):
         row = rows[name]
         lines.append(f"{name}: {row['samples_per_s'] / ideal:.1%} of ideal; per-rank samples/s "
                      f"{', '.join(f'{r:.0f}' for r in row['per_rank'])}; idle "
                      f"{', '.join(f'{i:.1%}' for i in row['idle'])}; final anchor "
-                     f"{row['final_anchor']}")
+                     f"{row['final_anchor']}; {row['samples_per_s'] / at_once:.1%} of the two "
+                     "solo runs at once")
     return "\n".join(lines)
 
 
