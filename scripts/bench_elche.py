@@ -67,8 +67,7 @@ def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
             "--policy", policy, "--run-dir", str(run_dir)]
     if slowdown:
         argv += ["--simulate-slowdown", slowdown]
-    subprocess.run([*argv, str(EXAMPLE), *model_args], check=True, env=_env(),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _run([*argv, str(EXAMPLE), *model_args])
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"samples_per_s": summary["throughput"]["samples_per_s"],
             "per_rank": summary["throughput"]["per_rank_samples_per_s"],
@@ -89,14 +88,20 @@ def concurrent_solos(out: Path, slowdown: str, args: argparse.Namespace,
     slow_args[slow_args.index("--train-samples") + 1] = str(slow_samples)
     argv = [shutil.which("fdl") or "fdl", "run", "--quiet-ranks", "--nproc-per-node", "1",
             "--policy", "cadence"]
-    procs = [subprocess.Popen([*argv, "--run-dir", str(out / "fast"), str(EXAMPLE), *model_args],
-                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-             subprocess.Popen([*argv, "--run-dir", str(out / "slow"), "--simulate-slowdown",
-                               slowdown, str(EXAMPLE), *slow_args], env=_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    for proc in procs:
-        if proc.wait() != 0:
-            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    logs = [out.with_name(out.name + f"-{name}.log") for name in ("fast", "slow")]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with logs[0].open("w") as fast_log, logs[1].open("w") as slow_log:
+        procs = [subprocess.Popen([*argv, "--run-dir", str(out / "fast"), str(EXAMPLE),
+                                   *model_args], env=_env(), stdout=subprocess.DEVNULL,
+                                  stderr=fast_log),
+                 subprocess.Popen([*argv, "--run-dir", str(out / "slow"), "--simulate-slowdown",
+                                   slowdown, str(EXAMPLE), *slow_args], env=_env(),
+                                  stdout=subprocess.DEVNULL, stderr=slow_log)]
+        codes = [proc.wait() for proc in procs]
+    for log, code in zip(logs, codes, strict=True):
+        if code != 0:
+            sys.stderr.write(log.read_text()[-4000:])
+            raise SystemExit(f"bench-elche: the solo runs at once: {log} (exit {code})")
     rates = [json.loads((out / name / "summary.json").read_text())["throughput"]["samples_per_s"]
              for name in ("fast", "slow")]
     return {"samples_per_s": sum(rates), "per_rank": rates, "accuracy": None,
@@ -116,10 +121,18 @@ def plain_ddp(out: Path, model_args: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     result = out / "torch-ddp.json"
     torchrun = shutil.which("torchrun") or "torchrun"
-    subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(PLAIN_DDP),
-                    str(result), *model_args], check=True, env=_env(),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _run([torchrun, "--standalone", "--nproc-per-node", "2", str(PLAIN_DDP), str(result),
+          *model_args])
     return {**json.loads(result.read_text()), "accuracy": None, "sync_overhead": None}
+
+
+def _run(argv: list[str]) -> None:
+    """Run one cell; on failure show the end of what it printed, then stop the benchmark."""
+    proc = subprocess.run(argv, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"bench-elche: {' '.join(argv[:8])} ... exited {proc.returncode}")
 
 
 def _env() -> dict[str, str]:

@@ -9,9 +9,9 @@ cost) and :func:`fdl.engine.state.round_stats` (what the planner learns). What i
 (:class:`Profile`): each rank's time per batch (a fixed part plus a part proportional to the
 samples, so a partial batch is cheaper but not proportionally), multiplicative log-normal
 jitter per step, host work per step (inside the step timer, as in the engine), the reduce time
-(``latency + bytes / bandwidth``), and how a background reduce overlaps compute: on a CUDA
-stream it costs the compute nothing, on a host thread (gloo) it slows the compute it overlaps
-by ``contention``. A blocking boundary ends when the last rank arrives plus the reduce; a
+(``latency + bytes / bandwidth``), a slow first step on every rank, and how a background
+reduce overlaps compute: on a CUDA stream it costs the compute nothing, on a host thread (gloo)
+it slows the compute it overlaps by ``contention``. A blocking boundary ends when the last rank arrives plus the reduce; a
 background one lets each rank go on at once and makes it wait at the next boundary for the
 average it launched. In an elastic round the fastest rank steps until the slowest one's share
 is done (its last step may end after it); in the calibration round every rank done with its
@@ -47,6 +47,7 @@ class Profile:
     jitter: float = 0.02  # sigma of the per-step log-normal factor
     overlap: str = "stream"  # "stream" (CUDA) or "thread" (gloo on a shared host)
     contention: float = 0.5  # thread overlap: compute slowdown while a reduce runs
+    first_step: float = 4.0  # x a step: the run's first one (allocations, lazy init)
     batch_size: int = 128
     dataset_size: int = 50_000
     epochs: int = 3
@@ -110,6 +111,9 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
     while not state.finished:
         plan = next_round(state)
         used = [s.num_samples for s in plan.slices]
+        if plan.round_index == 0:  # the run's first step: timed apart, as the engine does
+            clock = [c + (profile.first_step - 1) * profile.step_ms(r, profile.batch_size, rng)
+                     for r, c in enumerate(clock)]
         busy = [_compute(profile, plan, r, clock[r], pending, rng)[0] for r in range(world)]
         if plan.elastic is not None:  # the fastest rank runs until the slowest is done
             deadline = clock[plan.signal_from] + busy[plan.signal_from]
