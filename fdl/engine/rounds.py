@@ -444,7 +444,7 @@ def _guarded(worker: Worker, state: PlanState, plan: RoundPlan,
     worker.timeline.event("guard", round=plan.round_index, distance=distance,
                           level=verdict.level, streak=verdict.streak, halve=verdict.halved,
                           released=verdict.released)
-    if verdict.halved:
+    if verdict.halved and state.anchor != before:  # at anchor 1 it can only hold the ceiling
         worker.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
                               previous=before, reason="divergence guard")
     return state
