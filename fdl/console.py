@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from fdl.files import signals_to_main_thread
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
@@ -106,15 +108,14 @@ def progress(*, transient: bool = False, unit: str = "bytes") -> Iterator[Progre
 
     columns = (DownloadColumn(), TransferSpeedColumn()) if unit == "bytes" else \
         (MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        *columns,
-        TimeRemainingColumn(),
-        console=_console(stderr=True),
-        transient=transient,
-    ) as bar:
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), *columns,
+                   TimeRemainingColumn(), console=_console(stderr=True), transient=transient)
+    with signals_to_main_thread():  # its refresh thread must not take Ctrl-C from the work
+        bar.start()
+    try:
         yield bar
+    finally:
+        bar.stop()
 
 
 @contextmanager
