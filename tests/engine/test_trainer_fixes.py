@@ -232,7 +232,9 @@ def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
 
     store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
                      wait_for_workers=False)
-    fast, slow = (_Pool(5, 2, store, "fdl/pool/test/0/") for _ in range(2))
+    # one client per rank, as in a run: a client blocked in get() must not share its socket
+    other = TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
+    fast, slow = _Pool(5, 2, other, "fdl/pool/test/0/"), _Pool(5, 2, store, "fdl/pool/test/0/")
     store.add(fast.key + "done", 1)  # the fast rank finished its slice: open() counts it
     assert [fast.take() for _ in range(3)] == [0, 1, 2]
     store.add(slow.key + "done", 1)  # now the slow one has too
