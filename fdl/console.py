@@ -14,8 +14,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from fdl.files import signals_to_main_thread
-
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
@@ -105,6 +103,8 @@ def progress(*, transient: bool = False, unit: str = "bytes") -> Iterator[Progre
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+
+    from fdl.files import signals_to_main_thread
 
     columns = (DownloadColumn(), TransferSpeedColumn()) if unit == "bytes" else \
         (MofNCompleteColumn(), TimeElapsedColumn())

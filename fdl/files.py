@@ -200,11 +200,11 @@ def sha256_file(path: Path) -> str:
 
 @contextmanager
 def signals_to_main_thread() -> Iterator[None]:
-    """Threads started inside this block never receive SIGINT or SIGTERM: they inherit a signal mask that blocks both, so the kernel delivers those to the main
-    thread, and a blocking call there (a socket read from a stalled server) is interrupted at
-    once. Delivered to a helper thread (a progress bar's refresh, a hashing worker), Ctrl-C
-    waited for the read to return and could be lost to a retry. A no-op off the main thread or
-    where threads have no signal masks."""
+    """Threads started inside this block never receive SIGINT or SIGTERM: they inherit a
+    signal mask that blocks both, so the kernel delivers those to the main thread, where a
+    blocking call (a socket read from a stalled server) is interrupted at once. Delivered to a
+    helper thread (a progress bar's refresh, a hashing worker), Ctrl-C would wait for that
+    read to return. A no-op off the main thread or where threads have no signal masks."""
     if not hasattr(signal, "pthread_sigmask") or \
             threading.current_thread() is not threading.main_thread():
         yield
@@ -214,4 +214,3 @@ def signals_to_main_thread() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-

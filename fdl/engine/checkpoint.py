@@ -29,7 +29,8 @@ first point at least that long after the previous checkpoint (or the start) wher
 holds the same model: an epoch end, or within an epoch a round that ended with a blocking
 average (cadence: every round; async makes the round blocking when a checkpoint is due; sync
 averages its buffers only at epoch ends) — decided on the ranks' mean clock, carried in the
-round reports, so every rank agrees (see fdl.engine.recovery). A crash loses at most the work since the last checkpoint.
+round reports, so every rank agrees (see fdl.engine.recovery). A crash loses at most the work
+since the last checkpoint.
 
 torch is imported inside the functions that save and load: the launcher uses
 :func:`latest_checkpoint` (JSON and hashes only) to check ``fdl run --resume`` before it starts.
