@@ -33,7 +33,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +43,7 @@ from torch import nn
 from fdl.engine import guard
 from fdl.engine.averaging import Averager, checksum
 from fdl.engine.config import EngineConfig
-from fdl.engine.data import epoch_permutation, slice_batches, to_device
+from fdl.engine.data import collate, epoch_permutation, slice_batches, to_device
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
 from fdl.engine.policies import Policy, policy_named
 from fdl.engine.speed import RunningMean, StepTimer
@@ -188,13 +188,13 @@ def run_slice(worker: Worker, plan: RoundPlan,
     # step would make the host wait for the GPU every step and stop it queueing work ahead.
     round_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
 
-    def step(source: Iterator[Any], samples: int, progress: float, *, warm: bool) -> None:
+    def step(fetch: Callable[[], Any], samples: int, progress: float, *, warm: bool) -> None:
         nonlocal timed_samples, data_s, round_loss
         clock = warmup if warm else timer
         clock.start()
-        fetch = time.perf_counter()
-        batch = to_device(next(source), worker.device)
-        data_s += time.perf_counter() - fetch
+        fetched = time.perf_counter()
+        batch = to_device(fetch(), worker.device)
+        data_s += time.perf_counter() - fetched
         if worker.schedule is not None:
             _set_lr(worker, worker.schedule(min(1.0, progress / total)))
         loss = _step(worker, batch)
@@ -209,18 +209,16 @@ def run_slice(worker: Worker, plan: RoundPlan,
         for index in range(mine.steps):
             if index and signal.arrived(plan):
                 break
-            step(batches, min(batch_size, mine.num_samples - index * batch_size),
+            step(lambda: next(batches), min(batch_size, mine.num_samples - index * batch_size),
                  state.samples_seen + plan.num_samples * index / max(1, mine.steps),
                  warm=skip_first and index == 0)
     elastic_used = signal.close(worker, plan, used=timed_samples)
     pool = _Pool.open(worker, plan)
     taken = 0
-    while (j := pool.take()) is not None:
+    while (j := pool.take()) is not None:  # whole batches, after this rank's own (warm) steps
         low = plan.pool_start + j * batch_size
-        step(slice_batches(worker.dataset, order, start=low, stop=low + batch_size,
-                           batch_size=batch_size), batch_size,
-             state.samples_seen + low - state.position,
-             warm=skip_first and mine.steps == 0 and taken == 0)
+        step(lambda low=low: collate(worker.dataset, order[low:low + batch_size]), batch_size,
+             state.samples_seen + low - state.position, warm=False)
         taken += 1
     pool_used = pool.close()
     rank_state.epoch_loss[0] += float(round_loss)
