@@ -104,18 +104,17 @@ def progress(*, transient: bool = False, unit: str = "bytes") -> Iterator[Progre
         TransferSpeedColumn,
     )
 
-    from fdl.files import signals_to_main_thread
-
     columns = (DownloadColumn(), TransferSpeedColumn()) if unit == "bytes" else \
         (MofNCompleteColumn(), TimeElapsedColumn())
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), *columns,
-                   TimeRemainingColumn(), console=_console(stderr=True), transient=transient)
-    with signals_to_main_thread():  # its refresh thread must not take Ctrl-C from the work
-        bar.start()
-    try:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *columns,
+        TimeRemainingColumn(),
+        console=_console(stderr=True),
+        transient=transient,
+    ) as bar:
         yield bar
-    finally:
-        bar.stop()
 
 
 @contextmanager

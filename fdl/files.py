@@ -19,9 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import tempfile
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -196,21 +194,3 @@ def hash_file(path: Path, *, algorithms: Iterable[str] = ("sha256",),
 def sha256_file(path: Path) -> str:
     """Hex sha256 of the file at ``path``."""
     return hash_file(path)["sha256"].hexdigest()
-
-
-@contextmanager
-def signals_to_main_thread() -> Iterator[None]:
-    """Threads started inside this block never receive SIGINT or SIGTERM: they inherit a
-    signal mask that blocks both, so the kernel delivers those to the main thread, where a
-    blocking call (a socket read from a stalled server) is interrupted at once. Delivered to a
-    helper thread (a progress bar's refresh, a hashing worker), Ctrl-C would wait for that
-    read to return. A no-op off the main thread or where threads have no signal masks."""
-    if not hasattr(signal, "pthread_sigmask") or \
-            threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from fdl.errors import FdlError
-from fdl.files import hash_file, signals_to_main_thread
+from fdl.files import hash_file
 
 Progress = Callable[[int, int | None], None]
 
@@ -118,9 +118,8 @@ class Fanout:
                          for q, consume in zip(self._queues, consumers, strict=True)]
 
     def __enter__(self) -> Fanout:
-        with signals_to_main_thread():  # Ctrl-C must interrupt the read, not land here
-            for thread in self._threads:
-                thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def put(self, batch: list[bytes]) -> None:

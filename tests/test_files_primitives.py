@@ -8,12 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
-from pathlib import Path
 
 import pytest
 
@@ -173,39 +170,3 @@ def test_hash_file_feeds_every_algorithm_and_can_be_continued(tmp_path):
     assert hashers["sha256"].hexdigest() == hashlib.sha256(head + tail).hexdigest()
     with pytest.raises(ValueError):
         hash_file(path, algorithms=("no-such-hash",))
-
-
-# --- Ctrl-C reaches the main thread ------------------------------------------------------------
-
-
-def _blocked_in_thread(native_id: int) -> set[int]:
-    """The signals a thread of this process blocks, read from /proc (Linux)."""
-    status = Path(f"/proc/self/task/{native_id}/status").read_text()
-    mask = int(next(line.split()[1] for line in status.splitlines()
-                    if line.startswith("SigBlk:")), 16)
-    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread masks in /proc")
-def test_download_helper_threads_leave_ctrl_c_to_the_main_thread():
-    """A SIGINT the kernel hands to a helper thread does not interrupt the main thread's socket
-    read: a Ctrl-C during a stalled download waited for the read's timeout and was lost to the
-    retry (seen in the full suite). The hashing/writing workers and the progress bar's refresh
-    thread block SIGINT and SIGTERM; the main thread's own mask is left as it was."""
-    from fdl.console import progress
-    from fdl.partfile import Fanout
-
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    seen: list[set[int]] = []
-    with Fanout([lambda batch: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))]) as fan:
-        fan.put([b"x"])
-    assert seen and {signal.SIGINT, signal.SIGTERM} <= seen[0]
-    known = {t.native_id for t in threading.enumerate()}
-    with progress(unit="bytes") as bar:
-        bar.add_task("x", total=1)
-        helpers = [t.native_id for t in threading.enumerate() if t.native_id not in known]
-        assert helpers  # rich's refresh thread
-        for native_id in helpers:
-            assert {signal.SIGINT, signal.SIGTERM} <= _blocked_in_thread(native_id)
-    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
-    assert signal.SIGINT not in before
