@@ -88,8 +88,16 @@ def staging_names(env: dict[str, str]) -> list[str]:
 
 
 def popen_fdl(env: dict[str, str], *args: str) -> subprocess.Popen:
+    """``fdl`` as a terminal starts it: with SIGINT's default disposition. A pytest started in
+    the background by a non-interactive shell ignores SIGINT, children inherit an ignored
+    signal, and the Ctrl-C test then saw its SIGINT ignored and the download finish."""
     return subprocess.Popen([sys.executable, "-m", "fdl", *args], env=clean_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # ---- item 2: names become paths before they are checked -------------------------------------
