@@ -233,7 +233,7 @@ class Checkpointer:
         self._write(state, worker)
 
     def _elapsed(self, worker: Worker) -> float:
-        elapsed = time.perf_counter() - self.last
+        elapsed = self.since_last_s()
         if self.every.seconds is not None and worker.world_size > 1:
             # Every rank must decide alike: the mean of the ranks' clocks.
             elapsed = all_reduce_sum([elapsed], device=worker.device)[0] / worker.world_size
