@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
     from rich.progress import Progress
 
 
@@ -64,29 +64,46 @@ def print_table(
     *,
     title: str | None = None,
     styles: Sequence[str | None] | None = None,
+    justify: Sequence[JustifyMethod] | None = None,
+    no_wrap: bool = False,
 ) -> None:
-    """A table on stdout; cells are shown as plain text. ``styles`` styles whole rows."""
+    """A table on stdout; cells are shown as plain text. ``styles`` styles whole rows,
+    ``justify`` gives each column's alignment (``"left"``, ``"right"``, ``"center"``; left
+    when not given). ``no_wrap`` keeps every header and cell on one line: for a table whose
+    columns are known to fit, so "sync wait" is never broken into "sync" over "wait"."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title=title, title_justify="left", header_style="bold")
-    for column in columns:
-        table.add_column(column)
+    for index, column in enumerate(columns):
+        table.add_column(column, justify=justify[index] if justify else "left", no_wrap=no_wrap)
     for index, row in enumerate(rows):
         style = styles[index] if styles else None
         table.add_row(*(Text("" if cell is None else str(cell)) for cell in row), style=style)
     _console(stderr=False).print(table)
 
 
-def print_pairs(pairs: Sequence[tuple[str, Any]]) -> None:
-    """Aligned ``key  value`` lines on stdout; pairs whose value is None are left out."""
+def print_pairs(pairs: Sequence[tuple[str, Any]], *, wrap: bool = False) -> None:
+    """Aligned ``key  value`` lines on stdout; pairs whose value is None are left out.
+
+    Without ``wrap`` a long value runs on and the terminal wraps it (a path stays one line to
+    copy). With ``wrap`` a value wider than the terminal continues on the next lines under its
+    own column, broken between words, or inside a word longer than the column."""
     pairs = [(key, value) for key, value in pairs if value is not None]
     if not pairs:
         return
     width = max(len(key) for key, _ in pairs)
     console = _console(stderr=False)
     for key, value in pairs:
-        console.print(f"  {key.ljust(width)}  {value}", markup=False)
+        lines = _wrapped(str(value), width=console.width - width - 4) if wrap else [str(value)]
+        for index, line in enumerate(lines):
+            console.print(f"  {(key if index == 0 else '').ljust(width)}  {line}", markup=False)
+
+
+def _wrapped(text: str, *, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=max(width, 10), break_on_hyphens=False) or [""]
 
 
 @contextmanager
@@ -126,3 +143,31 @@ def status(message: str) -> Iterator[None]:
         return
     with console.status(message):
         yield
+
+
+def is_live_terminal() -> bool:
+    """Whether stderr is a terminal that can redraw a status line (not ``TERM=dumb``)."""
+    import os
+
+    return _console(stderr=True).is_terminal and os.environ.get("TERM", "") != "dumb"
+
+
+def terminal_width() -> int:
+    return _console(stderr=True).width
+
+
+@contextmanager
+def live_status() -> Iterator[Callable[[str], None]]:
+    """Status lines pinned under everything else on stderr, redrawn by ``update(text)`` (from any
+    thread); whatever is printed meanwhile to stdout or stderr scrolls above them. The lines
+    are gone when the block ends."""
+    from rich.live import Live
+    from rich.text import Text
+
+    with Live(Text(""), console=_console(stderr=True), auto_refresh=False, transient=True,
+              redirect_stdout=True, redirect_stderr=True) as live:
+
+        def update(text: str) -> None:
+            live.update(Text(text, no_wrap=True, overflow="crop"), refresh=True)
+
+        yield update

@@ -1,9 +1,15 @@
 """``fdl report RUN_DIR [--json]``: per-rank throughput and share of the work, where each rank's
-time went (compute, waiting at sync, epoch boundaries, data loading, unexplained), sync count/mean/overhead,
-the anchor's history, efficiency against the ideal, and the final metrics. ``fdl run`` prints
-the same report when a run that used fdl.Trainer finishes. A rank whose timeline is incomplete
-gets a ``warning:`` line on stderr saying what its figures cover (exit 0); a summary.json or
-config.json fdl cannot use is an ``error:`` (exit 2)."""
+time went (compute, waiting at sync, epoch boundaries, data loading, unexplained), sync
+count/mean/overhead, the anchor's history, efficiency against the ideal, and the final metrics.
+``fdl run`` prints the same report when a run that used fdl.Trainer finishes. A rank whose
+timeline is incomplete gets a ``warning:`` line on stderr saying what its figures cover (exit 0);
+a summary.json or config.json fdl cannot use is an ``error:`` (exit 2).
+
+The text fits an 80-column terminal without cutting a header or a figure: the per-rank figures
+are two tables of at most seven columns (throughput; where the time went, in seconds), the
+run-wide lines wrap under their own column, and the last line says where ``timeline/trace.json``
+is and how to open it (Perfetto, chrome://tracing). Every figure of ``--json`` is in the text,
+rounded, except anchor changes before the last five (counted)."""
 
 from __future__ import annotations
 
@@ -19,13 +25,15 @@ def report(
 ) -> None:
     """Explain a finished run: throughput, idle time by cause, sync, anchor, metrics."""
     from fdl import console
+    from fdl.launch.timeline_trace import TRACE_FILE
 
     document = run_report(run_dir)
     if json_output:
         console.print_json(document)
         warn_incomplete(document)
     else:
-        render(document)
+        trace = run_dir / "timeline" / TRACE_FILE
+        render(document, trace=trace if trace.is_file() else None)
 
 
 def run_report(run_dir: Path) -> dict[str, Any]:
@@ -44,36 +52,62 @@ def warn_incomplete(doc: dict[str, Any]) -> None:
         console.warn(item["message"])
 
 
-def render(doc: dict[str, Any]) -> None:
+def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
+    """The report as text: two per-rank tables (throughput; where the time went, in seconds)
+    narrow enough for an 80-column terminal, then the run's figures, then ``trace`` (a
+    trace.json to open in Perfetto) when given."""
     from fdl import console
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1%}"
-
-    def num(x: float | None, fmt: str = ".0f") -> str:
-        return "-" if x is None else format(x, fmt)
+    from fdl.launch.timeline_trace import trace_note
 
     console.rule(f"fdl report: {doc['policy']} on {doc['world_size']} worker(s), "
                  f"backend {doc['backend']}")
-    rows = [[r, num(x["samples_per_s"]), pct(x["share"]), num(x["step_ms"], ".1f"),
-             num(x["time_s"]["compute"], ".2f"), num(x["time_s"]["sync_wait"], ".2f"),
-             num(x["time_s"]["epoch_boundary"], ".2f"),
-             num(x["time_s"].get("data_loading"), ".2f"), num(x["time_s"]["unexplained"], ".2f"),
-             pct(x["idle_fraction"])] for r, x in enumerate(doc["ranks"])]
-    console.print_table(["rank", "samples/s", "share", "ms/step", "compute s", "sync wait s",
-                         "epoch ends s", "data s", "other s", "idle"], rows)
-    sync = doc["sync"]
-    anchors = ", ".join(f"round {r}: {a} ({why})" for r, a, why in doc["anchor_history"][-5:])
-    console.print_pairs([
-        ("throughput", f"{num(doc['samples_per_s'])} samples/s over {doc['wall_s']:.2f} s"),
-        ("ideal", f"{num(doc['ideal_samples_per_s'])} samples/s (sum of solo-equivalent rates)"),
-        ("efficiency", pct(doc["efficiency"])),
-        ("sync", f"{sync['rounds']} averages, mean {num(sync['mean_ms'], '.1f')} ms, "
-                 f"overhead {pct(sync['overhead'])}"),
-        ("anchor", anchors or "unchanged"),
+    ranks = list(enumerate(doc["ranks"]))
+    console.print_table(
+        ["rank", "samples", "steps", "samples/s", "share", "ms/step", "idle"],
+        [[r, x["samples"], x["steps"], _num(x["samples_per_s"]), _pct(x["share"]),
+          _num(x["step_ms"], ".1f"), _pct(x["idle_fraction"])] for r, x in ranks],
+        title="throughput", justify=["right"] * 7, no_wrap=True)
+    console.print_table(
+        ["rank", "compute", "sync wait", "epoch ends", "data", "other"],
+        [[r, *(_num(x["time_s"].get(key), ".2f") for key in _TIME_KEYS)] for r, x in ranks],
+        title="where the time went, in seconds", justify=["right"] * 6, no_wrap=True)
+    pairs = _figures(doc)
+    if trace is not None:
+        pairs.append(("trace", trace_note(trace)))
+    console.print_pairs(pairs, wrap=True)
+    warn_incomplete(doc)
+
+
+_TIME_KEYS = ("compute", "sync_wait", "epoch_boundary", "data_loading", "unexplained")
+_ANCHORS_SHOWN = 5
+
+
+def _figures(doc: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The run-wide lines under the tables, each anchor change on a line of its own."""
+    sync, history = doc["sync"], doc["anchor_history"]
+    solo = " + ".join(_num(r["solo_samples_per_s"]) for r in doc["ranks"])
+    anchors = [f"round {r}: {a} ({why})" for r, a, why in history[-_ANCHORS_SHOWN:]]
+    if len(history) > _ANCHORS_SHOWN:
+        anchors.insert(0, f"{len(history)} changes, the last {_ANCHORS_SHOWN}:")
+    return [
+        ("throughput", f"{_num(doc['samples_per_s'])} samples/s over {doc['wall_s']:.2f} s"),
+        ("ideal", f"{_num(doc['ideal_samples_per_s'])} samples/s = {solo}, the ranks' "
+                  "solo-equivalent rates"),
+        ("efficiency", _pct(doc["efficiency"])),
+        ("sync", f"{sync['rounds']} averages, mean {_num(sync['mean_ms'], '.1f')} ms, "
+                 f"overhead {_pct(sync['overhead'])}"),
+        *[("anchor" if index == 0 else "", line)
+          for index, line in enumerate(anchors or ["unchanged"])],
         ("emulated", ",".join(f"{f:g}" for f in doc["emulated_slowdown"])
          if doc["emulated_slowdown"] else None),
         ("eval", "  ".join(f"{k} {v:.4f}" for k, v in doc["eval"].items()) or None),
-        ("final loss", num(doc["final_loss"], ".4f")),
-    ])
-    warn_incomplete(doc)
+        ("final loss", _num(doc["final_loss"], ".4f")),
+    ]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)

@@ -1,6 +1,7 @@
 """One timeline for a whole run: every rank's events and every node's utilisation samples merged
 into ``timeline/timeline.json`` and ``timeline/timeline.csv``, plus ``timeline/timeline.html``
-(:mod:`fdl.launch.timeline_html`) and ``timeline/curves.png`` (:mod:`fdl.launch.timeline_plot`).
+(:mod:`fdl.launch.timeline_html`), ``timeline/trace.json`` for Perfetto and chrome://tracing
+(:mod:`fdl.launch.timeline_trace`) and ``timeline/curves.png`` (:mod:`fdl.launch.timeline_plot`).
 
     from fdl.launch.timeline_merge import write_timeline
     write_timeline(Path("runs/20260101T120000Z-train-async"))   # -> the paths it wrote
@@ -56,6 +57,7 @@ from typing import Any
 
 from fdl.files import scan_jsonl, write_atomic
 from fdl.launch.timeline_html import render_html, strict_json
+from fdl.launch.timeline_trace import TRACE_FILE, build_trace, write_trace
 
 SCHEMA = 1
 CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
@@ -96,20 +98,21 @@ def merge_timeline(run_dir: Path) -> dict[str, Any]:
 
 
 def write_timeline(run_dir: Path) -> list[Path]:
-    """Write ``timeline.json``, ``timeline.csv``, ``timeline.html`` and (when matplotlib is
-    installed and an epoch was recorded) ``curves.png`` under ``run_dir/timeline``; returns the
-    paths written, in that order. A missing ``curves.png`` after epochs means no matplotlib:
-    ``pip install 'fdl[report]'``."""
+    """Write ``timeline.json``, ``timeline.csv``, ``timeline.html``, ``trace.json`` and (when
+    matplotlib is installed and an epoch was recorded) ``curves.png`` under
+    ``run_dir/timeline``; returns the paths written, in that order. A missing ``curves.png``
+    after epochs means no matplotlib: ``pip install 'fdl[report]'``."""
     from fdl.launch.timeline_plot import write_curves_png
 
     doc = merge_timeline(run_dir)
     directory = run_dir / "timeline"
     directory.mkdir(parents=True, exist_ok=True)
     written = [directory / "timeline.json", directory / "timeline.csv",
-               directory / "timeline.html"]
+               directory / "timeline.html", directory / TRACE_FILE]
     write_atomic(written[0], strict_json(doc) + "\n")
     write_atomic(written[1], timeline_csv(doc))
     write_atomic(written[2], render_html(doc, title=f"fdl timeline — {run_dir.name}"))
+    write_trace(written[3], build_trace(doc, run_name=run_dir.name))
     png = write_curves_png(run_dir, doc["epochs"]) if doc["epochs"] else None
     return [*written, png] if png is not None else written
 
@@ -153,8 +156,11 @@ def _has_time(record: dict[str, Any]) -> bool:
 
 
 def _is_finite(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):  # JSON allows any integer; beyond 64 bits no clock holds it
+        return abs(value) < 2 ** 63
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def _earliest(by_rank: dict[int, list[dict[str, Any]]],

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 from helpers import clean_env, run_fdl, wait_until
+from trace_checks import check_against, check_format, load_strict
 
 from fdl.engine.timeline import read_events
 
@@ -72,6 +73,11 @@ def test_sigkilled_worker_restarts_from_checkpoint_and_matches(tmp_path):
     assert [json.loads(line)["epoch"] for line in metrics] == [1, 2, 3, 4]
     merged = json.loads((run_dir / "timeline" / "timeline.json").read_text())
     assert sum(e["kind"] == "start" for e in merged["events"]) == 4  # 2 ranks x 2 attempts
+    trace = load_strict(run_dir / "timeline" / "trace.json")  # the same run for Perfetto
+    check_format(trace)
+    check_against(trace, merged)
+    instants = {e["name"] for e in trace["traceEvents"] if e["ph"] == "i"}
+    assert {"start", "restart", "checkpoint", "epoch end", "final"} <= instants
 
 
 def test_resume_with_one_worker_fewer_and_more_epochs(tmp_path):

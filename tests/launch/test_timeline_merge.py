@@ -144,7 +144,7 @@ def test_write_timeline_writes_every_artifact_and_leaves_no_temporary_file(tmp_p
     written = write_timeline(run)
     directory = run / "timeline"
     names = [p.name for p in written]
-    assert names[:3] == ["timeline.json", "timeline.csv", "timeline.html"]
+    assert names[:4] == ["timeline.json", "timeline.csv", "timeline.html", "trace.json"]
     assert all(p.parent == directory and p.stat().st_size > 0 for p in written)
     assert sorted(p.name for p in directory.iterdir()) == sorted(
         ["rank0.jsonl", "rank1.jsonl", "samples-node0.jsonl", *names])
@@ -163,7 +163,8 @@ def test_a_crashed_run_still_gets_a_timeline(tmp_path):
     assert [(s["rank"], s["kind"], s["start"], s["end"], s["round"])
             for s in doc["spans"]] == EXPECTED_SPANS
     written = write_timeline(run)
-    assert [p.name for p in written] == ["timeline.json", "timeline.csv", "timeline.html"]
+    assert [p.name for p in written] == ["timeline.json", "timeline.csv", "timeline.html",
+                                         "trace.json"]
     assert not (run / "timeline" / "curves.png").exists()
 
 
@@ -173,7 +174,7 @@ def test_a_run_that_recorded_nothing_gets_an_empty_document(tmp_path):
     doc = merge_timeline(run)
     assert (doc["t0"], doc["ranks"], doc["spans"], doc["events"]) == (None, [], [], [])
     assert [p.name for p in write_timeline(run)] == ["timeline.json", "timeline.csv",
-                                                     "timeline.html"]
+                                                     "timeline.html", "trace.json"]
     assert (run / "timeline" / "timeline.csv").read_text().splitlines() == [",".join(CSV_COLUMNS)]
 
 
@@ -189,3 +190,11 @@ def test_timeline_json_is_strict_json_even_when_a_loss_diverged(tmp_path):
     doc = json.loads((run / "timeline" / "timeline.json").read_text(), parse_constant=reject)
     diverged = [e for e in doc["events"] if e["kind"] == "epoch" and e["epoch"] == 2]
     assert diverged == [{"t": 4.0, "rank": 0, "kind": "epoch", "epoch": 2, "train_loss": None}]
+
+
+def test_a_time_no_float_can_hold_is_skipped_like_a_missing_one(tmp_path):
+    run = make_run(tmp_path, finished=False)
+    with (run / "timeline" / "rank0.jsonl").open("a") as handle:
+        handle.write('{"t": 1' + "0" * 400 + ', "rank": 0, "kind": "final"}\n')  # JSON allows it
+    doc = merge_timeline(run)
+    assert doc["t0"] == T0 and [e["kind"] for e in doc["events"]].count("final") == 0
