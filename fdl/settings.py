@@ -40,6 +40,9 @@ SOURCES_ENV = "FDL_SOURCES"  # JSON {name: source}, so workers can record proven
 RUN_DIR_ENV = "FDL_RUN_DIR"  # always set by fdl run: where the workers write
 RESUME_ENV = "FDL_RESUME"  # "1": load the newest valid checkpoint (fdl run --resume)
 LAUNCHER_PID_ENV = "FDL_LAUNCHER_PID"  # the workers die with the launcher (fdl.launch.worker)
+# Seconds between rank 0's progress snapshots (fdl.engine.progress); set by fdl run when it shows
+# live progress on a terminal, absent otherwise (no snapshots written).
+PROGRESS_ENV = "FDL_PROGRESS"
 # What torch.distributed.elastic gives each worker (besides TORCHELASTIC_*): a process that
 # inherits them believes it is a worker of some group.
 TORCHRUN_WORKER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -135,6 +138,23 @@ def parse_checkpoint_every(value: Any) -> str:
     return f"{amount * TIME_UNITS[unit]:g}s" if unit else str(amount)
 
 
+def parse_tensorboard(value: Any) -> str | None:
+    """``off`` -> None; ``on`` (the run directory's ``tensorboard/``) or a directory. A bare
+    ``--tensorboard`` means ``on`` (:data:`SettingSpec.bare`)."""
+    if value is None or value is False:
+        return None
+    text = str(value).strip() if value is not True else "on"
+    if text.lower() in ("off", "false", "no", "0", "none", ""):
+        return None
+    if text.lower() in ("on", "true", "yes", "1"):
+        return "on"
+    if Path(text).is_file():
+        raise UsageError(f"tensorboard takes a directory, got the file {text!r}",
+                         hint="fdl run train.py --tensorboard (in the run directory), or "
+                              "--tensorboard=DIR")
+    return text
+
+
 def parse_nproc(value: Any) -> int | str:
     text = str(value).strip().lower()
     if text in ("auto", "gpu", "cpu"):
@@ -185,6 +205,7 @@ class SettingSpec:
     script: bool = False  # an fdl.Trainer argument
     engine: bool = False  # the workers' engine reads it (fdl run passes it as `env`)
     panel: str | None = None  # the group in fdl run --help
+    bare: str | None = None  # the value of the flag given without one (--tensorboard = "on")
 
     @property
     def flag_name(self) -> str:
@@ -192,6 +213,8 @@ class SettingSpec:
 
     def encode(self, value: Any) -> str:
         """The text a worker (or a flag) receives for ``value``; ``parse`` reads it back."""
+        if value is None:  # a setting switched off where a parser can say so (tensorboard)
+            return "off"
         if isinstance(value, (tuple, list)):  # a factor list (a list once read back from JSON)
             return ",".join(f"{v:g}" for v in value)
         return f"{value:g}" if isinstance(value, float) else str(value)
@@ -221,6 +244,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
             "before a round counts as diverging.", flag=False, file=False),
     _engine("overhead_target", 0.02, parse_fraction("overhead_target", positive=True),
             "Wanted sync time / compute time per round.", flag=False, file=False),
+    _engine("tensorboard", None, parse_tensorboard,
+            "Write TensorBoard scalars: on (RUN_DIR/tensorboard), off, or a directory.",
+            script=True, bare="on"),
     SettingSpec("run_dir", None, parse_run_dir,
                 "Run directory (default runs/<UTC>-<stem>-<policy>).", "FDL_RUN_DIR"),
     SettingSpec("nproc_per_node", "auto", parse_nproc,
@@ -272,6 +298,7 @@ LAUNCH_OPTIONS: tuple[LaunchOption, ...] = (
     LaunchOption("resume", "text", "Continue RUN_DIR from its last valid checkpoint.",
                  metavar="RUN_DIR"),
     LaunchOption("quiet_ranks", "bool", "Show only rank 0's output on the terminal."),
+    LaunchOption("quiet", "bool", "No live progress display: plain lines only."),
     LaunchOption("dry_run", "bool", "Print the launch spec and exit."),
     LaunchOption("json", "bool", "With --dry-run: print JSON."),
 )
@@ -287,7 +314,7 @@ def is_launcher_variable(name: str) -> bool:
 
 def setting_env_names() -> tuple[str, ...]:
     """Every ``FDL_*`` variable that sets a setting, plus the ones fdl run gives its workers."""
-    return (*(s.env for s in SETTINGS), SOURCES_ENV, RESUME_ENV, LAUNCHER_PID_ENV)
+    return (*(s.env for s in SETTINGS), SOURCES_ENV, RESUME_ENV, LAUNCHER_PID_ENV, PROGRESS_ENV)
 
 
 def without_run_settings(env: Mapping[str, str]) -> dict[str, str]:
@@ -297,6 +324,34 @@ def without_run_settings(env: Mapping[str, str]) -> dict[str, str]:
     dropped = set(setting_env_names()) | set(TORCHRUN_WORKER_ENV)
     return {name: value for name, value in env.items()
             if name not in dropped and not name.startswith("TORCHELASTIC_")}
+
+
+def takes_bare(flag: str, following: str | None) -> str | None:
+    """The value ``flag`` means when given bare, or None: ``flag`` is a setting's with a
+    :attr:`SettingSpec.bare` value and ``following`` (the next word) cannot be its value — none,
+    an option, or the script (a ``.py`` name or an existing file: the value is a directory)."""
+    spec = next((s for s in SETTINGS if s.bare is not None and s.flag_name == flag), None)
+    if spec is None:
+        return None
+    if following is None or following.startswith("-") or following.endswith(".py") or \
+            Path(following).is_file():
+        return spec.bare
+    return None
+
+
+def fill_bare_flags(argv: list[str]) -> list[str]:
+    """``argv`` with the value of every bare optional-value flag written out, up to ``--``:
+    ``["--tensorboard", "train.py"]`` -> ``["--tensorboard", "on", "train.py"]``. The command
+    line parser then sees one shape only."""
+    filled: list[str] = []
+    for index, word in enumerate(argv):
+        if word == "--":
+            return filled + argv[index:]
+        filled.append(word)
+        bare = takes_bare(word, argv[index + 1] if index + 1 < len(argv) else None)
+        if bare is not None:
+            filled.append(bare)
+    return filled
 
 
 def as_flags(values: Mapping[str, Any]) -> list[str]:

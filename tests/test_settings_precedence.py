@@ -34,6 +34,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "seed": {"flag": "1", "env": "2", "file": 3, "script": 4},
     "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4], "script": (1, 5)},
     "checkpoint_every": {"flag": "2", "env": "10m", "file": "90s", "script": 3},
+    "tensorboard": {"flag": "on", "env": "tb/env", "file": "tb/file", "script": "tb/script"},
     "divergence_threshold": {"env": "0.25"},
     "overhead_target": {"env": "0.1"},
     "run_dir": {"flag": "runs/flag", "env": "runs/env", "file": "runs/file"},

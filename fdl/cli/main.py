@@ -46,6 +46,7 @@ class FdlGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        args = _filled(args)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
@@ -65,6 +66,17 @@ class FdlGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _filled(args: Any) -> list[str]:
+    """``fdl run``'s optional-value flags written out (``--tensorboard`` -> ``--tensorboard
+    on``): the command line parser knows only options that always or never take a value."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] != ["run"]:
+        return argv
+    from fdl.settings import fill_bare_flags
+
+    return ["run", *fill_bare_flags(argv[1:])]
 
 
 def _usage_error(exc: TyperException, args: Any) -> None:
@@ -125,9 +137,10 @@ def _register() -> None:
     libtorch.libtorch_app.command("build")(libtorch_build.build)
     app.add_typer(libtorch.libtorch_app, name="libtorch")
 
-    from fdl.cli import bench
+    from fdl.cli import bench, compare
 
     app.add_typer(bench.bench_app, name="bench")
+    app.command("compare", context_settings=compare.COMPARE_CONTEXT)(compare.compare)
 
 
 _register()

@@ -34,7 +34,7 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
         if _unset(flags.get(key)):
             flags[key] = value
-    dry_run, json_output = flags.pop("dry_run"), flags.pop("json")
+    dry_run, json_output, quiet = flags.pop("dry_run"), flags.pop("json"), flags.pop("quiet")
     if json_output and not dry_run:
         from fdl.errors import UsageError
 
@@ -45,7 +45,13 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
     if dry_run:
         _print_spec(spec, as_json=json_output)
         return
-    raise typer.Exit(_execute(spec))
+    raise typer.Exit(_execute(spec, live=not quiet and _live_terminal()))
+
+
+def _live_terminal() -> bool:
+    from fdl import console
+
+    return console.is_live_terminal()
 
 
 def _unset(value: Any) -> bool:
@@ -87,21 +93,28 @@ run.__signature__ = inspect.Signature(_parameters())  # type: ignore[attr-define
 run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}  # type: ignore[attr-defined]
 
 
-def _execute(spec: LaunchSpec) -> int:
+def _execute(spec: LaunchSpec, *, live: bool) -> int:
     """Check everything (nothing written, nothing started), then write the run directory, then
-    start the workers."""
+    start the workers; ``live``: rank 0 reports its progress and the terminal shows it."""
+    import dataclasses
+
     from fdl import console
     from fdl.launch.elastic import launch, preflight
+    from fdl.launch.live import INTERVAL_S, live_progress
     from fdl.launch.rundir import check_run_dir, prepare_run_dir
+    from fdl.settings import PROGRESS_ENV
     from fdl.version import __version__
 
+    if live:
+        spec = dataclasses.replace(spec, env={**spec.env, PROGRESS_ENV: f"{INTERVAL_S:g}"})
     check_run_dir(spec.run_dir, use=spec.run_dir_use)
     listener = preflight(spec)
     prepare_run_dir(spec.run_dir, config={"fdl_version": __version__, **spec.to_dict()},
                     use=spec.run_dir_use)
     console.info(f"fdl run: {spec.nproc_per_node} worker(s) per node, {spec.devices.reason}; "
                  f"run directory {spec.run_dir}")
-    result = launch(spec, listener=listener)
+    with live_progress(spec.run_dir, enabled=live):
+        result = launch(spec, listener=listener)
     _report(result, spec)
     _write_timeline(spec)
     return result.exit_code
@@ -122,7 +135,10 @@ def _write_timeline(spec: LaunchSpec) -> None:
         return
     html = spec.run_dir / "timeline" / "timeline.html"
     if html in written:
+        from fdl.launch.timeline_trace import TRACE_FILE, trace_note
+
         console.info(f"fdl run: timeline {html}")
+        console.info(f"fdl run: trace {trace_note(spec.run_dir / 'timeline' / TRACE_FILE)}")
     has_epochs = (spec.run_dir / "metrics.jsonl").is_file()
     if has_epochs and not any(p.suffix == ".png" for p in written):
         console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "

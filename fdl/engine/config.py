@@ -27,6 +27,7 @@ class EngineConfig:
     seed: int
     simulate_slowdown: tuple[float, ...] | None
     checkpoint_every: str | None  # "N" epochs or "<seconds>s" (settings.parse_checkpoint_every)
+    tensorboard: str | None  # "on" or a directory (fdl.engine.tensorboard.log_dir)
     # Relative distance of a replica from the average above which the divergence guard counts
     # a round as diverging (three rounds in a row halve the anchor).
     divergence_threshold: float

@@ -46,6 +46,7 @@ from fdl.engine.config import EngineConfig
 from fdl.engine.data import collate, epoch_permutation, slice_batches, to_device
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
 from fdl.engine.policies import Policy, policy_named
+from fdl.engine.progress import ProgressFile
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
     NO_DISTANCE,
@@ -101,8 +102,9 @@ class Worker:
     schedule: Callable[[float], float] | None
     timeline: Timeline
     averager: Averager | None
-    on_epoch_end: Callable[[int, Worker], None]
+    on_epoch_end: Callable[[int, Worker, PlanState], None]
     checkpointer: CheckpointHook | None = None
+    progress: ProgressFile | None = None  # rank 0's live progress, when fdl run shows it
     slowdown: float = 1.0
     verify: bool = False
     rank_state: RankState = field(default_factory=RankState)
@@ -147,7 +149,7 @@ def train(worker: Worker, state: PlanState) -> PlanState:
         state = _guarded(worker, advanced, plan, reports or [])
         last_reports = reports or last_reports
         if plan.last_in_epoch:
-            worker.on_epoch_end(plan.epoch, worker)
+            worker.on_epoch_end(plan.epoch, worker, state)
             if worker.checkpointer is not None and not state.finished:
                 worker.checkpointer.at_epoch_end(state, worker)
         elif consensus and worker.checkpointer is not None and \
@@ -183,13 +185,13 @@ def run_slice(worker: Worker, plan: RoundPlan,
     join = worker.step_model.join(divide_by_initial_world_size=False) if uneven \
         else contextlib.nullcontext()
     skip_first = plan.calibration and state.samples_seen == 0
-    started, timed_samples, data_s = time.perf_counter(), 0, 0.0
+    started, timed_samples, data_s, num_steps = time.perf_counter(), 0, 0.0, 0
     # The round's loss is summed on the device and read once, after the round: reading it each
     # step would make the host wait for the GPU every step and stop it queueing work ahead.
     round_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
 
     def step(fetch: Callable[[], Any], samples: int, progress: float, *, warm: bool) -> None:
-        nonlocal timed_samples, data_s, round_loss
+        nonlocal timed_samples, data_s, round_loss, num_steps
         clock = warmup if warm else timer
         clock.start()
         fetched = time.perf_counter()
@@ -203,6 +205,11 @@ def run_slice(worker: Worker, plan: RoundPlan,
             timed_samples += samples
         round_loss += loss
         rank_state.epoch_loss[1] += 1
+        num_steps += 1
+        if worker.progress is not None and worker.progress.due():
+            _show_progress(worker, plan, samples=min(
+                progress + plan.num_samples / max(1, mine.steps),
+                state.samples_seen + plan.num_samples))
 
     signal = _Signal.open(worker, plan)
     with join:
@@ -221,7 +228,10 @@ def run_slice(worker: Worker, plan: RoundPlan,
              state.samples_seen + low - state.position, warm=False)
         taken += 1
     pool_used = pool.close()
-    rank_state.epoch_loss[0] += float(round_loss)
+    round_sum = float(round_loss)  # the one read of the device per round
+    rank_state.epoch_loss[0] += round_sum
+    if worker.progress is not None and num_steps:
+        worker.progress.loss = round_sum / num_steps
     timer.finish()
     warmup.finish()
     rank_state.step_count, rank_state.step_total_s = mean.count, mean.total
@@ -233,6 +243,14 @@ def run_slice(worker: Worker, plan: RoundPlan,
                                samples=timed_samples if timer.steps else 0,
                                since_checkpoint_s=since)
     return report, elastic_used, pool_used
+
+
+def _show_progress(worker: Worker, plan: RoundPlan, *, samples: float) -> None:
+    assert worker.progress is not None
+    totals, total = worker.totals, max(1, plan.num_samples)
+    worker.progress.write(samples=samples, epoch=plan.epoch,
+                          shares=[s.num_samples / total for s in plan.slices],
+                          anchor=plan.anchor, sync_s=totals.wait_s, busy_s=totals.busy_s)
 
 
 @dataclass

@@ -29,9 +29,11 @@ from fdl.engine import summary as artifacts
 from fdl.engine.averaging import Averager, broadcast_from_rank0, checksum
 from fdl.engine.checkpoint import CheckpointEvery
 from fdl.engine.config import EngineConfig, resolve_config
-from fdl.engine.evaluation import all_reduce_sum, evaluate_model
+from fdl.engine.epochs import EpochLog
+from fdl.engine.evaluation import all_reduce_sum
 from fdl.engine.plan import PlanConfig, PlanState, initial_state
 from fdl.engine.policies import policy_named
+from fdl.engine.progress import ProgressFile
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
 from fdl.engine.rounds import NUM_STATS, Worker, train
 from fdl.engine.timeline import Timeline
@@ -66,6 +68,7 @@ class Trainer:
     backend: str = ENGINE_DEFAULTS["backend"]
     seed: int = ENGINE_DEFAULTS["seed"]
     checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
+    tensorboard: str | None = None  # "on" (RUN_DIR/tensorboard) or a directory
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
     _resumed_from: str | None = field(default=None, init=False, repr=False)
 
@@ -73,7 +76,8 @@ class Trainer:
         config = resolve_config(script={
             "policy": self.policy, "backend": self.backend, "epochs": self.epochs,
             "batch_size": self.batch_size, "seed": self.seed,
-            "checkpoint_every": self.checkpoint_every}, max_grad_norm=self.max_grad_norm)
+            "checkpoint_every": self.checkpoint_every, "tensorboard": self.tensorboard},
+            max_grad_norm=self.max_grad_norm)
         rank, world_size, local_rank = _dist_env()
         self._validate(config, world_size)
         device = _pick_device(local_rank, config.backend)
@@ -138,7 +142,7 @@ class Trainer:
             artifacts.merge_config(run_dir / "config.json", {**config.to_dict(),
                                                              "resolved_backend": backend})
         timeline = Timeline(run_dir, rank=rank)
-        epochs_log = _EpochLog(self, config, run_dir if rank == 0 else None, rank, world_size)
+        epochs_log = EpochLog(self, config, run_dir if rank == 0 else None, rank, world_size)
         worker = Worker(
             rank=rank, world_size=world_size, device=device, model=model,
             step_model=step_model, optimizer=optimizer, train_step=self.train_step,
@@ -146,13 +150,20 @@ class Trainer:
             averager=averager, on_epoch_end=epochs_log.epoch_end,
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             verify=os.environ.get("FDL_VERIFY_REPLICAS") == "1",
+            progress=ProgressFile.from_env(run_dir, rank=rank, epochs=config.epochs,
+                                           epoch_size=len(self.train_data),
+                                           world_size=world_size),
         )
         plan_config = PlanConfig(world_size=world_size, batch_size=config.batch_size,
                                  dataset_size=len(self.train_data), epochs=config.epochs,
                                  policy=config.policy, overhead_target=config.overhead_target)
         state = self._start(worker, plan_config, config, epochs_log)
         started = time.perf_counter()
-        state = train(worker, state)
+        epochs_log.begin(worker)
+        try:
+            state = train(worker, state)
+        finally:
+            epochs_log.close()
         wall_s = time.perf_counter() - started - epochs_log.eval_s
         worker.step_model = step_model = model  # drop DDP before the process group goes
         final_checksum = checksum(model)
@@ -167,7 +178,7 @@ class Trainer:
         return TrainResult(model, epochs_log.last_eval, list(self.history), summary, run_dir)
 
     def _start(self, worker: Worker, plan_config: PlanConfig, config: EngineConfig,
-               epochs_log: _EpochLog) -> PlanState:
+               epochs_log: EpochLog) -> PlanState:
         """The state training starts from: fresh, or a checkpoint's after a crash or with
         ``fdl run --resume`` (see fdl.engine.recovery). Logs a ``start`` event either way."""
         run_dir, attempt = config.run_dir, restart_attempt()
@@ -200,7 +211,7 @@ class Trainer:
         return state
 
     def _summary(self, worker: Worker, config: EngineConfig, backend: str, wall_s: float,
-                 state: Any, final_checksum: str, epochs_log: _EpochLog) -> dict[str, Any]:
+                 state: Any, final_checksum: str, epochs_log: EpochLog) -> dict[str, Any]:
         totals, world = worker.totals, worker.world_size
         row = [0.0] * (4 * world)
         row[4 * worker.rank: 4 * worker.rank + 4] = [totals.samples, totals.busy_s,
@@ -222,53 +233,6 @@ class Trainer:
         )
 
 
-@dataclass
-class _EpochLog:
-    """End-of-epoch work: global train loss, evaluation (time kept out of throughput), the
-    history record, metrics.jsonl and the progress line on rank 0."""
-
-    trainer: Trainer
-    config: EngineConfig
-    run_dir: Path | None
-    rank: int
-    world_size: int
-    eval_s: float = 0.0
-    last_eval: dict[str, float] = field(default_factory=dict)
-    last_loss: float | None = None
-    start_samples: int = 0  # > 0 when resumed: this attempt's throughput counts its own samples
-    started: float = field(default_factory=time.perf_counter)
-
-    def restore(self, history: list[dict[str, Any]], *, start_samples: int) -> None:
-        self.start_samples = start_samples
-        if history:
-            self.last_eval, self.last_loss = history[-1]["eval"], history[-1]["train_loss"]
-
-    def epoch_end(self, epoch: int, worker: Worker) -> None:
-        loss_sum, count = all_reduce_sum(worker.rank_state.epoch_loss, device=worker.device)
-        worker.rank_state.epoch_loss = [0.0, 0]
-        self.last_loss = loss_sum / count if count else None
-        begin = time.perf_counter()
-        if self.trainer.eval_data is not None and self.trainer.evaluate is not None:
-            self.last_eval = evaluate_model(
-                worker.model, self.trainer.eval_data, self.trainer.evaluate,
-                batch_size=self.config.batch_size, device=worker.device, rank=self.rank,
-                world_size=self.world_size)
-        self.eval_s += time.perf_counter() - begin
-        elapsed = time.perf_counter() - self.started - self.eval_s
-        samples = (epoch + 1) * len(self.trainer.train_data)
-        done_here = samples - self.start_samples
-        record = {"epoch": epoch + 1, "samples": samples, "train_loss": self.last_loss,
-                  "eval": self.last_eval,
-                  "samples_per_s": done_here / elapsed if elapsed else None}
-        self.trainer.history.append(record)
-        worker.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
-                              eval=self.last_eval)
-        if self.rank == 0:
-            if self.run_dir is not None:
-                artifacts.append_jsonl(self.run_dir / "metrics.jsonl", record)
-            _progress_line(record, self.config.epochs)
-
-
 def _warn(message: str) -> None:
     from fdl import console
 
@@ -279,15 +243,6 @@ def _info(message: str) -> None:
     from fdl import console
 
     console.info(message)
-
-
-def _progress_line(record: dict[str, Any], epochs: int) -> None:
-    from fdl import console
-
-    metrics = "  ".join(f"{k} {v:.4f}" for k, v in record["eval"].items())
-    loss = record["train_loss"]
-    console.info(f"epoch {record['epoch']}/{epochs}  loss {loss:.4f}  "
-                 f"{record['samples_per_s']:.0f} samples/s" + (f"  {metrics}" if metrics else ""))
 
 
 def _node_sampler(run_dir: Path | None, *, local_rank: int, device: torch.device) -> Any:

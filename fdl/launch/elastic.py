@@ -82,6 +82,11 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
 
     if importlib.util.find_spec("torch") is None:
         raise MissingTorchError("fdl run")
+    tensorboard = spec.settings.get("tensorboard")
+    if tensorboard is not None and tensorboard.value is not None and \
+            not _installed("tensorboard"):
+        raise UsageError("--tensorboard needs the tensorboard package, which is not installed",
+                         hint="pip install 'fdl[tensorboard]'")
     if spec.run_dir_use == "resume":
         from fdl.launch.resume import check_resumable
 
@@ -96,6 +101,15 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
                                 min_port=0)
     address = resolve(host, port)
     return bind_listener(address, host=host) if rdzv.binds_locally else None
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install is not an installed one
+        return False
 
 
 def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> LaunchResult:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fdl.errors import UsageError
-from fdl.settings import BY_NAME, OPTIONS_BY_NAME, RUN_FLAGS
+from fdl.settings import BY_NAME, OPTIONS_BY_NAME, RUN_FLAGS, takes_bare
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ def split_script_args(args: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str,
         elif _is_switch(name):
             claimed[name] = True
         else:
+            if not eq and (bare := takes_bare(flag, items[0] if items else None)) is not None:
+                claimed[name] = bare
+                continue
             if not eq:
                 if not items:
                     raise UsageError(f"{flag} needs a value", hint=f"e.g. {flag} <value>")

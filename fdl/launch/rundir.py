@@ -24,10 +24,11 @@ from fdl.errors import UsageError
 from fdl.files import write_json_atomic
 
 # What fdl run and the engine write at the top of a run directory (fdl.engine.trainer,
-# fdl.engine.checkpoint.DIRNAME, fdl.engine.timeline); fdl.files's temporary files beside
-# the files are ".<name>.<random>.tmp".
+# fdl.engine.checkpoint.DIRNAME, fdl.engine.timeline, fdl.engine.progress and the default
+# directory of fdl.engine.tensorboard); fdl.files's temporary files beside the files are
+# ".<name>.<random>.tmp".
 RUN_ENTRIES = frozenset({"config.json", "logs", "metrics.jsonl", "summary.json", "model.pt",
-                         "checkpoints", "timeline"})
+                         "checkpoints", "timeline", "progress.json", "tensorboard"})
 
 
 def check_run_dir(run_dir: Path, *, use: str) -> None:

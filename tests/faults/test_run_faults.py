@@ -200,3 +200,16 @@ def test_overwrite_and_resume_together(project):
     first = proc.stderr.splitlines()[0]
     assert "--overwrite-run-dir" in first and "--resume" in first
     assert_unchanged(run_dir, files)
+
+
+def test_overwrite_replaces_the_live_snapshot_and_tensorboard_events_too(tmp_path):
+    from fdl.launch.rundir import check_run_dir, prepare_run_dir
+
+    run_dir = tmp_path / "one"
+    earlier_run(run_dir)
+    (run_dir / "progress.json").write_text('{"schema": 1}')
+    (run_dir / "tensorboard").mkdir()
+    (run_dir / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"\0")
+    check_run_dir(run_dir, use="overwrite")
+    prepare_run_dir(run_dir, config={"fdl_version": "1"}, use="overwrite")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]

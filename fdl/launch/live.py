@@ -1,0 +1,130 @@
+"""``fdl run``'s live progress on a terminal: two status lines under the workers' output, redrawn
+a few times a second from rank 0's ``RUN_DIR/progress.json`` (fdl.engine.progress)::
+
+    epoch 2/5 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 73%  1:02 left
+    7,120 samples/s  loss 0.4623  sync 1.8%  anchor 20  ranks 71% 29%
+
+The launcher reads; the workers only write a small file when it is due, so the display costs
+rank 0 a clock read per step and a file write per :data:`INTERVAL_S` (docs/run.md "Live
+progress" has the measurement). The per-epoch lines still scroll above it; off a terminal, or
+with ``--quiet``, there are only those lines; a script that does not train with fdl.Trainer
+writes no snapshot, and nothing is shown. A file that is missing, torn, oversized or not
+what rank 0 writes shows nothing new: the display is never worth stopping a run for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+INTERVAL_S = 0.25  # rank 0's snapshots and the redraws: four a second
+MAX_BYTES = 64 * 1024  # a snapshot is some 400 bytes; anything much larger is not one
+PROGRESS_FILE = "progress.json"
+
+
+def read_snapshot(path: Path) -> dict[str, Any] | None:
+    """The snapshot in ``path``, or None when there is none fit to show."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > MAX_BYTES:
+        return None
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(document, dict) or document.get("schema") != 1:
+        return None
+    return document
+
+
+def format_status(snapshot: dict[str, Any], *, width: int) -> str:
+    """The two status lines for ``snapshot``, each at most ``width`` characters."""
+    epoch = f"epoch {_int(snapshot.get('epoch'))}/{_int(snapshot.get('epochs'))} "
+    fraction = _number(snapshot.get("epoch_fraction"))
+    fraction = min(1.0, max(0.0, fraction)) if fraction is not None else 0.0
+    tail = f" {fraction:4.0%}  {_duration(snapshot.get('eta_s'))} left"
+    bar_width = max(0, width - len(epoch) - len(tail))
+    filled = round(bar_width * fraction)
+    first = epoch + "━" * filled + "╺" * min(1, bar_width - filled) + \
+        " " * max(0, bar_width - filled - 1) + tail
+    parts = [f"{_grouped(snapshot.get('samples_per_s'))} samples/s"]
+    loss = _number(snapshot.get("loss"))
+    parts.append(f"loss {loss:.4f}" if loss is not None else "loss -")
+    overhead = _number(snapshot.get("sync_overhead"))
+    if overhead is not None:
+        parts.append(f"sync {overhead:.1%}")
+    if snapshot.get("anchor") is not None:
+        parts.append(f"anchor {_int(snapshot.get('anchor'))}")
+    shares = snapshot.get("shares")
+    if isinstance(shares, list) and len(shares) > 1:
+        parts.append("ranks " + " ".join(f"{s:.0%}" for s in map(_number, shares)
+                                         if s is not None))
+    return first[:width] + "\n" + "  ".join(parts)[:width]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _int(value: Any) -> str:
+    number = _number(value)
+    return str(int(number)) if number is not None else "?"
+
+
+def _grouped(value: Any) -> str:
+    number = _number(value)
+    return f"{number:,.0f}" if number is not None else "-"
+
+
+def _duration(value: Any) -> str:
+    seconds = _number(value)
+    if seconds is None or seconds < 0:
+        return "-:--"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+@contextmanager
+def live_progress(run_dir: Path, *, enabled: bool) -> Iterator[None]:
+    """Show rank 0's progress under the run's output while the block runs (when ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    from fdl import console
+
+    path = run_dir / PROGRESS_FILE
+    path.unlink(missing_ok=True)  # an earlier run's last snapshot is not this run's
+    stop = threading.Event()
+    with console.live_status() as update:
+        poller = threading.Thread(target=_poll, args=(path, update, stop, console.terminal_width),
+                                  name="fdl-live-progress", daemon=True)
+        poller.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            poller.join()
+
+
+def _poll(path: Path, update: Callable[[str], None], stop: threading.Event,
+          width: Callable[[], int]) -> None:
+    shown = None
+    while not stop.wait(INTERVAL_S):
+        snapshot = read_snapshot(path)
+        if snapshot is None:  # not yet (or not a script that trains with fdl.Trainer)
+            continue
+        text = format_status(snapshot, width=max(20, width() - 1))
+        if text != shown:
+            update(text)
+            shown = text

@@ -1,0 +1,47 @@
+"""fdl.Trainer on a tiny task whose steps past the second wait for RELEASE to exist, so a test can
+watch the run's live display before training goes on (a 120 s guard keeps a broken test from
+hanging). Usage: watched_train.py RELEASE"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import fdl
+
+release = sys.argv[1]
+steps = 0
+
+
+def make_data(num_samples, seed):
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(num_samples, 8, generator=generator)
+    return TensorDataset(features, (features[:, :4].sum(dim=1) > 0).long())
+
+
+def train_step(model, batch):
+    global steps
+    steps += 1
+    deadline = time.monotonic() + 120
+    while steps > 2 and not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    features, labels = batch
+    return F.cross_entropy(model(features), labels)
+
+
+def evaluate(model, batch):
+    features, labels = batch
+    logits = model(features)
+    return {"accuracy": (logits.argmax(dim=1) == labels).float().mean().item()}
+
+
+fdl.Trainer(
+    model=lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)),
+    optimizer=lambda params: torch.optim.SGD(params, lr=0.1), train_step=train_step,
+    train_data=make_data(512, seed=1), eval_data=make_data(128, seed=2), evaluate=evaluate,
+    batch_size=16, epochs=3, seed=3,
+).fit()
