@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.bench.cells import Cell, Mode, format_factor
+from fdl.bench.child import log_tail, run_logged
 from fdl.bench.datasets import dataset_status
 from fdl.bench.models import MODELS, BenchModel, get_model
 from fdl.bench.records import (
@@ -50,8 +49,6 @@ OFFLINE = ("cached", "bundled", "generated")
 # --quick trains on the generated dataset: the same data on every machine, whatever its cache
 # holds, with no network, and epochs long enough (16384 samples) to show the steady state.
 QUICK_DATASET = "synthetic"
-_LOG_TAIL_LINES = 30
-_STOP_GRACE_S = 30
 
 
 @dataclass(frozen=True)
@@ -253,11 +250,8 @@ def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = cell_argv(cell, run_dir=run_dir, data_dir=(data_dir or default_data_dir()).resolve())
     started = time.time()
-    with log.open("w", encoding="utf-8") as handle:
-        # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
-        child = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, cwd=out_dir,
-                                 env=cell_env(cell))
-        code = _wait(child)
+    # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
+    code = run_logged(argv, log=log, cwd=out_dir, env=cell_env(cell))
     if code == 0 and (run_dir / "summary.json").is_file():
         record = build_record(cell, run_dir=run_dir, out_dir=out_dir)
         append_record(out_dir / "results.jsonl", record)
@@ -266,23 +260,8 @@ def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict
     append_record(out_dir / "failures.jsonl", {
         "key": cell.key, **asdict(cell), "exit_code": code, "started": started,
         "wall_s": time.time() - started, "log": str(log.relative_to(out_dir)),
-        "log_tail": _tail(log)})
+        "log_tail": log_tail(log)})
     raise failure
-
-
-def _wait(child: subprocess.Popen[bytes]) -> int:
-    """The child's exit code. On Ctrl-C, hand fdl run a SIGINT of its own (it may not share our
-    terminal) so that it stops its workers, give it a moment, then kill it."""
-    try:
-        return child.wait()
-    except KeyboardInterrupt:
-        child.send_signal(signal.SIGINT)
-        try:
-            child.wait(timeout=_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        raise
 
 
 def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:
@@ -309,13 +288,6 @@ def cell_env(cell: Cell) -> dict[str, str]:
     if cell.threads is not None and not env.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = str(cell.threads)
     return env
-
-
-def _tail(log: Path) -> list[str]:
-    try:
-        return log.read_text(encoding="utf-8", errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-    except OSError:
-        return []
 
 
 def cell_to_json(cell: Cell) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fdl.errors import UsageError
-from fdl.settings import BY_NAME, OPTIONS_BY_NAME, RUN_FLAGS, takes_bare
+from fdl.settings import BY_NAME, OPTIONS_BY_NAME, RUN_FLAGS, as_flags, takes_bare
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,19 @@ def split_script_args(args: tuple[str, ...]) -> tuple[dict[str, Any], tuple[str,
                 value = items.pop(0)
             claimed[name] = typed_value(name, value, flag=flag)
     return claimed, tuple(kept)
+
+
+def flags_argv(flags: Mapping[str, Any]) -> list[str]:
+    """fdl run's command-line words for ``flags`` (contract name -> value; True: a switch):
+    the inverse of :func:`split_script_args`."""
+    argv: list[str] = []
+    for name, value in flags.items():
+        if name in BY_NAME:
+            argv += as_flags({name: value})
+        else:
+            flag = OPTIONS_BY_NAME[name].flag_name
+            argv += [flag] if value is True else [flag, str(value)]
+    return argv
 
 
 def typed_value(name: str, value: str, *, flag: str) -> Any:

@@ -6,8 +6,8 @@
 
 A project holds ``train.py`` (model, optimizer, data and ``fdl.Trainer(...).fit()``; runs solo
 with ``python train.py``), ``fdl.toml`` (the run defaults), ``pyproject.toml``, ``README.md``,
-``Makefile`` (train, compare, test, docker-build), ``compare.py``, ``tests/test_train.py`` (a
-smoke test of the training loop), ``.gitignore`` and, unless ``docker=False``, a ``Dockerfile``
+``Makefile`` (train, compare — ``fdl compare`` — test, docker-build), ``tests/test_train.py``
+(a smoke test of the training loop), ``.gitignore`` and, unless ``docker=False``, a ``Dockerfile``
 whose torch wheel is the one ``fdl setup`` would pick for this host's GPUs (see
 :mod:`fdl.scaffold.docker`).
 

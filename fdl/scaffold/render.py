@@ -45,7 +45,6 @@ PROJECT_FILES = {
     "pyproject.toml": "common/pyproject.toml.tmpl",
     "README.md": "common/README.md.tmpl",
     "Makefile": "common/Makefile.tmpl",
-    "compare.py": "common/compare.py.tmpl",
     ".gitignore": "common/gitignore.tmpl",
 }
 DOCKER_FILES = {

@@ -21,7 +21,7 @@ MEANT_PAIRS = {("fdl init", "--docker", "--no-docker"),
                ("fdl libtorch build", "--docker", "--native")}
 EVERY_COMMAND = {"fdl", "fdl diagnose", "fdl init", "fdl run", "fdl setup", "fdl report",
                  "fdl libtorch", "fdl libtorch download", "fdl libtorch build",
-                 "fdl libtorch list", "fdl bench", "fdl bench report"}
+                 "fdl libtorch list", "fdl bench", "fdl bench report", "fdl compare"}
 
 
 def commands() -> Iterator[tuple[str, Any]]:

@@ -19,8 +19,7 @@ def test_init_writes_the_project_and_says_what_next(tmp_path):
     proc = run_fdl("init", "demo", "--template", "cnn", cwd=tmp_path, env=RTX4090)
     assert proc.returncode == 0, proc.stderr
     assert listing(tmp_path / "demo") == [
-        ".dockerignore", ".gitignore", "Dockerfile", "Makefile", "README.md", "compare.py",
-        "fdl.toml", "pyproject.toml", "tests", "tests/test_train.py", "train.py"]
+        ".dockerignore", ".gitignore", "Dockerfile", "Makefile", "README.md", "fdl.toml", "pyproject.toml", "tests", "tests/test_train.py", "train.py"]
     lines = proc.stdout.splitlines()
     assert lines[0] == f"created demo (cnn template) in {tmp_path / 'demo'}"
     assert lines[2] == ("  Dockerfile: torch 2.14.0+cu126 on nvidia/cuda:12.6.3-runtime-ubuntu22.04"
@@ -80,7 +79,7 @@ def test_a_non_empty_folder_needs_force_and_force_works(tmp_path):
     assert "  replaced: train.py" in proc.stdout.splitlines()
     assert (demo / "notes.txt").read_text() == "mine"
     assert "fdl.Trainer(" in (demo / "train.py").read_text()
-    assert listing(tmp_path)[:1] == ["demo"] and len(listing(tmp_path)) == 11
+    assert listing(tmp_path)[:1] == ["demo"] and len(listing(tmp_path)) == 10
 
 
 def test_a_path_under_a_regular_file_is_exit_2_and_writes_nothing(tmp_path):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import GPU_FIXTURES, clean_env, run_fdl
 
+from fdl.launch.config_file import load_config_file
 from fdl.scaffold import create_project
 from fdl.scaffold.render import TEMPLATES
 
@@ -68,3 +71,22 @@ def test_the_rendered_python_is_lint_clean(project):
     proc = python("-m", "ruff", "check", "--no-cache", "--isolated", "--line-length", "100",
                   "--select", "E,F,W,I,B,UP,SIM", ".", cwd=project)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_make_compare_is_an_fdl_compare_that_plans_every_policy(project):
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    proc = subprocess.run([make, "-s", "-n", "compare", "FDL=fdl"], cwd=project,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout)
+    epochs = load_config_file(project)[0]["epochs"]  # the template's, as in fdl.toml
+    assert words == ["fdl", "compare", "train.py", "--policies", "sync,cadence,async",
+                     "--epochs", str(epochs), "--seeds", "1", "--quiet-ranks"]
+    plan = run_fdl(*words[1:], "--dry-run", "--json", cwd=project)
+    assert plan.returncode == 0, plan.stderr
+    cells = json.loads(plan.stdout)["cells_planned"]
+    assert [cell["policy"] for cell in cells] == ["sync", "cadence", "async"]
+    assert all(cell["argv"][4:6] == ["--epochs", str(epochs)] for cell in cells)
+    assert not list(project.glob("runs/compare-*"))  # a dry run starts nothing

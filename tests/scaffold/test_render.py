@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,7 +64,7 @@ def test_every_file_renders_without_leftover_marks(template, image):
 @pytest.mark.parametrize(("template", "image"), CASES)
 def test_python_files_parse_and_train_py_has_a_main_guard(template, image):
     files = render_project(name="demo", template=template, image=image)
-    for path in ("train.py", "tests/test_train.py", "compare.py"):
+    for path in ("train.py", "tests/test_train.py"):
         ast.parse(files[path], filename=path)
     train = files["train.py"]
     assert 'if __name__ == "__main__":\n    main()' in train
@@ -105,8 +102,10 @@ def test_makefile_targets_and_docker_switch():
     assert "\ndocker-build:\n\tdocker build -t $(IMAGE) .\n" in with_docker
     assert "IMAGE ?= demo\n" in with_docker  # Docker image names are lower case
     assert "docker" not in without.lower()
-    assert "--policy $$policy --run-dir runs/compare-$$policy train.py" in with_docker
-    assert "compare.py $(foreach policy,$(POLICIES),runs/compare-$(policy))" in with_docker
+    compare = ("\ncompare:\n\t$(FDL) compare train.py --policies $(POLICIES) --epochs $(EPOCHS) "
+               "--seeds $(SEEDS) --quiet-ranks\n")
+    assert compare in with_docker and compare in without
+    assert "POLICIES ?= sync,cadence,async\nEPOCHS ?= 5\nSEEDS ?= 1\n" in without
 
 
 def test_dockerfile_installs_the_chosen_wheel_on_its_cuda_base():
@@ -122,10 +121,10 @@ def test_dockerfile_installs_the_chosen_wheel_on_its_cuda_base():
 def test_readme_gives_the_three_commands_and_gitignore_the_outputs():
     files = render_project(name="demo", template="cnn", image=None)
     readme = files["README.md"]
-    for command in ("fdl run train.py", "make compare", "fdl report runs/", "summary.json",
-                    "fdl diagnose"):
+    for command in ("fdl run train.py", "make compare", "fdl compare train.py --epochs 3",
+                    "compare.md", "fdl report runs/", "summary.json", "fdl diagnose"):
         assert command in readme
-    assert "Dockerfile" not in readme
+    assert "Dockerfile" not in readme and "compare.py" not in readme
     assert files[".gitignore"].splitlines()[:2] == ["runs/", ".venv/"]
 
 
@@ -146,20 +145,3 @@ def test_templates_are_package_data():
         for source in sources:
             assert (root / source.format(template=template)).is_file()
     assert all(path.suffix == ".tmpl" for path in root.rglob("*") if path.is_file())
-
-
-def test_compare_py_prints_the_runs_side_by_side(tmp_path):
-    (tmp_path / "compare.py").write_text(
-        render_project(name="demo", template="mlp", image=None)["compare.py"])
-    for policy, rate in (("sync", 900.4), ("async", 1500.0)):
-        (tmp_path / policy).mkdir()
-        (tmp_path / policy / "summary.json").write_text(json.dumps({
-            "policy": policy, "wall_s": 2.25, "throughput": {"samples_per_s": rate},
-            "eval": {"accuracy": 0.5, "loss": 1.0}}))
-    proc = subprocess.run([sys.executable, "compare.py", "sync", "async"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
-        "policy    samples/s   wall s  eval",
-        "sync" + " " * 12 + "900      2.2  accuracy 0.5000  loss 1.0000",
-        "async" + " " * 10 + "1500      2.2  accuracy 0.5000  loss 1.0000"]
