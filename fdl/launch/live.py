@@ -14,6 +14,7 @@ what rank 0 writes shows nothing new: the display is never worth stopping a run 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -104,7 +105,8 @@ def live_progress(run_dir: Path, *, enabled: bool) -> Iterator[None]:
     from fdl import console
 
     path = run_dir / PROGRESS_FILE
-    path.unlink(missing_ok=True)  # an earlier run's last snapshot is not this run's
+    with contextlib.suppress(OSError):  # an earlier run's last snapshot is not this run's
+        path.unlink(missing_ok=True)
     stop = threading.Event()
     with console.live_status() as update:
         poller = threading.Thread(target=_poll, args=(path, update, stop, console.terminal_width),

@@ -48,3 +48,12 @@ def test_read_refuses_what_rank_0_does_not_write(tmp_path: Path) -> None:
     directory = tmp_path / "dir.json"
     directory.mkdir()
     assert read_snapshot(directory) is None
+
+
+def test_a_hostile_run_directory_never_stops_the_display(tmp_path: Path) -> None:
+    from fdl.launch.live import live_progress
+
+    (tmp_path / "progress.json").mkdir()  # not a file: cannot be removed or read as one
+    with live_progress(tmp_path, enabled=True):
+        pass
+    assert (tmp_path / "progress.json").is_dir()
