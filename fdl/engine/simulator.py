@@ -155,7 +155,7 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
 
 def _take_from_pool(profile: Profile, plan: RoundPlan, clock: list[float], busy: list[float],
                     used: list[int], rng: random.Random) -> int:
-    """The calibration pool (the engine's ``_Pool``): a rank done with its slice takes the
+    """The calibration pool (the engine's ``CalibrationPool``): a rank done with its slice takes the
     next batch while some rank is still on its own and the pool lasts, earliest rank first.
     Adds to ``busy`` and ``used`` in place; returns the batches taken."""
     world = len(busy)

@@ -220,7 +220,7 @@ def test_every_sample_once_per_epoch_with_the_calibration_pool_and_balanced_epoc
 
 
 def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
-    """_Pool over a real TCPStore on loopback: a rank done with its slice takes batch 0, 1, ...
+    """CalibrationPool over a real TCPStore on loopback: a rank done with its slice takes batch 0, 1, ...
     while another is still on its own; once every rank is done nobody takes more, and every
     rank's close() returns the same count (the last one to stop publishes it)."""
     import threading
@@ -228,7 +228,7 @@ def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
 
     from torch.distributed import TCPStore
 
-    from fdl.engine.rounds import _Pool
+    from fdl.engine.round_messages import CalibrationPool as _Pool
 
     store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
                      wait_for_workers=False)

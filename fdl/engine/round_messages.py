@@ -1,0 +1,118 @@
+"""The round loop's messages between ranks within a round, through the process group's store
+(the launcher's TCPStore): the elastic round's signal and the calibration round's shared pool
+(fdl.engine.rounds runs them; fdl.engine.plan decides when a round has either)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from fdl.engine.plan import RoundPlan
+
+
+@dataclass
+class ElasticSignal:
+    """An elastic round's messages, through the process group's store (the launcher's
+    TCPStore): the slowest rank posts ``done`` when its share is finished; the fastest checks
+    for it between steps (a round trip of some 15 microseconds), so it stops within one of its
+    own steps of the slowest one, then posts how many samples it ``used``, which every other
+    rank reads before planning the next round (under async too, where the reports arrive a
+    round late). gloo's point-to-point receive could not carry ``done``: it reports completion
+    only once waited on."""
+
+    role: str = ""  # "receive" (the elastic rank) or "send" (every other rank); "": no elastic
+    store: Any = None
+    key: str = ""
+
+    @classmethod
+    def open(cls, plan: RoundPlan, *, rank: int) -> ElasticSignal:
+        if plan.elastic is None:
+            return cls()
+        return cls("receive" if rank == plan.elastic else "send", _required_store(),
+                   f"fdl/elastic/{_attempt()}/")
+
+    def arrived(self, plan: RoundPlan) -> bool:
+        return self.role == "receive" and self.store.check([self._key("done", plan)])
+
+    def close(self, plan: RoundPlan, *, rank: int, used: int) -> int | None:
+        """Post or collect the round's messages; returns the samples the elastic rank used
+        (None in a round that is not elastic)."""
+        if not self.role:
+            return None
+        if self.role == "receive":
+            done = self._key("done", plan)
+            self.store.wait([done])  # it may have run its whole reservation first
+            self.store.delete_key(done)
+            self.store.set(self._key("used", plan), str(used))
+            if plan.round_index >= 2:  # every rank has read it: ranks are at most a round apart
+                self.store.delete_key(f"{self.key}used/{plan.round_index - 2}")
+            return used
+        if rank == plan.signal_from:
+            self.store.set(self._key("done", plan), "1")
+        return int(self.store.get(self._key("used", plan)))
+
+    def _key(self, name: str, plan: RoundPlan) -> str:
+        return f"{self.key}{name}/{plan.round_index}"
+
+
+@dataclass
+class CalibrationPool:
+    """The calibration round's shared pool, through the store's atomic counters: a rank done
+    with its own slice counts itself ``done``, then takes the next batch index (``taken``) while
+    some rank is still on its slice and the pool lasts: so no rank idles while the slowest
+    calibrates, and none runs more than one step past it. The last rank to stop publishes how
+    many batches were taken; every rank reads it before planning the next round."""
+
+    size: int = 0
+    world_size: int = 1
+    store: Any = None
+    key: str = ""
+
+    @classmethod
+    def open(cls, plan: RoundPlan, *, world_size: int) -> CalibrationPool:
+        if not plan.pool:
+            return cls()
+        pool = cls(plan.pool, world_size, _required_store(),
+                   f"fdl/pool/{_attempt()}/{plan.round_index}/")
+        pool.store.add(pool.key + "done", 1)
+        return pool
+
+    def take(self) -> int | None:
+        """The next pool batch's index for this rank, or None: everyone is done or the pool is
+        empty (an index past the pool is drawn and dropped; close() counts those out)."""
+        if not self.size or int(self.store.add(self.key + "done", 0)) >= self.world_size:
+            return None
+        index = int(self.store.add(self.key + "taken", 1)) - 1
+        return index if index < self.size else None
+
+    def close(self) -> int | None:
+        """The batches taken from the pool by every rank (None: no pool)."""
+        if not self.size:
+            return None
+        if int(self.store.add(self.key + "stopped", 1)) == self.world_size:
+            taken = int(self.store.add(self.key + "taken", 0))
+            self.store.set(self.key + "used", str(min(taken, self.size)))
+        return int(self.store.get(self.key + "used"))  # waits for the last rank to stop
+
+
+def _attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _required_store() -> Any:
+    store = _store()
+    if store is None:
+        raise RuntimeError("an elastic round or a pool needs the process group's store")
+    return store
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
