@@ -4,11 +4,16 @@
     fdl libtorch download --cpu            # the CPU variant
     fdl libtorch download --cuda 12.6      # a CUDA variant of the newest (or --version) release
     fdl libtorch download --variant cu130 --version 2.13.0
-    fdl libtorch download --url URL [--sha256 HEX] [--variant NAME]   # mirrors, air-gapped sites
+    fdl libtorch download --url URL [--sha256 HEX] [--variant NAME] [--version V]
+                                           # mirrors, air-gapped sites: named from the
+                                           # archive's build-version (2.13.0-cu128)
     fdl libtorch download --dry-run        # say what would be fetched, fetch nothing
 
 ``FDL_LIBTORCH_MIRROR`` replaces https://download.pytorch.org/libtorch as the base URL. An
-already installed variant is only activated (unless ``--no-activate``). Plain http (a mirror, a
+already installed variant is only activated (unless ``--no-activate``), unless ``--sha256``
+differs from its recorded digest: then the archive is fetched and verified against the new
+digest, and one that differs from the installed variant is refused, naming both digests, with
+nothing replaced (``fdl/libtorch/install.py``). Plain http (a mirror, a
 ``--url`` or a redirect) is refused unless ``--allow-http`` or ``FDL_ALLOW_HTTP=1``; names, URLs
 and ``FDL_MAX_EXTRACT_BYTES`` are checked before anything is written (exit 2).
 
@@ -50,7 +55,7 @@ def download(
 
     from fdl import console
     from fdl.libtorch.catalog import MIRROR_ENV
-    from fdl.libtorch.install import check_request
+    from fdl.libtorch.install import check_request, find_installed
     from fdl.libtorch.request import DownloadAsk, resolve_download
     from fdl.libtorch.store import Store
     from fdl.paths import libtorch_root
@@ -64,7 +69,7 @@ def download(
     check_request(request, allow_http=allow_http)
     store = Store(libtorch_root())
     console.info(choice.reason)
-    existing = {v.id: v for v in store.variants()}.get(f"precompiled/{request.name}")
+    existing = find_installed(store, request)
     if dry_run:
         _print_dry_run(request, installed=existing is not None, into=store.root)
         return
@@ -83,10 +88,12 @@ def download(
 def _print_dry_run(request: ArchiveRequest, *, installed: bool, into: Path) -> None:
     from fdl import console
 
-    console.print_pairs([("variant", f"precompiled/{request.name}"), ("url", request.url),
+    name = request.name or "named from the archive's build-version once fetched"
+    console.print_pairs([("variant", f"precompiled/{name}" if request.name else name),
+                         ("url", request.url),
                          ("installed", "yes" if installed else "no"),
                          ("sha256", request.sha256 or "computed while downloading"),
-                         ("into", str(into / "precompiled" / request.name))])
+                         ("into", str(into / "precompiled" / (request.name or "<name>")))])
 
 
 def _survey(ask: DownloadAsk) -> GpuSurvey | None:
@@ -103,12 +110,13 @@ def install_request_with_progress(store: Store, request: ArchiveRequest, *,
     from fdl import console
     from fdl.libtorch.install import install_archive
 
+    label = request.name or request.url.rsplit("/", 1)[-1]
+
     def wait() -> None:
-        console.info(f"waiting for another fdl process that is installing "
-                     f"precompiled/{request.name}...")
+        console.info(f"waiting for another fdl process that is installing {label}...")
 
     with console.progress() as bar:
-        task = bar.add_task(f"libtorch {request.name}", total=None)
+        task = bar.add_task(f"libtorch {label}", total=None)
 
         def progress(done: int, total: int | None) -> None:
             bar.update(task, completed=done, total=total)

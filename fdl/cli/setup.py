@@ -5,8 +5,19 @@
     fdl setup --yes           # no question (scripts, CI)
     fdl setup --variant 2.11.0-cu128   # take another catalog variant (e.g. mixed GPUs)
     fdl setup --install-torch # also pip-install the torch wheel that covers every GPU
+    fdl setup --download      # download the libtorch archive even when the wheel's would do
+    fdl setup --json          # the plan as one JSON document; changes nothing
 
-CPU-only hosts end with the CPU variant active. Mixed GPUs that no official build covers get
+When the installed torch wheel covers every GPU, setup links the wheel's own libtorch
+(``python/torch-<version>``, 0 bytes, as ``fdl libtorch link-python``) instead of downloading
+an archive, and says so::
+
+    why       the installed torch 2.13.0+cu128 wheel covers NVIDIA GeForce GTX 1060 (sm_61) and
+              NVIDIA GeForce RTX 5060 Ti (sm_120): linking its libtorch (0 bytes) instead of ...
+
+It downloads when asked (``--download``, ``--variant``), when the wheel misses a GPU (named), or
+when torch is not installed. ``--python`` names the interpreter whose torch is checked.
+CPU-only hosts without a linkable wheel end with the CPU variant active. Mixed GPUs that no official build covers get
 the options: the variant covering the most GPUs, or a source build (`fdl libtorch build`).
 ``--allow-http`` (or ``FDL_ALLOW_HTTP=1``) allows a plain-http ``FDL_LIBTORCH_MIRROR``; without
 it such a plan is refused before anything is written (exit 2).
@@ -40,6 +51,13 @@ def setup(
         "--install-torch", help="Also pip-install the fitting torch wheel.")] = False,
     allow_http: Annotated[bool, typer.Option(
         "--allow-http", help="Allow a plain-http FDL_LIBTORCH_MIRROR (one you trust).")] = False,
+    download: Annotated[bool, typer.Option(
+        "--download", help="Download the libtorch archive even when the torch wheel's "
+        "libtorch covers every GPU.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print the plan as JSON and change nothing.")] = False,
+    python: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="The interpreter whose torch wheel is checked (default: this one).")] = None,
 ) -> None:
     """Install and activate the libtorch that covers every GPU; check the torch wheel."""
     from fdl.libtorch.install import check_request
@@ -49,10 +67,16 @@ def setup(
 
     allow_http = http_allowed(flag=allow_http)
     store = Store(libtorch_root())
-    plan, survey = _plan(store, version=version, variant=variant)
+    plan, survey = _plan(store, version=version, variant=variant, download=download,
+                         python=python)
     request = plan.download_request
     if request is not None:  # a bad URL or extraction limit: exit 2 before anything is written
         check_request(request, allow_http=allow_http)
+    if json_out:
+        from fdl import console
+
+        console.print_json(_plan_doc(plan, survey_line=_survey_line(survey)))
+        return
     _render_plan(plan, survey_line=_survey_line(survey))
     if dry_run or (plan.action in ("present", "none")
                    and not (install_torch and plan.torch_install)):
@@ -62,8 +86,8 @@ def setup(
     _execute(plan, store, request, install_torch=install_torch, allow_http=allow_http)
 
 
-def _plan(store: Store, *, version: str | None,
-          variant: str | None) -> tuple[SetupPlan, GpuSurvey]:
+def _plan(store: Store, *, version: str | None, variant: str | None, download: bool,
+          python: str | None) -> tuple[SetupPlan, GpuSurvey]:
     """Survey GPUs and the torch wheel (concurrently) and plan from them and the store."""
     import os
     from concurrent.futures import ThreadPoolExecutor
@@ -74,12 +98,12 @@ def _plan(store: Store, *, version: str | None,
     from fdl.system.torchenv import probe_torch
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        survey, torch = pool.submit(probe_gpus), pool.submit(probe_torch)
+        survey, torch = pool.submit(probe_gpus), pool.submit(probe_torch, python=python)
         survey, torch = survey.result(), torch.result()
     active = store.active()
     plan = plan_setup(survey=survey, torch=torch, installed=[v.id for v in store.variants()],
                       active=active.id if active else None, version=version, variant=variant,
-                      base=os.environ.get(MIRROR_ENV))
+                      download=download, base=os.environ.get(MIRROR_ENV))
     return plan, survey
 
 
@@ -95,11 +119,13 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
 
     console.rule("fdl setup")
     what = {"download": "download and activate", "activate": "activate (already installed)",
-            "present": "already active", "none": "nothing to install"}[plan.action]
+            "present": "already active", "none": "nothing to install",
+            "link": "link the torch wheel's libtorch (0 bytes) and activate"}[plan.action]
+    name = plan.link_id or (f"precompiled/{plan.archive.name}" if plan.archive else None)
     console.print_pairs([
         ("GPUs", survey_line),
-        ("libtorch", f"{plan.archive.name}: {what}" if plan.archive else what),
-        ("why", plan.resolution.reason),
+        ("libtorch", f"{name}: {what}" if name else what),
+        ("why", plan.why),
         ("url", plan.archive.url if plan.action == "download" and plan.archive else None),
         ("torch wheel", {True: "covers every GPU", False: "does NOT cover every GPU",
                          None: "not installed"}[plan.torch_covers]),
@@ -107,6 +133,15 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
     ])
     for note in plan.notes:
         console.out(f"  - {note}")
+
+
+def _plan_doc(plan: SetupPlan, *, survey_line: str) -> dict:
+    request = plan.download_request
+    return {"gpus": survey_line, "action": plan.action, "source": plan.source,
+            "variant": plan.variant_id, "why": plan.why,
+            "url": request.url if request else None, "torch_covers": plan.torch_covers,
+            "pip": str(plan.torch_install) if plan.torch_install else None,
+            "notes": list(plan.notes)}
 
 
 def _confirm() -> bool:
@@ -124,6 +159,10 @@ def _execute(plan: SetupPlan, store: Store, request: ArchiveRequest | None, *,
         from fdl.cli.libtorch_download import install_request_with_progress
 
         install_request_with_progress(store, request, activate=True, allow_http=allow_http)
+    elif plan.action == "link":
+        from fdl.libtorch.link import link_python
+
+        store.activate(link_python(store, python=plan.link_python).id)
     elif plan.action == "activate" and plan.variant_id:
         store.activate(plan.variant_id)
     if install_torch and plan.torch_install:

@@ -5,8 +5,11 @@
 :class:`~fdl.libtorch.install.ArchiveRequest` to install and one line saying why come out.
 
     --cpu | --cuda 12.6 | --variant cu130   that catalog entry of --version (default: newest)
-    --url URL [--variant NAME]              exactly that archive; the name is --variant or the
-                                            one the URL's file name gives
+    --url URL [--version V] [--variant NAME]
+                                            exactly that archive, named from the archive itself
+                                            (its build-version: 2.13.0-cu128) once fetched;
+                                            --version/--variant cpu|cuNNN must agree with it,
+                                            another --variant NAME is the name (archive_facts)
     no flag naming an archive               the variant covering every GPU (resolve_variant)
 
 Contradicting flags, a ``--sha256`` that is not 64 hex digits and a name that is no plain
@@ -23,18 +26,18 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import unquote, urlparse
 
 from fdl.errors import FdlError, UsageError
+from fdl.libtorch.archive_facts import name_from_url
 from fdl.libtorch.catalog import LibtorchArchive, find_archive, latest_version
 from fdl.libtorch.install import ArchiveRequest
 from fdl.libtorch.resolve import resolve_variant
-from fdl.libtorch.validate import NAME_RULE, check_variant_name, is_variant_name
+from fdl.libtorch.validate import check_variant_name
 from fdl.system.gpus import GpuSurvey
 
-# The prefixes of the official archive names, longest first: what is left names the variant.
-_URL_PREFIXES = ("libtorch-win-shared-with-deps-", "libtorch-shared-with-deps-",
-                 "libtorch-cxx11-abi-shared-with-deps-", "libtorch-")
+__all__ = ["DownloadAsk", "DownloadChoice", "archive_request", "name_from_url",
+           "resolve_download"]
+
 _HELP = "see `fdl libtorch download --help`"
 
 
@@ -69,9 +72,9 @@ def resolve_download(ask: DownloadAsk, *, base: str | None,
     if ask.url is not None:
         if ask.variant is not None:
             check_variant_name(ask.variant, what="--variant")
-        name = ask.variant or name_from_url(ask.url)
-        request = ArchiveRequest(name, ask.url, ask.sha256, {"variant": name})
-        return DownloadChoice(request, f"fetching {ask.url}")
+        request = ArchiveRequest(None, ask.url, ask.sha256, None, version=ask.version,
+                                 variant=ask.variant)
+        return DownloadChoice(request, f"fetching {ask.url} (named from its build-version)")
     version = ask.version or latest_version()
     chosen = "cpu" if ask.cpu else f"cu{ask.cuda.replace('.', '')}" if ask.cuda else ask.variant
     if chosen is not None:
@@ -90,20 +93,6 @@ def archive_request(archive: LibtorchArchive, *, sha256: str | None = None) -> A
     return ArchiveRequest(archive.name, archive.url, sha256, meta)
 
 
-def name_from_url(url: str) -> str:
-    """The variant name a URL's file name gives (``libtorch-...-2.13.0%2Bcpu.zip`` ->
-    ``2.13.0-cpu``); a ``UsageError`` asking for ``--variant`` when that is no plain name."""
-    stem = unquote(urlparse(url).path.rsplit("/", 1)[-1]).removesuffix(".zip")
-    for prefix in _URL_PREFIXES:
-        stem = stem.removeprefix(prefix)
-    name = stem.replace("+", "-") or "custom"
-    if not is_variant_name(name):
-        raise UsageError(f"--url {url} gives the variant name {name!r}, which is not a plain "
-                         f"directory name ({NAME_RULE})",
-                         hint="name the variant with --variant NAME, e.g. --variant site-build")
-    return name
-
-
 def _check_ask(ask: DownloadAsk) -> None:
     # --variant with --url names the download; alone it picks from the catalog like --cpu/--cuda
     if sum([ask.cpu, ask.cuda is not None, ask.variant is not None and ask.url is None]) > 1:
@@ -111,9 +100,9 @@ def _check_ask(ask: DownloadAsk) -> None:
     if ask.sha256 is not None and not _is_sha256(ask.sha256):
         raise UsageError(f"--sha256 must be 64 hex digits, got {ask.sha256!r}",
                          hint="e.g. the output of `sha256sum libtorch.zip`")
-    if ask.url is not None and (ask.cpu or ask.cuda is not None or ask.version is not None):
-        raise UsageError("--url fetches exactly that archive; --cpu, --cuda and --version "
-                         "pick one from the catalog: give one or the other",
+    if ask.url is not None and (ask.cpu or ask.cuda is not None):
+        raise UsageError("--url fetches exactly that archive; --cpu and --cuda pick one from "
+                         "the catalog: give one or the other",
                          hint="name the variant with --variant NAME")
 
 

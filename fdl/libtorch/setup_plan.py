@@ -5,6 +5,14 @@ contents it says: which libtorch variant covers every GPU (or that none does, wi
 whether it is already installed or active, and whether the current Python torch wheel covers
 every GPU — with the exact ``pip install`` command (and index URL) when it does not.
 
+Link or download: when the installed torch wheel covers every GPU (``fdl.libtorch.coverage``
+decides, as for any build) and ships its libtorch (``lib/``, ``include/``,
+``share/cmake/Torch``), the plan links it (``action="link"``, ``python/torch-<version>``: 0
+bytes, what ``fdl libtorch link-python`` does) instead of downloading an archive. It downloads
+instead when asked (``download=True``, ``--download``), when ``variant`` names a catalog
+archive, when ``version`` is not the wheel's, when torch is not installed or broken, and when
+the wheel misses a GPU; ``notes`` then says why (naming the GPUs the wheel misses).
+
 The plan carries that command twice over one source: ``torch_install`` as a person reads it and
 ``pip_argv``, the argv ``fdl setup --install-torch`` runs: the same words after the interpreter
 whose torch was checked (``<python> -m pip install ...``), so the wheel lands where it was
@@ -29,16 +37,26 @@ from fdl.system.torchenv import TorchInfo
 @dataclass(frozen=True)
 class SetupPlan:
     resolution: Resolution
-    action: str  # "download" | "activate" | "present" | "none"
+    action: str  # "link" | "download" | "activate" | "present" | "none"
     archive: LibtorchArchive | None
     torch_covers: bool | None  # None: torch not installed
     torch_install: TorchInstall | None  # the wheel to install when the current one does not fit
     pip_argv: tuple[str, ...] | None  # what --install-torch runs; None: nothing fdl can run
     notes: tuple[str, ...] = ()
+    link_python: str | None = None  # the interpreter whose wheel's libtorch is used (linked)
+    link_id: str | None = None  # "python/torch-2.13.0+cpu" when the wheel's libtorch is used
+    why: str = ""  # one line: why this libtorch (link or download)
 
     @property
     def variant_id(self) -> str | None:
+        if self.link_id is not None:
+            return self.link_id
         return f"precompiled/{self.archive.name}" if self.archive else None
+
+    @property
+    def source(self) -> str:
+        """Where the libtorch comes from: "wheel" (linked, 0 bytes), "archive" or "none"."""
+        return "wheel" if self.link_id else "archive" if self.archive else "none"
 
     @property
     def download_request(self) -> ArchiveRequest | None:
@@ -51,38 +69,81 @@ class SetupPlan:
 
 def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
                active: str | None, version: str | None = None, variant: str | None = None,
-               platform: str = LINUX_X86_64, base: str | None = None) -> SetupPlan:
+               download: bool = False, platform: str = LINUX_X86_64,
+               base: str | None = None) -> SetupPlan:
     """``variant`` (``"2.11.0-cu128"``) overrides the automatic choice, e.g. to take the
-    best-partial option on mixed GPUs."""
+    best-partial option on mixed GPUs; it and ``download`` rule out linking the wheel."""
     resolution = resolve_variant(survey, version=version, platform=platform, base=base)
     if variant is not None:
         ver, _, name = variant.partition("-")
         chosen = find_archive(version=ver, variant=name, platform=platform, base=base)
         resolution = Resolution(chosen, f"{chosen.name} chosen with --variant")
     archive = resolution.archive
-    if archive is None:
-        action = "none"
-    else:
-        wanted = f"precompiled/{archive.name}"
-        action = "present" if active == wanted else "activate" if wanted in installed \
-            else "download"
-    covers, command = _torch_wheel(survey, torch, platform)
+    covers, missing, command = _torch_wheel(survey, torch, platform)
     pip_argv = (torch.python, "-m", *command.argv) if command and command.is_wheel else None
-    return SetupPlan(resolution, action, archive, covers, command, pip_argv, _notes(resolution))
+    refusal = _no_link_reason(torch, covers=covers, missing=missing, download=download,
+                              variant=variant, version=version)
+    if refusal is None:
+        wanted = f"python/torch-{torch.version}"
+        instead = f"downloading {archive.name}" if archive else "a source build"
+        why = (f"the installed torch {torch.version} wheel covers {_names(survey)}: linking "
+               f"its libtorch (0 bytes) instead of {instead}")
+        return SetupPlan(resolution, _action(wanted, installed, active, new="link"), archive,
+                         covers, command, pip_argv, (), torch.python, wanted, why)
+    action = "none" if archive is None else _action(f"precompiled/{archive.name}", installed,
+                                                      active, new="download")
+    return SetupPlan(resolution, action, archive, covers, command, pip_argv,
+                     (*_notes(resolution), refusal), why=resolution.reason)
 
 
-def _torch_wheel(survey: GpuSurvey, torch: TorchInfo,
-                 platform: str) -> tuple[bool | None, TorchInstall | None]:
+def _action(wanted: str, installed: Sequence[str], active: str | None, *, new: str) -> str:
+    return "present" if active == wanted else "activate" if wanted in installed else new
+
+
+def _names(survey: GpuSurvey) -> str:
+    if not survey.gpus:
+        return "this CPU-only host"
+    return " and ".join(f"{g.name} ({g.arch})" for g in survey.gpus)
+
+
+def _no_link_reason(torch: TorchInfo, *, covers: bool | None, missing: Sequence[str],
+                    download: bool, variant: str | None, version: str | None) -> str | None:
+    """Why the wheel's libtorch is not linked, or None when it is the one to use."""
+    if not torch.installed or torch.error or not torch.version:
+        return "no usable torch wheel to link: downloading the libtorch archive"
+    if missing:
+        return (f"the installed torch {torch.version} wheel does not cover "
+                f"{', '.join(missing)}: downloading the libtorch archive")
+    if not covers:
+        return (f"the installed torch {torch.version} wheel does not cover every GPU: "
+                "downloading the libtorch archive")
+    if not torch.libtorch:
+        return (f"the installed torch {torch.version} wheel ships no libtorch "
+                "(lib/, include/, share/cmake/Torch): downloading the libtorch archive")
+    if download or variant is not None:
+        flag = "--download" if download else "--variant"
+        return (f"{flag}: downloading although the installed torch {torch.version} wheel "
+                "covers every GPU (fdl setup without it links the wheel's libtorch, 0 bytes)")
+    if version is not None and torch.version.split("+")[0] != version:
+        return (f"--version {version}: the installed torch wheel is {torch.version}: "
+                "downloading the libtorch archive")
+    return None
+
+
+def _torch_wheel(survey: GpuSurvey, torch: TorchInfo, platform: str
+                 ) -> tuple[bool | None, tuple[str, ...], TorchInstall | None]:
+    """Does the wheel cover every GPU, which GPUs it misses, and what to pip-install if not."""
     if not survey.gpus:
         if not torch.installed:
-            return None, CPU_WHEEL
-        return True, (CPU_WHEEL if torch.cuda_version else None)
+            return None, (), CPU_WHEEL
+        return True, (), (CPU_WHEEL if torch.cuda_version else None)
     command = torch_install(advise_builds(survey, platform=platform))
     if not torch.installed or torch.error:
-        return None, command
+        return None, (), command
     coverage = check_build(survey, label=f"torch {torch.version}", archs=torch.arch_list,
                            cuda=torch.cuda_version)
-    return coverage.covers_all, None if coverage.covers_all else command
+    missing = tuple(f"{gpu.name} ({gpu.arch})" for gpu in coverage.missing)
+    return coverage.covers_all, missing, None if coverage.covers_all else command
 
 
 def _notes(resolution: Resolution) -> tuple[str, ...]:

@@ -67,8 +67,11 @@ nccl = bool(dist and get(lambda: torch.distributed.is_nccl_available(), False))
 nccl_version = get(lambda: torch.cuda.nccl.version()) if nccl else None
 if isinstance(nccl_version, tuple):
     nccl_version = ".".join(map(str, nccl_version))
+root = os.path.dirname(torch.__file__)
 emit(
-    installed=True, stage="done", path=os.path.dirname(torch.__file__),
+    installed=True, stage="done", path=root,
+    libtorch=all(os.path.isdir(os.path.join(root, part))
+                 for part in ("lib", "include", os.path.join("share", "cmake", "Torch"))),
     version=str(torch.__version__),
     cuda_version=get(lambda: torch.version.cuda),
     hip_version=get(lambda: torch.version.hip),
@@ -108,6 +111,7 @@ class TorchInfo:
     cuda_available: bool = False
     device_count: int = 0
     path: str | None = None
+    libtorch: bool = False  # the wheel ships lib/, include/, share/cmake/Torch: linkable
     error: str | None = None
 
 
@@ -187,6 +191,7 @@ def parse_probe_output(text: str, *, python: str) -> TorchInfo:
         cuda_available=record.get("cuda_available") is True,
         device_count=_count(record.get("device_count")),
         path=_text(record.get("path")),
+        libtorch=record.get("libtorch") is True,
         error=error,
     )
 

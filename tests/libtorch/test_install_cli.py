@@ -81,9 +81,9 @@ def test_setup_on_a_cpu_host_ends_with_the_cpu_variant_active(http_server, mirro
     from fdl.libtorch.catalog import latest_version
 
     http_server.files[CPU_PATH.format(v=latest_version())] = libtorch_zip(latest_version())
-    assert run_fdl("setup", "--dry-run", env=mirror_env).returncode == 0
+    assert run_fdl("setup", "--dry-run", "--download", env=mirror_env).returncode == 0
     assert libtorch_list(mirror_env)["variants"] == []
-    proc = run_fdl("setup", "--yes", env=mirror_env)
+    proc = run_fdl("setup", "--yes", "--download", env=mirror_env)
     assert proc.returncode == 0, proc.stderr
     assert libtorch_list(mirror_env)["active"] == f"precompiled/{latest_version()}-cpu"
     assert "export LIBTORCH=" in proc.stdout
@@ -95,7 +95,7 @@ def test_setup_without_yes_and_without_a_terminal_asks_for_yes(http_server, mirr
     from fdl.libtorch.catalog import latest_version
 
     http_server.files[CPU_PATH.format(v=latest_version())] = libtorch_zip(latest_version())
-    proc = run_fdl("setup", env=mirror_env)
+    proc = run_fdl("setup", "--download", env=mirror_env)
     assert proc.returncode == 2 and "--yes" in proc.stderr
     assert libtorch_list(mirror_env)["variants"] == []
 
@@ -134,3 +134,27 @@ def test_setup_install_torch_runs_exactly_the_pip_command_it_shows(tmp_path, mon
     assert ran == ["-m", *shlex.split(shown)]
     assert f"running: {shlex.join([str(python), *ran])}" in err.splitlines()
     assert "precompiled/2.14.0-cu126 at" in out  # activated, nothing downloaded
+
+
+def test_setup_links_a_covering_wheel_and_downloads_nothing(http_server, mirror_env, tmp_path):
+    wheel = tmp_path / "site-packages" / "torch"
+    for part in ("lib", "include", "share/cmake/Torch"):
+        (wheel / part).mkdir(parents=True)
+    python = tmp_path / "python"  # answers the torch probe: a CPU wheel with its libtorch
+    record = {"installed": True, "stage": "done", "path": str(wheel), "version": "2.13.0+cpu",
+              "libtorch": True}
+    python.write_text(f"#!/bin/sh\necho '{json.dumps(record)}'\n")
+    python.chmod(0o755)
+    doc = json.loads(run_fdl("setup", "--json", "--python", str(python), env=mirror_env).stdout)
+    assert (doc["action"], doc["source"], doc["variant"], doc["url"]) == (
+        "link", "wheel", "python/torch-2.13.0+cpu", None)
+    assert doc["why"].startswith("the installed torch 2.13.0+cpu wheel covers this CPU-only "
+                                 "host: linking its libtorch (0 bytes) instead of downloading")
+    forced = json.loads(run_fdl("setup", "--json", "--download", "--python", str(python),
+                                env=mirror_env).stdout)
+    assert forced["action"] == "download" and forced["url"].endswith("%2Bcpu.zip")
+    proc = run_fdl("setup", "--yes", "--python", str(python), env=mirror_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "linking its libtorch (0 bytes)" in proc.stdout.replace("\n  ", " ")
+    assert libtorch_list(mirror_env)["active"] == "python/torch-2.13.0+cpu"
+    assert http_server.requests == []

@@ -80,18 +80,21 @@ def test_unknown_version_or_variant_is_a_usage_error_listing_what_exists():
     assert "'cu999'" in error.message and "cu130" in error.hint
 
 
-@pytest.mark.parametrize("flags", [{"cpu": True}, {"cuda": "12.6"}, {"version": "2.13.0"}])
+@pytest.mark.parametrize("flags", [{"cpu": True}, {"cuda": "12.6"}])
 def test_url_takes_no_catalog_flag(flags):
     error = usage_error(url="https://site.example/libtorch.zip", **flags)
     assert error.message.startswith("--url fetches exactly that archive")
 
 
-def test_url_with_variant_names_the_download():
-    choice = resolve(url="https://site.example/a/libtorch.zip", variant="site-build", sha256=SHA)
-    assert (choice.request.name, choice.request.url, choice.request.sha256) == (
-        "site-build", "https://site.example/a/libtorch.zip", SHA)
-    assert choice.request.meta == {"variant": "site-build"}
-    assert choice.reason == "fetching https://site.example/a/libtorch.zip"
+def test_a_url_is_named_from_its_archive_with_the_flags_to_check_against():
+    choice = resolve(url="https://site.example/a/libtorch.zip", variant="site-build", sha256=SHA,
+                     version="2.13.0")
+    request = choice.request
+    assert (request.name, request.url, request.sha256) == (
+        None, "https://site.example/a/libtorch.zip", SHA)
+    assert (request.version, request.variant) == ("2.13.0", "site-build")
+    assert choice.reason == ("fetching https://site.example/a/libtorch.zip "
+                             "(named from its build-version)")
 
 
 @pytest.mark.parametrize("variant", ["../escape", "a/b", ".hidden", ""])
@@ -109,7 +112,6 @@ def test_url_with_a_variant_that_is_no_plain_name_is_refused(variant):
 ])
 def test_the_name_a_url_gives(url, name):
     assert name_from_url(url) == name
-    assert resolve(url=url).request.name == name
 
 
 def test_a_url_whose_file_name_is_no_plain_name_asks_for_variant():

@@ -99,3 +99,61 @@ def test_mixed_gpus_explain_the_options():
 def test_variant_option_takes_the_partial_choice():
     result = plan("gtx1060_rtx5060ti", variant="2.11.0-cu128")
     assert result.action == "download" and result.variant_id == "precompiled/2.11.0-cu128"
+
+
+# --- link the wheel's libtorch, or download -------------------------------------------------
+
+LINKABLE_CPU = TorchInfo(installed=True, python="/venv/bin/python", version="2.13.0+cpu",
+                         libtorch=True)
+SM61_SM120 = TorchInfo(installed=True, python="/venv/bin/python", version="2.13.0+cu128",
+                       cuda_version="12.8", arch_list=("sm_61", "sm_120"), libtorch=True)
+
+
+def test_a_wheel_covering_every_gpu_is_linked_not_downloaded():
+    result = plan("gtx1060_rtx5060ti", torch=SM61_SM120)
+    assert (result.action, result.source) == ("link", "wheel")
+    assert result.variant_id == "python/torch-2.13.0+cu128" and result.download_request is None
+    assert result.link_python == "/venv/bin/python"
+    assert result.why == ("the installed torch 2.13.0+cu128 wheel covers NVIDIA GeForce RTX 5060 "
+                          "Ti (sm_120) and NVIDIA GeForce GTX 1060 6GB (sm_61): linking its "
+                          "libtorch (0 bytes) instead of a source build")
+    # a covering wheel that ships no lib/, include/ (cuda_torch's) is not linked
+    assert plan("rtx4090", torch=cuda_torch("2.13.0", "cu126")).action == "download"
+
+
+def test_a_wheel_missing_one_gpu_downloads_and_names_the_gpu():
+    sm120_only = TorchInfo(installed=True, python="/venv/bin/python", version="2.13.0+cu128",
+                           cuda_version="12.8", arch_list=("sm_120",), libtorch=True)
+    result = plan("gtx1060_rtx5060ti", torch=sm120_only, variant="2.11.0-cu128")
+    assert (result.action, result.source) == ("download", "archive")
+    assert result.notes[-1].startswith("the installed torch 2.13.0+cu128 wheel does not cover "
+                                       "NVIDIA GeForce GTX 1060 6GB (sm_61): downloading")
+
+
+def test_no_gpu_and_a_cpu_wheel_links_and_says_instead_of_what():
+    result = plan("none", torch=LINKABLE_CPU, version="2.13.0")
+    assert result.action == "link" and result.variant_id == "python/torch-2.13.0+cpu"
+    assert result.why.endswith("covers this CPU-only host: linking its libtorch (0 bytes) "
+                               "instead of downloading 2.13.0-cpu")
+    linked = "python/torch-2.13.0+cpu"
+    assert plan("none", torch=LINKABLE_CPU, installed=[linked]).action == "activate"
+    assert plan("none", torch=LINKABLE_CPU, installed=[linked], active=linked).action == "present"
+
+
+def test_download_flag_variant_or_other_version_download_anyway():
+    for kwargs, flag in (({"download": True}, "--download"),
+                         ({"variant": "2.13.0-cpu"}, "--variant"),
+                         ({"version": "2.14.0"}, "--version 2.14.0")):
+        result = plan("none", torch=LINKABLE_CPU, **kwargs)
+        assert result.action == "download" and result.link_id is None, kwargs
+        assert result.download_request is not None and result.notes[-1].startswith(flag)
+
+
+def test_no_torch_broken_torch_or_no_headers_downloads():
+    broken = TorchInfo(installed=True, python="/venv/bin/python", error="import failed")
+    headerless = TorchInfo(installed=True, python="/venv/bin/python", version="2.13.0+cpu")
+    for torch, why in ((NO_TORCH, "no usable torch wheel"), (broken, "no usable torch wheel"),
+                       (headerless, "the installed torch 2.13.0+cpu wheel ships no libtorch")):
+        result = plan("none", torch=torch, version="2.13.0")
+        assert result.action == "download" and result.variant_id == "precompiled/2.13.0-cpu"
+        assert result.notes[-1].startswith(why)
