@@ -46,6 +46,7 @@ from fdl.launch.rendezvous import (
 )
 from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
+from fdl.launch.startup import no_join_stagger, torch_import_without_collections
 from fdl.settings import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 5
@@ -115,9 +116,10 @@ def _installed(module: str) -> bool:
 def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> LaunchResult:
     """Run the workers to completion. Blocks; returns the exit code ``fdl run`` should use.
     ``listener``: :func:`preflight`'s socket for a one-node rendezvous."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import launch_agent
+    with torch_import_without_collections():
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import launch_agent
 
     if not os.environ.get("FDL_DEBUG"):
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
@@ -193,7 +195,8 @@ def _loopback_handler_class() -> type:
 
     class LoopbackRendezvousHandler(DynamicRendezvousHandler):
         """torch's c10d handler, except that the store it shares with the workers
-        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only."""
+        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only, and that its one
+        node joins without torch's random stagger (fdl.launch.startup)."""
 
         def get_backend(self) -> str:
             return LOOPBACK_C10D
@@ -201,6 +204,10 @@ def _loopback_handler_class() -> type:
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
             address = resolve(master_addr, master_port)
             return serve_store(bind_listener(address, host=master_addr), host=master_addr)
+
+        def next_rendezvous(self) -> Any:
+            with no_join_stagger():
+                return super().next_rendezvous()
 
     return LoopbackRendezvousHandler
 
