@@ -56,7 +56,7 @@ class PartFile:
     def append(self, chunks: Iterable[bytes], *, total: int | None, batch_bytes: int) -> None:
         """Write ``chunks`` after the bytes on disk, hashing and reporting progress."""
         self.offset()
-        self._check_size(total or 0)
+        self.check_size(total or 0)
         hashers = list(self._hashers.values())
 
         def hash_batch(batch: list[bytes]) -> None:
@@ -71,7 +71,7 @@ class PartFile:
                 for chunk in chunks:
                     pending.append(chunk)
                     pending_bytes += len(chunk)
-                    self._check_size(self.size + pending_bytes)
+                    self.check_size(self.size + pending_bytes)
                     if pending_bytes >= batch_bytes:
                         self._hand_over(fanout, pending)
                         pending, pending_bytes = [], 0
@@ -83,12 +83,17 @@ class PartFile:
         if tail:
             self._report(total)
 
-    def _check_size(self, size: int) -> None:
+    def check_size(self, size: int) -> None:
         if self.max_bytes is not None and size > self.max_bytes:
             raise TooLarge(f"refusing a download of more than {self.max_bytes} bytes "
                             f"(the size limit): {self.path.name} is at least {size} bytes",
                             hint="a libtorch archive is a few GB; if this one is genuine, "
                                  "raise FDL_MAX_EXTRACT_BYTES (e.g. 64G)")
+
+    def adopt(self, hashers: dict[str, hashlib._Hash], *, size: int, resumed: bool) -> None:
+        """Take the hashes of a file filled by someone else (a parallel download, which hashes
+        as its pieces land) as this one's: ``size`` bytes, all of them hashed."""
+        self._hashers, self.size, self.resumed = hashers, size, resumed
 
     def _hand_over(self, fanout: Fanout, batch: list[bytes]) -> None:
         fanout.put(batch)

@@ -12,10 +12,12 @@ Subprocesses get the same scrubbed environment from ``helpers.clean_env``."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -77,6 +79,12 @@ class FileServer:
     script: deque[Act] = field(default_factory=deque)  # one Act per request, first in first out
     default: Act = field(default_factory=Act)  # once the script is used up
     ignore_range: bool = False  # answer 200 with the whole file even when asked for a range
+    # (and offer no ranges: no Accept-Ranges); otherwise a strong ETag from the file's bytes
+    validators: bool = True  # send ETag and Accept-Ranges (ranged downloads need a validator)
+    claim_ranges: bool = False  # with ignore_range: offer ranges all the same, then ignore them
+    on_request: Callable[[int], None] | None = None  # called with each request's 0-based number
+    statuses: list[int] = field(default_factory=list)  # of the file's answers, as sent
+    sent: list[tuple[int, int]] = field(default_factory=list)  # (status, body bytes written)
     redirects: dict[str, str] = field(default_factory=dict)  # path -> Location of a 302
     requests: list[dict[str, str | None]] = field(default_factory=list)
     port: int = 0
@@ -86,6 +94,8 @@ class FileServer:
 
     def next_act(self, path: str, range_header: str | None) -> Act:
         self.requests.append({"path": path, "range": range_header})
+        if self.on_request is not None:
+            self.on_request(len(self.requests) - 1)
         return self.script.popleft() if self.script else self.default
 
 
@@ -109,23 +119,34 @@ def _handler(server_state: FileServer) -> type[BaseHTTPRequestHandler]:
             if act.status is not None or data is None:
                 self._answer_error(act.status or 404)
                 return
-            start = self._range_start()
-            if start is None or server_state.ignore_range:
-                self.send_response(200)
-                start = 0
+            etag = f'"{hashlib.sha256(data).hexdigest()[:16]}"'
+            span = self._range_span(len(data))
+            if_range = self.headers.get("If-Range")
+            if span is None or server_state.ignore_range or (if_range and if_range != etag):
+                status, (start, end) = 200, (0, len(data))
             else:
-                self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-            self.send_header("Content-Length", str(len(data) - start))
+                status, (start, end) = 206, span
+            server_state.statuses.append(status)
+            self.send_response(status)
+            if status == 206:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            if server_state.validators and (server_state.claim_ranges
+                                            or not server_state.ignore_range):
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("ETag", etag)
+            self.send_header("Content-Length", str(end - start))
             self.end_headers()
             time.sleep(act.delay_s)
-            self._send_body(data[start:], act)
+            sent = self._send_body(data[start:end], act)
+            server_state.sent.append((status, sent))
 
-        def _range_start(self) -> int | None:
+        def _range_span(self, size: int) -> tuple[int, int] | None:
+            """[start, end) of ``Range: bytes=a-`` or ``bytes=a-b``."""
             spec = self.headers.get("Range")
-            if not spec or not spec.startswith("bytes=") or not spec.endswith("-"):
+            if not spec or not spec.startswith("bytes="):
                 return None
-            return int(spec[len("bytes="):-1])
+            first, _, last = spec[len("bytes="):].partition("-")
+            return int(first), min(size, int(last) + 1) if last else size
 
         def _answer_error(self, status: int) -> None:
             body = f"error {status}\n".encode()
@@ -134,19 +155,24 @@ def _handler(server_state: FileServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def _send_body(self, body: bytes, act: Act) -> None:
+        def _send_body(self, body: bytes, act: Act) -> int:
+            """Write ``body`` as ``act`` says; returns the bytes written."""
+            sent = 0
             if act.pause_after is not None:
                 self.wfile.write(body[:act.pause_after])
                 self.wfile.flush()
+                sent = min(len(body), act.pause_after)
                 act.release.wait(timeout=120)  # a guard: the test sets it
                 body = body[act.pause_after:]
             if act.cut_after is not None:
                 self.wfile.write(body[:act.cut_after])
                 self.wfile.flush()
                 self.close_connection = True  # the client sees a body shorter than promised
-                return
+                return sent + min(len(body), act.cut_after)
             for i in range(0, len(body), 1 << 16):
                 self.wfile.write(body[i:i + (1 << 16)])
+                sent += len(body[i:i + (1 << 16)])
+            return sent
 
     return Handler
 

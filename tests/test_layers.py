@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.partfile", "fdl.urls",
-             "fdl.download", "fdl.console", "fdl.settings"),
+             "fdl.rangestate", "fdl.ranged", "fdl.download", "fdl.console", "fdl.settings"),
     "system": ("fdl.system",),
     "libtorch": ("fdl.libtorch",),
     "scaffold": ("fdl.scaffold",),
