@@ -6,10 +6,10 @@ One collective per epoch carries the loss and each rank's share of the epoch (sa
 averaging time), so rank 0 can write per-rank figures without a second message. A record
 (``metrics.jsonl``, docs/run.md "Run directory")::
 
-    {"epoch": 2, "samples": 32768, "train_loss": 0.41, "eval": {"accuracy": 0.88},
-     "samples_per_s": 7012.4, "elapsed_s": 4.67, "epoch_s": 2.31,
-     "epoch_samples_per_s": 7093.1, "per_rank_samples_per_s": [5101.2, 1991.9],
-     "idle_fraction": [0.04, 0.05], "sync_overhead": 0.018, "anchor": 20}
+    {"epoch": 2, "samples": 120000, "train_loss": 0.2987, "eval": {"accuracy": 0.8979},
+     "samples_per_s": 48464.6, "elapsed_s": 2.476, "epoch_s": 1.176,
+     "epoch_samples_per_s": 50999.7, "per_rank_samples_per_s": [33537.4, 17462.3],
+     "idle_fraction": [0.136, 0.019], "sync_overhead": 0.0047, "anchor": 103}
 
 ``samples_per_s`` is over the run so far (this attempt), ``elapsed_s`` the training time since the
 run began (evaluation left out, earlier attempts included), the rest cover this epoch alone.

@@ -44,7 +44,6 @@ class ProgressFile:
     loss: float | None = None
     _started: float = field(default_factory=time.monotonic)
     _next: float = 0.0
-    _first: float | None = None  # the first stream position this attempt reported
     _points: deque[tuple[float, float]] = field(default_factory=deque)
 
     @classmethod
@@ -78,8 +77,6 @@ class ProgressFile:
     def snapshot(self, *, now: float, samples: float, epoch: int, shares: list[float],
                  anchor: int, sync_s: float, busy_s: float) -> dict[str, Any]:
         total = self.epochs * self.epoch_size
-        if self._first is None:
-            self._first = samples
         self._points.append((now, samples))
         while len(self._points) > 2 and now - self._points[0][0] > WINDOW_S:
             self._points.popleft()

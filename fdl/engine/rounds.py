@@ -185,13 +185,13 @@ def run_slice(worker: Worker, plan: RoundPlan,
     join = worker.step_model.join(divide_by_initial_world_size=False) if uneven \
         else contextlib.nullcontext()
     skip_first = plan.calibration and state.samples_seen == 0
-    started, timed_samples, data_s, num_steps = time.perf_counter(), 0, 0.0, 0
+    started, timed_samples, data_s = time.perf_counter(), 0, 0.0
     # The round's loss is summed on the device and read once, after the round: reading it each
     # step would make the host wait for the GPU every step and stop it queueing work ahead.
     round_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
 
     def step(fetch: Callable[[], Any], samples: int, progress: float, *, warm: bool) -> None:
-        nonlocal timed_samples, data_s, round_loss, num_steps
+        nonlocal timed_samples, data_s, round_loss
         clock = warmup if warm else timer
         clock.start()
         fetched = time.perf_counter()
@@ -205,7 +205,6 @@ def run_slice(worker: Worker, plan: RoundPlan,
             timed_samples += samples
         round_loss += loss
         rank_state.epoch_loss[1] += 1
-        num_steps += 1
         if worker.progress is not None and worker.progress.due():
             _show_progress(worker, plan, samples=min(
                 progress + plan.num_samples / max(1, mine.steps),
@@ -230,8 +229,8 @@ def run_slice(worker: Worker, plan: RoundPlan,
     pool_used = pool.close()
     round_sum = float(round_loss)  # the one read of the device per round
     rank_state.epoch_loss[0] += round_sum
-    if worker.progress is not None and num_steps:
-        worker.progress.loss = round_sum / num_steps
+    if worker.progress is not None and timer.steps + warmup.steps:
+        worker.progress.loss = round_sum / (timer.steps + warmup.steps)
     timer.finish()
     warmup.finish()
     rank_state.step_count, rank_state.step_total_s = mean.count, mean.total

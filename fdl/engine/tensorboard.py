@@ -27,7 +27,7 @@ from typing import Any
 
 from fdl.errors import UsageError
 
-INSTALL_HINT = "pip install 'fdl[tensorboard]' (or pip install tensorboard)"
+INSTALL_HINT = "pip install 'fdl[tensorboard]'"
 
 
 def log_dir(setting: str, *, run_dir: Path | None) -> Path:

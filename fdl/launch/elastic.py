@@ -77,17 +77,16 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
     is a usage error. Returns the listening socket of a one-node rendezvous (None otherwise):
     bound here to the rendezvous address only, and held until the store serves on it, so no
     other process can take the port in between."""
-    import importlib.util
-
+    from fdl.engine.tensorboard import INSTALL_HINT
     from fdl.launch.worker import module_problem
 
-    if importlib.util.find_spec("torch") is None:
+    if not _installed("torch"):
         raise MissingTorchError("fdl run")
     tensorboard = spec.settings.get("tensorboard")
     if tensorboard is not None and tensorboard.value is not None and \
             not _installed("tensorboard"):
         raise UsageError("--tensorboard needs the tensorboard package, which is not installed",
-                         hint="pip install 'fdl[tensorboard]'")
+                         hint=INSTALL_HINT)
     if spec.run_dir_use == "resume":
         from fdl.launch.resume import check_resumable
 
