@@ -190,10 +190,7 @@ def _thin(best: PolicyRow, *, other: PolicyRow | None,
 
 def _judged(quality: Quality, *, other: Quality, label: str = "sync") -> str:
     """``final accuracy 0.912 vs sync 0.91 (within the noise, 0.005)`` and the like."""
-    def show(value: Spread | None) -> str:
-        return "-" if value is None else f"{value.median:.4g}"
-
-    text = f"final {quality.name} {show(quality.values)} vs {label} {show(other.values)}"
+    text = f"final {quality.name} {_spread(quality.values)} vs {label} {_spread(other.values)}"
     if quality.values is None or other.values is None:
         return text
     noise = tolerance(other.values.median, spreads=(quality.values, other.values))

@@ -110,8 +110,19 @@ def _target_fact(document: Mapping[str, Any]) -> list[str]:
 
 
 def render_png(document: Mapping[str, Any]) -> bytes | None:
-    """compare.png: 2 x 2 axes — train loss (top) and the main eval metric (bottom) against
-    training seconds (left) and samples (right), one colour per policy, one line per seed."""
+    """compare.png (:func:`compare_figure`); None without matplotlib."""
+    figure = compare_figure(document)
+    if figure is None:
+        return None
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def compare_figure(document: Mapping[str, Any]) -> Any:
+    """2 x 2 axes — train loss (top) and the main eval metric (bottom) against training seconds
+    (left) and samples (right), one colour per policy, one line per seed; None without
+    matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -126,7 +137,8 @@ def render_png(document: Mapping[str, Any]) -> bytes | None:
     for cell in document["cells"]:
         _plot_cell(axes, cell, metric=metric, colour=colours[cell["policy"]],
                    first=cell["policy"] not in seen)
-        seen.add(cell["policy"])
+        if cell.get("epochs"):  # the legend names a policy at its first drawn run
+            seen.add(cell["policy"])
     figure.suptitle(f"fdl compare: {Path(document['script']).name} (one line per seed)")
     target = document["sync_loss_target"]
     for (row, column), ax in _grid(axes):
@@ -138,14 +150,14 @@ def render_png(document: Mapping[str, Any]) -> bytes | None:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return figure
 
 
 def _plot_cell(axes: Any, cell: Mapping[str, Any], *, metric: str | None, colour: str,
                first: bool) -> None:
     epochs = cell.get("epochs") or []
+    if not epochs:  # a failed run: nothing to draw
+        return
     label = cell["policy"] if first else None
     for column, key in enumerate(("elapsed_s", "samples")):
         xs = [point[key] for point in epochs]

@@ -44,9 +44,7 @@ class EpochPoint:
 class RunResult:
     """The figures of one finished run that fdl compare shows (summary.json and metrics.jsonl)."""
 
-    policy: str
     world_size: int
-    epochs: int | None
     samples: int
     wall_s: float
     samples_per_s: float
@@ -78,10 +76,10 @@ def load_run_result(run_dir: Path, *,
                     expected: Mapping[str, Any] | None = None) -> RunResult:
     """The result in ``run_dir``; RunUnusable when there is none fdl compare can use, or when
     its config.json does not hold ``expected`` (:func:`config_matches`)."""
-    from fdl.launch.report import load_run
+    from fdl.launch.report import load_summary_and_config
 
     try:
-        summary, _, config = load_run(run_dir)
+        summary, config = load_summary_and_config(run_dir)
     except UsageError as exc:
         raise RunUnusable(exc.message) from exc
     if expected is not None and not config_matches(config, expected=expected):
@@ -158,10 +156,9 @@ def _result(summary: dict[str, Any], *, curve: tuple[EpochPoint, ...], path: Pat
     idle = [value for value in summary.get("idle_fraction") or []
             if isinstance(value, (int, float)) and math.isfinite(value)]
     overhead = summary["sync"]["overhead"]
-    epochs, samples = summary.get("epochs"), summary.get("samples")
+    samples = summary.get("samples")
     return RunResult(
-        policy=summary["policy"], world_size=summary["world_size"],
-        epochs=epochs if _is_int(epochs) else None,
+        world_size=summary["world_size"],
         samples=samples if _is_int(samples) else curve[-1].samples,
         wall_s=float(summary["wall_s"]), samples_per_s=rate,
         idle_fraction=sum(idle) / len(idle) if idle else None,

@@ -146,14 +146,14 @@ def _print_plan(plan: ComparePlan, *, as_json: bool) -> None:
     import shlex
 
     from fdl import console
-    from fdl.bench.compare_run import finished_result
+    from fdl.bench.compare_run import SCHEMA, finished_result
 
     done = {cell.name: finished_result(cell) is not None for cell in plan.cells}
     if as_json:
         document = plan.to_dict()
         for cell in document["cells_planned"]:
             cell["finished"] = done[cell["name"]]
-        console.print_json({"schema": 1, **document})
+        console.print_json({"schema": SCHEMA, **document})
         return
     console.rule("fdl compare --dry-run")
     console.out(f"compare directory {plan.out}: {len(plan.cells)} run(s), "

@@ -49,19 +49,25 @@ class RankTimeline:
 
 def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RankTimeline], dict[str, Any]]:
     """summary.json (checked), every rank's timeline and config.json (empty if absent)."""
+    summary, config = load_summary_and_config(run_dir)
+    timelines = [read_rank_timeline(run_dir / "timeline" / f"rank{rank}.jsonl", rank=rank)
+                 for rank in range(summary["world_size"])]
+    return summary, timelines, config
+
+
+def load_summary_and_config(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """summary.json (checked) and config.json (empty if absent), without the timelines."""
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise UsageError(f"{run_dir} has no summary.json (not a finished fdl run)",
                          hint="pass a run directory, e.g. runs/<time>-train-async")
     summary = _read_json(summary_path)
     _check_summary(summary, summary_path)
-    timelines = [read_rank_timeline(run_dir / "timeline" / f"rank{rank}.jsonl", rank=rank)
-                 for rank in range(summary["world_size"])]
     config_path = run_dir / "config.json"
     config = _read_json(config_path) if config_path.exists() else {}
     if not isinstance(config, dict):
         raise UsageError(f"{config_path} holds {_show(config)}, not a JSON object", hint=_HINT)
-    return summary, timelines, config
+    return summary, config
 
 
 def report_batch_size(config: dict[str, Any], *, path: Path) -> int:

@@ -136,7 +136,7 @@ def write_run(run_dir: Path, *, summary: dict | None = None, metrics: list | Non
 
 def test_a_finished_run_is_read_back(tmp_path):
     result = load_run_result(write_run(tmp_path / "r"), expected=EXPECTED)
-    assert (result.policy, result.samples_per_s, result.wall_s) == ("sync", 50.0, 4.0)
+    assert (result.world_size, result.samples_per_s, result.wall_s) == (2, 50.0, 4.0)
     assert result.idle_fraction == pytest.approx(0.2) and result.sync_overhead == 0.01
     assert result.final_loss == 0.4 and result.eval == {"accuracy": 0.8}
     # elapsed_s when the line has it, else samples / samples_per_s

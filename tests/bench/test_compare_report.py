@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fdl.bench.compare_recommend import recommend
-from fdl.bench.compare_render import render_markdown, render_png, tables
+from fdl.bench.compare_render import compare_figure, render_markdown, render_png, tables
 from fdl.bench.compare_report import (
     build_document,
     build_rows,
@@ -34,7 +34,7 @@ def outcome(policy: str, seed: int, points: tuple[tuple[float, float], ...], *,
             rate: float = 1000.0, accuracy: float | None = 0.9,
             idle: float = 0.1, overhead: float | None = 0.02) -> CellOutcome:
     evals = {} if accuracy is None else {"accuracy": accuracy, "loss": 0.5}
-    result = RunResult(policy=policy, world_size=2, epochs=len(points), samples=100 * len(points),
+    result = RunResult(world_size=2, samples=100 * len(points),
                        wall_s=points[-1][0], samples_per_s=rate, idle_fraction=idle,
                        sync_overhead=overhead, eval=evals,
                        curve=curve(*points, metric="accuracy" if accuracy is not None else None,
@@ -327,3 +327,9 @@ def test_the_png_has_a_curve_per_run():
     document = document_of([outcome("sync", 0, SYNC), outcome("cadence", 0, SYNC),
                             failed("cadence", 1)])
     assert render_png(document)[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = compare_figure(document).axes
+    assert len(axes) == 4
+    # loss against seconds and samples: a line per finished run, plus sync's target line
+    assert [len(ax.lines) for ax in axes[:2]] == [3, 3]
+    assert [len(ax.lines) for ax in axes[2:]] == [2, 2]  # the metric: the finished runs only
+    assert {line.get_label() for line in axes[0].lines} >= {"sync", "cadence"}
