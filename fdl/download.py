@@ -49,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -109,7 +110,8 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
     if len(candidates) > 1 and expected is None:
         raise ValueError("several URLs are mirrors of one file only under an expected digest")
     usable, refused = _usable(candidates, allow_http=allow_http, opt_in=http_opt_in)
-    ranges = Ranges(num_connections=num_connections(connections), min_bytes=parallel_min_bytes)
+    ranges = Ranges(num_connections=num_connections(connections), min_bytes=parallel_min_bytes,
+                    verified=expected is not None)
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = PartFile(dest.with_name(dest.name + ".part"), algorithms={"sha256", algorithm},
                     progress=progress, max_bytes=max_bytes)
@@ -274,18 +276,20 @@ def _attempt(client, url: str, part: PartFile, *, chunk_size: int, ranges: Range
         _one_get(client, url, part, chunk_size=chunk_size, ranges=ranges)
     except RangesIgnored:
         _one_get(client, url, part, chunk_size=chunk_size,
-                 ranges=Ranges(num_connections=1, min_bytes=ranges.min_bytes))
+                 ranges=dataclasses.replace(ranges, num_connections=1))
 
 
 def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges) -> None:
     """The missing ranges of a recorded parallel download, else one GET from the ``.part``'s
     end (a record that cannot be trusted empties the ``.part`` first)."""
     state = load_state(part.path)
+    if state is not None and state.url != url and not ranges.verified:
+        state = None  # another server's pieces, and no digest to check the whole against
     if state is not None:
         fetch_ranges(client, url, part, state, first=None, batch_bytes=chunk_size,
                      num_connections=ranges.num_connections)
         return
-    if state_path(part.path).exists():  # a record not to be trusted: what it tells is unknown
+    if state_path(part.path).exists():  # a record not to be trusted (or not here): start over
         discard_state(part.path)
         part.restart()
     offset = part.offset()

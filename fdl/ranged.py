@@ -23,15 +23,12 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.partfile import PartFile
+from fdl.partfile import PartFile, Progress
 from fdl.rangestate import RangeState, discard_state, plan_state, save_state
-
-Progress = Callable[[int, int | None], None]
 
 _SAVE_EVERY_S = 1.0
 _HASH_BLOCK = 4 << 20
@@ -67,6 +64,9 @@ class Ranges:
 
     num_connections: int
     min_bytes: int  # smaller files come in one stream
+    # An expected digest will check the assembled file: pieces from another mirror of it may be
+    # kept. Without one, a record made against another URL is not resumed (two servers' bytes).
+    verified: bool = False
 
 
 def offers_ranges(response: Any, total: int | None, ranges: Ranges) -> bool:
@@ -271,8 +271,13 @@ class RangedFetch:
     def _write(self, fd: int, batch: list[bytes], pos: int, index: int) -> int:
         size = sum(map(len, batch))
         written = os.pwritev(fd, batch, pos)
-        if written < size:  # rare (a signal, a full disk): the rest in one more call
-            os.pwrite(fd, b"".join(batch)[written:], pos + written)
+        if written < size:  # rare (a signal, a full disk): write the rest, or fail
+            rest = b"".join(batch)[written:]
+            while rest:
+                count = os.pwrite(fd, rest, pos + size - len(rest))
+                if count <= 0:
+                    raise OSError(f"wrote no bytes at offset {pos + size - len(rest)}")
+                rest = rest[count:]
         with self._cond:
             self.state.pieces[index].done += size
             self._cond.notify_all()

@@ -118,6 +118,29 @@ def test_a_cut_range_resumes_only_the_missing_ranges(served, tmp_path):
     assert not state_path(_part(dest)).exists()
 
 
+@pytest.mark.parametrize("digest", [DIGEST, None])
+def test_a_record_from_another_url_is_resumed_only_when_a_digest_checks_the_whole(
+        served, tmp_path, digest):
+    served.files["mirror.zip"] = DATA
+    served.script.extend([served.Act(), served.Act(cut_after=10_000)])
+    dest = tmp_path / "libtorch.zip"
+    with pytest.raises(FdlError):
+        download(served.url("libtorch.zip"), dest, expected=digest, **{**PARALLEL, "retries": 0})
+    state = load_state(_part(dest))
+    assert state is not None and 0 < state.done_bytes < len(DATA)
+
+    served.requests.clear()
+    served.sent.clear()
+    result = download(served.url("mirror.zip"), dest, expected=digest, **PARALLEL)
+    assert dest.read_bytes() == DATA
+    if digest is None:  # two servers' bytes in one file could go unnoticed: start over
+        assert result.resumed is False and served.requests[0]["range"] is None
+        assert served.statuses[0] == 200  # the whole file asked for again, from byte 0
+    else:  # the digest checks the assembled file: the other mirror's pieces are kept
+        assert result.resumed is True
+        assert sum(sent for _, sent in served.sent) == len(DATA) - state.done_bytes
+
+
 def test_sigint_keeps_the_part_and_its_record_and_the_rerun_resumes(served, tmp_path):
     hold = served.Act(pause_after=1 << 16)  # one range stalls: the download cannot finish
     served.script.extend([served.Act(), hold])

@@ -121,7 +121,7 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
     what = {"download": "download and activate", "activate": "activate (already installed)",
             "present": "already active", "none": "nothing to install",
             "link": "link the torch wheel's libtorch (0 bytes) and activate"}[plan.action]
-    name = plan.link_id or (f"precompiled/{plan.archive.name}" if plan.archive else None)
+    name = plan.variant_id
     console.print_pairs([
         ("GPUs", survey_line),
         ("libtorch", f"{name}: {what}" if name else what),

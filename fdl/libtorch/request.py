@@ -28,15 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fdl.errors import FdlError, UsageError
-from fdl.libtorch.archive_facts import name_from_url
 from fdl.libtorch.catalog import LibtorchArchive, find_archive, latest_version
 from fdl.libtorch.install import ArchiveRequest
 from fdl.libtorch.resolve import resolve_variant
 from fdl.libtorch.validate import check_variant_name
 from fdl.system.gpus import GpuSurvey
 
-__all__ = ["DownloadAsk", "DownloadChoice", "archive_request", "name_from_url",
-           "resolve_download"]
+__all__ = ["DownloadAsk", "DownloadChoice", "archive_request", "resolve_download"]
 
 _HELP = "see `fdl libtorch download --help`"
 

@@ -7,8 +7,9 @@ import pytest
 from helpers import GPU_FIXTURES
 
 from fdl.errors import FdlError, UsageError
+from fdl.libtorch.archive_facts import name_from_url
 from fdl.libtorch.catalog import find_archive, latest_version
-from fdl.libtorch.request import DownloadAsk, archive_request, name_from_url, resolve_download
+from fdl.libtorch.request import DownloadAsk, archive_request, resolve_download
 from fdl.system.gpu_fixture import load_survey_fixture
 
 ORG = "https://download.pytorch.org/libtorch"
