@@ -60,13 +60,14 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from fdl.errors import FdlError, UsageError
+from fdl.httpclient import http_client
 from fdl.partfile import PartFile, Progress, TooLarge
 from fdl.ranged import Ranges, RangesIgnored, fetch_ranges, offers_ranges, start_ranges
 from fdl.ranged import RuledOut as _RuledOut
 from fdl.ranged import Transient as _Transient
 from fdl.ranged import check_status as _check_status
 from fdl.rangestate import discard_state, load_state, state_path
-from fdl.urls import HTTP_OPT_IN, check_url, redirect_guard
+from fdl.urls import HTTP_OPT_IN, check_url
 
 __all__ = ["DownloadResult", "Progress", "download"]
 
@@ -223,13 +224,10 @@ def _failure(part: PartFile, causes: dict[str, str], *, retrying: bool, attempts
 
 def _http_client(urls: list[str], *, allow_http: bool, opt_in: str, timeout_s: float
                  ) -> contextlib.AbstractContextManager[Any]:
-    """An httpx client whose redirects obey the http rule; none when every URL is a file."""
+    """The HTTP client (:mod:`fdl.httpclient`); none when every URL is a file."""
     if all(_is_file(url) for url in urls):
         return contextlib.nullcontext()
-    import httpx
-
-    return httpx.Client(timeout=timeout_s, follow_redirects=True,
-                        event_hooks=redirect_guard(allow_http=allow_http, opt_in=opt_in))
+    return http_client(allow_http=allow_http, timeout_s=timeout_s, opt_in=opt_in)
 
 
 def _is_file(url: str) -> bool:

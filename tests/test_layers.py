@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.partfile", "fdl.urls",
-             "fdl.rangestate", "fdl.ranged", "fdl.download", "fdl.console", "fdl.settings"),
+             "fdl.httpclient", "fdl.rangestate", "fdl.ranged", "fdl.download", "fdl.console",
+             "fdl.settings"),
     "system": ("fdl.system",),
     "libtorch": ("fdl.libtorch",),
     "scaffold": ("fdl.scaffold",),
