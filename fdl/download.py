@@ -23,9 +23,13 @@ Failures:
 
 Large files come over several connections: when the file is at least ``parallel_min_bytes``
 (64 MiB) and the first answer (``200``) offers ranges (``Accept-Ranges: bytes``, a
-``Content-Length`` and an ``ETag`` or ``Last-Modified``), ``connections`` connections (the
-argument, else ``FDL_DOWNLOAD_CONNECTIONS``, else 4; 1 is one stream) each fetch byte ranges
-into the ``.part`` at their offsets (:mod:`fdl.ranged`). Which ranges are on disk is recorded
+``Content-Length`` and an ``ETag`` or ``Last-Modified``), several connections each fetch byte
+ranges into the ``.part`` at their offsets (:mod:`fdl.ranged`). How many: ``connections`` (the
+argument, else ``FDL_DOWNLOAD_CONNECTIONS``; 1 is one stream) from the start when it is given;
+when neither is, the first answer's connection goes on alone, and more are opened (up to 4)
+while the open ones spend most of their time waiting for the network, not on this machine's
+CPU: a capped or distant link gets 4, a fast local mirror, where one connection already keeps
+a core busy, stays at 1. Which ranges are on disk is recorded
 beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.rangestate`), so an interrupted download
 resumes only the missing ranges; a record that cannot be trusted is ignored and the download
 starts over. Every range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and
@@ -74,7 +78,8 @@ __all__ = ["DownloadResult", "Progress", "download"]
 _MAX_BACKOFF_S = 30.0
 CONNECTIONS_ENV = "FDL_DOWNLOAD_CONNECTIONS"
 # scripts/bench-download, 50 MB/s per connection: 4 connections ran at 3.85x curl, 8 at 6.3x;
-# 4 clears the 2x goal with room and asks no more of a server than download managers commonly do
+# 4 clears the 2x goal with room and asks no more of a server than download managers commonly do.
+# The most an unset setting opens (adaptive: see the module docstring).
 DEFAULT_CONNECTIONS = 4
 PARALLEL_MIN_BYTES = 64 << 20
 
@@ -87,6 +92,7 @@ class DownloadResult:
     sha256: str  # computed whatever algorithm the expected digest uses
     size: int
     resumed: bool  # True if an existing .part was continued with an HTTP Range request
+    connections: int = 1  # the most connections that fetched it at once
 
 
 def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = None,
@@ -104,7 +110,8 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
     data arrives. A file larger than ``max_bytes`` is refused (when announced, before its body is
     read). ``http_opt_in`` names the user's way to allow plain http and ``source_hint`` where
     else the file may be found, in the errors. ``connections`` (else ``FDL_DOWNLOAD_CONNECTIONS``,
-    else 4) connections fetch a file of ``parallel_min_bytes`` or more when the server allows.
+    else from 1 to 4 as the link needs) connections fetch a file of ``parallel_min_bytes`` or
+    more when the server allows.
     Raises ``FdlError`` (``UsageError`` when every URL is refused by ``check_url``, or the
     number of connections is not 1 to 64, before anything is written)."""
     candidates = [urls] if isinstance(urls, str) else list(urls)
@@ -112,7 +119,8 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
         raise ValueError("several URLs are mirrors of one file only under an expected digest")
     usable, refused = _usable(candidates, allow_http=allow_http, opt_in=http_opt_in)
     ranges = Ranges(num_connections=num_connections(connections), min_bytes=parallel_min_bytes,
-                    verified=expected is not None)
+                    verified=expected is not None,
+                    adaptive=connections is None and not os.environ.get(CONNECTIONS_ENV, "").strip())
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = PartFile(dest.with_name(dest.name + ".part"), algorithms={"sha256", algorithm},
                     progress=progress, max_bytes=max_bytes)
@@ -138,12 +146,13 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
         raise FdlError(f"cannot move the download into place at {dest}: {exc.strerror}",
                        hint=f"the verified file is kept as {part.path}") from exc
     return DownloadResult(path=dest, sha256=digests["sha256"], size=part.size,
-                          resumed=part.resumed)
+                          resumed=part.resumed, connections=part.connections)
 
 
 def num_connections(connections: int | None = None) -> int:
-    """The connections a large download uses: ``connections``, else ``FDL_DOWNLOAD_CONNECTIONS``,
-    else 4; ``UsageError`` for anything but a whole number from 1 to 64."""
+    """The most connections a large download uses: ``connections``, else
+    ``FDL_DOWNLOAD_CONNECTIONS``, else 4; ``UsageError`` for anything but a whole number from 1
+    to 64."""
     origin = "connections"
     if connections is None:
         text = os.environ.get(CONNECTIONS_ENV, "").strip()
@@ -153,7 +162,8 @@ def num_connections(connections: int | None = None) -> int:
         connections = int(text) if text.isdigit() else 0
     if isinstance(connections, bool) or not 1 <= connections <= 64:
         raise UsageError(f"{origin}: expected a whole number of connections from 1 to 64",
-                         hint=f"1 downloads in one stream; unset {CONNECTIONS_ENV} for 4")
+                         hint=f"1 downloads in one stream; unset {CONNECTIONS_ENV} to let fdl "
+                              "choose (up to 4)")
     return connections
 
 
@@ -274,7 +284,7 @@ def _attempt(client, url: str, part: PartFile, *, chunk_size: int, ranges: Range
         _one_get(client, url, part, chunk_size=chunk_size, ranges=ranges)
     except RangesIgnored:
         _one_get(client, url, part, chunk_size=chunk_size,
-                 ranges=dataclasses.replace(ranges, num_connections=1))
+                 ranges=dataclasses.replace(ranges, num_connections=1, adaptive=False))
 
 
 def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges) -> None:
@@ -285,7 +295,7 @@ def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Range
         state = None  # another server's pieces, and no digest to check the whole against
     if state is not None:
         fetch_ranges(client, url, part, state, first=None, batch_bytes=chunk_size,
-                     num_connections=ranges.num_connections)
+                     ranges=ranges)
         return
     if state_path(part.path).exists():  # a record not to be trusted (or not here): start over
         discard_state(part.path)
@@ -312,7 +322,7 @@ def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Range
         if status == 200 and offers_ranges(response, total, ranges):
             state = start_ranges(part, response, url=url, size=total, ranges=ranges)
             fetch_ranges(client, url, part, state, first=response, batch_bytes=chunk_size,
-                         num_connections=ranges.num_connections)
+                         ranges=ranges)
             return
         part.append(response.iter_raw(), total=total, batch_bytes=chunk_size)
     if total is not None and part.size != total:

@@ -36,6 +36,7 @@ class PartFile:
         self.max_bytes = max_bytes
         self.size = 0
         self.resumed = False
+        self.connections = 1  # the most connections that filled it at once
         self._hashers: dict[str, hashlib._Hash] | None = None
 
     def offset(self) -> int:
@@ -90,10 +91,13 @@ class PartFile:
                             hint="a libtorch archive is a few GB; if this one is genuine, "
                                  "raise FDL_MAX_EXTRACT_BYTES (e.g. 64G)")
 
-    def adopt(self, hashers: dict[str, hashlib._Hash], *, size: int, resumed: bool) -> None:
+    def adopt(self, hashers: dict[str, hashlib._Hash], *, size: int, resumed: bool,
+              connections: int) -> None:
         """Take the hashes of a file filled by someone else (a parallel download, which hashes
-        as its pieces land) as this one's: ``size`` bytes, all of them hashed."""
+        as its pieces land, over up to ``connections`` connections at once) as this one's:
+        ``size`` bytes, all of them hashed."""
         self._hashers, self.size, self.resumed = hashers, size, resumed
+        self.connections = connections
 
     def _hand_over(self, fanout: Fanout, batch: list[bytes]) -> None:
         fanout.put(batch)

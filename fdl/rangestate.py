@@ -53,11 +53,7 @@ class RangeState:
         return sum(piece.done for piece in self.pieces)
 
     def if_range(self) -> str | None:
-        """The ``If-Range`` value: a strong ETag, else ``Last-Modified`` (a weak ETag may not
-        be used there), else None (the file cannot be fetched in parts safely)."""
-        if self.etag and not self.etag.startswith("W/"):
-            return self.etag
-        return self.last_modified
+        return if_range_value(self.etag, self.last_modified)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": _VERSION, "url": self.url, "size": self.size, "etag": self.etag,
@@ -92,6 +88,15 @@ class RangeState:
         return cls(url=url, size=size, etag=etag, last_modified=modified, pieces=pieces)
 
 
+def if_range_value(etag: str | None, last_modified: str | None) -> str | None:
+    """The ``If-Range`` value for a file with these validators: a strong ETag, else
+    ``Last-Modified`` (a weak ETag may not be used there), else None (the file cannot be
+    fetched in parts safely)."""
+    if etag and not etag.startswith("W/"):
+        return etag
+    return last_modified or None
+
+
 def plan_state(*, url: str, size: int, etag: str | None, last_modified: str | None,
                num_connections: int, min_piece_bytes: int) -> RangeState:
     """A fresh state cutting ``size`` bytes into pieces: four per connection, so that a fast
@@ -120,9 +125,10 @@ def load_state(part: Path) -> RangeState | None:
     return state
 
 
-def save_state(part: Path, state: RangeState) -> None:
-    """Write the record atomically: a reader sees the previous one or this one, never a mix."""
-    write_json_atomic(state_path(part), state.to_dict())
+def save_state(part: Path, state: RangeState | dict[str, Any]) -> None:
+    """Write the record (``state``, or the ``to_dict()`` of one) atomically: a reader sees the
+    previous one or this one, never a mix."""
+    write_json_atomic(state_path(part), state if isinstance(state, dict) else state.to_dict())
 
 
 def discard_state(part: Path) -> None:

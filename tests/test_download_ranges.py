@@ -5,24 +5,33 @@ threshold lowered so that a few MiB go over several connections.
 Covered: the assembled file and its sha256, a server without ranges and one that offers them
 and then ignores them, resuming only the missing ranges after a cut and after SIGINT to a real
 process, a file that changes on the server, a sidecar that cannot be trusted, the connections
-setting."""
+setting, and the adaptive default: one connection that streams on through the pieces, more
+opened while a connection waits on the network (a first answer held by the server), none while
+they keep their CPU busy (the rule, on given figures: a CPU-bound transfer on loopback is not
+something a test can hold steady)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 from helpers import GUARD_S, wait_until
 
 from fdl.download import download, num_connections
 from fdl.errors import FdlError, UsageError
-from fdl.rangestate import load_state, state_path
+from fdl.httpclient import http_client
+from fdl.ranged import RangedFetch, more_connections
+from fdl.rangestate import load_state, plan_state, state_path
 
 DATA = random.Random(1).randbytes(3 * (1 << 20) + 4321)  # not a multiple of any piece
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -174,6 +183,37 @@ def test_sigint_keeps_the_part_and_its_record_and_the_rerun_resumes(served, tmp_
     assert sum(sent for _, sent in served.sent) == len(DATA) - state.done_bytes
 
 
+def _open_fds_on(path) -> list[str]:
+    fds = Path("/proc/self/fd")
+    found = []
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == str(path):
+                found.append(fd.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_ctrl_c_in_a_long_lived_process_leaves_no_fd_once_the_workers_are_through(
+        served, tmp_path):
+    hold = served.Act(pause_after=1 << 16)  # one range stalls until released
+    served.script.extend([served.Act(), hold])
+    dest = tmp_path / "libtorch.zip"
+
+    def interrupt(done: int, total: int | None) -> None:
+        if done > 0:  # Ctrl-C as the main thread sees it, while a worker is mid-range
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        download(served.url("libtorch.zip"), dest, progress=interrupt, **PARALLEL)
+    hold.release.set()  # the stalled worker gets its bytes, writes them and is through
+    wait_until(lambda: not _open_fds_on(_part(dest)), "the .part's fd to be closed")
+    state = load_state(_part(dest))
+    assert state is not None and 0 < state.done_bytes < len(DATA)
+    result = download(served.url("libtorch.zip"), dest, expected=DIGEST, **PARALLEL)
+    assert result.resumed is True and dest.read_bytes() == DATA
+
+
 def test_a_file_changed_on_the_server_is_fetched_again_whole(served, tmp_path):
     def swap(number: int) -> None:
         if number == 2:  # mid-download: some ranges are of the old version already
@@ -229,3 +269,60 @@ def test_a_sidecar_that_cannot_be_trusted_is_ignored(served, tmp_path, name):
     assert result.path.read_bytes() == DATA and result.resumed is False
     assert served.requests[0]["range"] is None  # from the start: nothing on disk was trusted
     assert not state_path(_part(dest)).exists()
+
+
+def test_the_first_answer_alone_streams_through_every_piece(served, tmp_path):
+    part = tmp_path / "libtorch.zip.part"
+    state = plan_state(url=served.url("libtorch.zip"), size=len(DATA), etag=None,
+                       last_modified=None, num_connections=4, min_piece_bytes=1 << 17)
+    assert len(state.pieces) == 16
+    part.write_bytes(b"\0" * len(DATA))
+    fetch = RangedFetch(None, part, state, algorithms=("sha256",), num_connections=1,
+                        batch_bytes=1 << 16, progress=None)
+    with http_client(allow_http=True, timeout_s=30) as client, \
+            client.stream("GET", served.url("libtorch.zip")) as first:
+        fetch.client = client
+        fetch.run(first)
+    assert part.read_bytes() == DATA and fetch.hashers["sha256"].hexdigest() == DIGEST
+    assert served.requests == [{"path": "/libtorch.zip", "range": None}]  # one request
+    assert all(piece.complete for piece in state.pieces) and fetch.most_connections == 1
+
+
+def test_the_default_opens_more_connections_while_one_waits_on_the_network(
+        served, tmp_path, monkeypatch):
+    monkeypatch.delenv("FDL_DOWNLOAD_CONNECTIONS", raising=False)
+    held = served.Act(pause_after=10_000)  # the first answer: 10 kB, then nothing until released
+    served.script.append(held)
+    dest = tmp_path / "libtorch.zip"
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(download(
+        served.url("libtorch.zip"), dest, expected=DIGEST, **{**PARALLEL, "connections": None})))
+    worker.start()
+    try:  # the only connection is waiting for bytes, not using its CPU: another must open
+        wait_until(lambda: any(r["range"] for r in served.requests),
+                   "a second connection to ask for a range")
+    finally:
+        held.release.set()
+        worker.join(timeout=GUARD_S)
+    (result,) = results
+    assert result.connections >= 2 and dest.read_bytes() == DATA and result.sha256 == DIGEST
+    assert served.requests[0]["range"] is None
+    # the first answer served its piece and stopped there: the 15 others came in ranges
+    first_piece = -(-len(DATA) // 16)
+    assert len(_ranged(served)) == 15
+    assert sum(sent for status, sent in served.sent if status == 206) == len(DATA) - first_piece
+
+
+@pytest.mark.parametrize(("running", "busy", "pieces_left", "opened"), [
+    (1, [0.05], 15, 1),  # a capped link: double
+    (2, [0.1, 0.2], 13, 2),
+    (4, [0.1] * 4, 9, 0),  # at the most already
+    (3, [0.1] * 3, 9, 1),  # up to the most, not past it
+    (2, [0.1, 0.1], 1, 1),  # no more than the pieces nobody has taken
+    (1, [0.8], 15, 0),  # one connection keeps a core busy: a fast mirror, stay at one
+    (2, [0.1, 0.6], 13, 0),  # any busy one holds the rest back
+    (1, [], 15, 0),  # nothing measured yet
+])
+def test_more_connections_only_while_every_open_one_waits(running, busy, pieces_left, opened):
+    assert more_connections(running=running, maximum=4, pieces_left=pieces_left,
+                            busy=busy) == opened
