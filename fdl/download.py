@@ -25,7 +25,8 @@ Large files come over several connections: when the file is at least ``parallel_
 (64 MiB) and the first answer (``200``) offers ranges (``Accept-Ranges: bytes``, a
 ``Content-Length`` and an ``ETag`` or ``Last-Modified``), several connections each fetch byte
 ranges into the ``.part`` at their offsets (:mod:`fdl.ranged`). How many: ``connections`` (the
-argument, else ``FDL_DOWNLOAD_CONNECTIONS``; 1 is one stream) from the start when it is given;
+argument, else ``FDL_DOWNLOAD_CONNECTIONS``; 1 is one request for the whole file, recorded like
+the others so that its resume asks ``If-Range``) from the start when it is given;
 when neither is, the first answer's connection goes on alone, and more are opened (up to 4)
 while the open ones spend most of their time waiting for the network, not on this machine's
 CPU: a capped or distant link gets 4, a fast local mirror, where one connection already keeps
@@ -284,7 +285,7 @@ def _attempt(client, url: str, part: PartFile, *, chunk_size: int, ranges: Range
         _one_get(client, url, part, chunk_size=chunk_size, ranges=ranges)
     except RangesIgnored:
         _one_get(client, url, part, chunk_size=chunk_size,
-                 ranges=dataclasses.replace(ranges, num_connections=1, adaptive=False))
+                 ranges=dataclasses.replace(ranges, ranged=False))
 
 
 def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges) -> None:

@@ -83,6 +83,10 @@ class Ranges:
     # Open one connection, and more while they wait on the network (:func:`more_connections`);
     # else all of them from the start.
     adaptive: bool = False
+    # False: one plain stream whatever the server offers (it answered a range with the whole
+    # file once). With one connection and ranges, the file still comes in one request, but
+    # with a record, so that a resume asks If-Range and never mixes two versions.
+    ranged: bool = True
     # An expected digest will check the assembled file: pieces from another mirror of it may be
     # kept. Without one, a record made against another URL is not resumed (two servers' bytes).
     verified: bool = False
@@ -91,7 +95,7 @@ class Ranges:
 def offers_ranges(response: Any, total: int | None, ranges: Ranges) -> bool:
     """Whether this ``200`` from byte 0 may be fetched in ranges instead: large enough, with a
     length, ``Accept-Ranges: bytes`` and a validator for ``If-Range``."""
-    return (ranges.num_connections > 1 and total is not None and total >= ranges.min_bytes
+    return (ranges.ranged and total is not None and total >= ranges.min_bytes
             and response.headers.get("Accept-Ranges", "").strip().lower() == "bytes"
             and if_range_value(*validators(response)) is not None)
 

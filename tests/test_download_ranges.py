@@ -228,6 +228,22 @@ def test_a_file_changed_on_the_server_is_fetched_again_whole(served, tmp_path):
     assert sum(1 for r in served.requests if r["range"] is None) == 2  # a fresh start
 
 
+def test_one_connection_resumed_after_the_file_changed_is_not_a_mix(served, tmp_path):
+    served.script.append(served.Act(cut_after=100_000))
+    dest = tmp_path / "libtorch.zip"
+    one = {**PARALLEL, "connections": 1}
+    with pytest.raises(FdlError):  # no expected digest: nothing at the end would catch a mix
+        download(served.url("libtorch.zip"), dest, **{**one, "retries": 0})
+    state = load_state(_part(dest))
+    assert state is not None and state.done_bytes == 100_000 and state.etag
+    served.files["libtorch.zip"] = OTHER  # republished under the same name (a nightly)
+    served.requests.clear()
+    result = download(served.url("libtorch.zip"), dest, **one)
+    assert dest.read_bytes() == OTHER and result.resumed is False
+    assert served.requests[0]["range"].startswith("bytes=100000-")  # with If-Range
+    assert served.requests[-1]["range"] is None  # and started over on the new version
+
+
 def test_a_file_that_keeps_changing_fails_and_keeps_nothing(served, tmp_path):
     def swap(number: int) -> None:
         served.files["libtorch.zip"] = random.Random(number).randbytes(len(DATA))
