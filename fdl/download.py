@@ -26,14 +26,14 @@ Large files come over several connections: when the file is at least ``parallel_
 ``Content-Length`` and an ``ETag`` or ``Last-Modified``), several connections each fetch byte
 ranges into the ``.part`` at their offsets (:mod:`fdl.ranged`). How many: ``connections`` (the
 argument, else ``FDL_DOWNLOAD_CONNECTIONS``; 1 is one request for the whole file, recorded like
-the others so that its resume asks ``If-Range``) from the start when it is given;
-when neither is, the first answer's connection goes on alone, and more are opened (up to 4)
-while the open ones spend most of their time waiting for the network, not on this machine's
-CPU: a capped or distant link gets 4, a fast local mirror, where one connection already keeps
-a core busy, stays at 1. Which ranges are on disk is recorded
-beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.rangestate`), so an interrupted download
-resumes only the missing ranges; a record that cannot be trusted is ignored and the download
-starts over. Every range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and
+the others so that its resume asks ``If-Range``) from the start when it is given; when neither
+is, the first answer's connection goes on alone, and more are opened (up to 4) while the open
+ones spend most of their time waiting for the network, not on this machine's CPU: a capped or
+distant link gets 4, a fast local mirror, where one connection already keeps a core busy, stays
+at 1. Reads take up to 1 MiB at a time (:mod:`fdl.httpclient`). Which ranges are on disk is
+recorded beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.rangestate`), so an interrupted
+download resumes only the missing ranges; a record that cannot be trusted is ignored and the
+download starts over. Every range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and
 size compared with the first answer's: a file changed on the server discards the ``.part`` and
 its record and starts over (a transient failure: retried, then reported), so a file is never
 assembled from two versions. Without ranges, a length or a validator, one stream.
@@ -119,9 +119,9 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
     if len(candidates) > 1 and expected is None:
         raise ValueError("several URLs are mirrors of one file only under an expected digest")
     usable, refused = _usable(candidates, allow_http=allow_http, opt_in=http_opt_in)
+    chosen = connections is not None or bool(os.environ.get(CONNECTIONS_ENV, "").strip())
     ranges = Ranges(num_connections=num_connections(connections), min_bytes=parallel_min_bytes,
-                    verified=expected is not None,
-                    adaptive=connections is None and not os.environ.get(CONNECTIONS_ENV, "").strip())
+                    verified=expected is not None, adaptive=not chosen)
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = PartFile(dest.with_name(dest.name + ".part"), algorithms={"sha256", algorithm},
                     progress=progress, max_bytes=max_bytes)

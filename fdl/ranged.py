@@ -204,8 +204,10 @@ class RangedFetch:
                 hasher.join()
         except BaseException:  # Ctrl-C: record what is on disk and leave. The workers are
             self._halt()       # daemons; the fd stays open until the last of them is through
-            self._save()
-            self._abandon_fd()
+            try:
+                self._save()
+            finally:
+                self._abandon_fd()
             raise
         self._halt()
         hasher.join()
@@ -327,7 +329,9 @@ class RangedFetch:
                 self._check_complete(index)
                 with self._cond:
                     alone = self._running == 1 and not self._stop.is_set()
-                    if not (alone and self._todo and self._todo[0] == index + 1):
+                    untouched = bool(self._todo) and self._todo[0] == index + 1 \
+                        and self.state.pieces[index + 1].done == 0  # the body goes on there
+                    if not (alone and untouched):
                         return
                     index = self._todo.popleft()
         finally:
