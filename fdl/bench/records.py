@@ -9,12 +9,14 @@ was running, and a torn last line counts as not done.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fdl.bench.models import get_model
 from fdl.files import append_jsonl, read_jsonl, write_json_atomic
 
 if TYPE_CHECKING:
@@ -26,6 +28,7 @@ SCHEMA = 1
 def build_record(cell: Cell, *, run_dir: Path, out_dir: Path) -> dict[str, Any]:
     """The results.jsonl line of a finished cell, from its summary.json, metrics.jsonl and the
     per-rank timelines (``fdl.launch.report.build_report``: the ideal and idle time)."""
+    from fdl.bench.models import get_model  # imports torch: not for machine_facts' sake
     from fdl.launch.report import build_report, load_run
 
     model = get_model(cell.model)
@@ -89,8 +92,6 @@ def write_sweep_json(out_dir: Path, *, machine: dict[str, Any], args: dict[str, 
 
 def machine_facts() -> dict[str, Any]:
     """What the numbers depend on: CPU, cores, RAM, GPUs, torch, OS, Python."""
-    import torch
-
     from fdl.system.gpus import probe_gpus
     from fdl.system.host import probe_host
 
@@ -101,10 +102,38 @@ def machine_facts() -> dict[str, Any]:
         "logical_cores": host.logical_cores, "ram_gib": round(host.ram_mib / 1024, 1),
         "gpus": [{"index": g.index, "name": g.name, "compute_capability": g.cc,
                   "memory_mib": g.memory_mib} for g in gpus.gpus],
-        "gpu_driver": gpus.driver_version, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "os": f"{host.os_name} {host.os_release}".strip(),
+        "gpu_driver": gpus.driver_version, **torch_build(),
+        "os": f"{host.os_name} {host.os_release}".strip(),
         "kernel": host.kernel, "python": host.python_version,
     }
+
+
+def torch_build() -> dict[str, str | None]:
+    """``{"torch": version, "cuda": CUDA version or None}`` of the installed torch: from the
+    module when it is loaded, else read from the wheel's ``torch/version.py`` without importing
+    torch (which costs about a second: ``fdl compare`` asks for this once its runs are done).
+    Values it cannot read are None."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return {"torch": str(loaded.__version__), "cuda": loaded.version.cuda}
+    facts: dict[str, str | None] = {"torch": None, "cuda": None}
+    spec = importlib.util.find_spec("torch")  # finds the package without running it
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            tree = ast.parse((Path(folder) / "version.py").read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:  # __version__ = '2.13.0+cu128'; cuda: Optional[str] = '12.8'
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                else node.target if isinstance(node, ast.AnnAssign) else None
+            value = getattr(node, "value", None)
+            if isinstance(target, ast.Name) and isinstance(value, ast.Constant) and \
+                    isinstance(value.value, str | None):
+                key = {"__version__": "torch", "cuda": "cuda"}.get(target.id)
+                if key is not None:
+                    facts[key] = value.value
+        break
+    return facts
 
 
 def count_gpus() -> int:
