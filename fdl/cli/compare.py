@@ -5,9 +5,9 @@
     fdl compare train.py --out runs/cmp                   # the same --out again resumes
     fdl compare train.py --dry-run [--json]               # the runs and their exact argv
 
-Each run is a real ``fdl run`` with the options given here (fdl run's options go after SCRIPT,
-as with fdl run they are fdl's wherever they appear; the script's own arguments too, or after
-``--``). Then a table, one row per policy: samples/s, speedup over sync, time to reach sync's
+Each run is a real ``fdl run`` with the options given here: fdl run's options before SCRIPT or
+after it (after it, as with fdl run, they are fdl's wherever they appear), the script's own
+arguments after it, or after ``--``. Then a table, one row per policy: samples/s, speedup over sync, time to reach sync's
 final train loss, final train loss and eval metrics, idle fraction and sync overhead; a
 recommendation saying what it rests on; compare.md, compare.json and compare.png in the
 compare directory. Exit codes: 0 every run finished, 1 a run failed (the others still ran),
@@ -28,6 +28,44 @@ if TYPE_CHECKING:
     from fdl.bench.compare import ComparePlan
 
 COMPARE_CONTEXT = {"allow_interspersed_args": False}  # after SCRIPT: fdl run's and the script's
+# fdl compare's own options that take a value (the others are on/off flags)
+_OWN_VALUED = ("--policies", "--epochs", "--seeds", "--out")
+_OWN_FLAGS = ("--dry-run", "--json", "-h", "--help")
+
+
+def hoist_run_options(argv: list[str]) -> list[str]:
+    """fdl compare's words (after ``compare``) with the fdl run options given before SCRIPT
+    moved to just after it, where the command reads them: ``--simulate-slowdown 1,2.5
+    train.py`` -> ``train.py --simulate-slowdown 1,2.5``, as a torchrun user would write it.
+    fdl compare's own options stay where they are; anything else (an unknown option, ``-m``,
+    no SCRIPT at all) is left for the parser to refuse."""
+    from fdl.settings import BY_NAME, OPTIONS_BY_NAME, takes_bare
+
+    run_valued = {spec.flag_name for spec in BY_NAME.values() if spec.flag} | {
+        o.flag_name for o in OPTIONS_BY_NAME.values() if o.kind != "bool" and o.after_script}
+    run_flags = {o.flag_name for o in OPTIONS_BY_NAME.values()
+                 if o.kind == "bool" and o.after_script}
+    kept: list[str] = []
+    moved: list[str] = []
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        flag, eq, _ = word.partition("=")
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        if word == "--" or not word.startswith("-"):  # SCRIPT (or nothing to move past)
+            if word == "--" or not moved:
+                return argv
+            return [*kept, word, *moved, *argv[index + 1:]]
+        if flag in _OWN_VALUED or flag in run_valued:
+            taken = [word] if eq or takes_bare(flag, following) is not None else \
+                argv[index:index + 2]
+        elif flag in _OWN_FLAGS or flag in run_flags:
+            taken = [word]
+        else:
+            return argv  # unknown: the parser says so
+        (kept if flag in _OWN_VALUED or flag in _OWN_FLAGS else moved).extend(taken)
+        index += len(taken)
+    return argv
 
 
 def compare(
@@ -46,8 +84,9 @@ def compare(
 ) -> None:
     """Run SCRIPT under each policy with fdl run and compare the runs side by side.
 
-    fdl run's options (--nproc-per-node, --simulate-slowdown, --batch-size ...) go after SCRIPT
-    and reach every run; other arguments go to the script, and everything after `--`.
+    fdl run's options (--nproc-per-node, --simulate-slowdown, --batch-size ...) go before or
+    after SCRIPT and reach every run; other arguments after SCRIPT go to the script, and
+    everything after `--`.
     Example: fdl compare train.py --epochs 3 --seeds 3 --simulate-slowdown 1,2.5
     """
     from fdl.bench.compare import CompareRequest, parse_policies, prepare_compare

@@ -70,8 +70,13 @@ class FdlGroup(TyperGroup):
 
 def _filled(args: Any) -> list[str]:
     """``fdl run``'s optional-value flags written out (``--tensorboard`` -> ``--tensorboard
-    on``): the command line parser knows only options that always or never take a value."""
+    on``): the command line parser knows only options that always or never take a value; and
+    ``fdl compare``'s fdl run options moved after SCRIPT (:func:`hoist_run_options`)."""
     argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["compare"]:  # fdl run's options before SCRIPT go after it, where it reads them
+        from fdl.cli.compare import hoist_run_options
+
+        return ["compare", *hoist_run_options(argv[1:])]
     if argv[:1] != ["run"]:
         return argv
     from fdl.settings import fill_bare_flags
