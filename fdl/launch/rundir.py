@@ -105,7 +105,10 @@ def _is_run_entry(name: str) -> bool:
 
 
 def _remove_run(run_dir: Path) -> None:
-    """Delete the earlier run: fdl's entries only, each checked again (by name) right before."""
+    """Delete the earlier run: fdl's entries only, each checked again (by name) right before.
+    No directory yet: nothing to replace (``--overwrite-run-dir`` on a first run)."""
+    if not (run_dir.exists() or run_dir.is_symlink()):
+        return
     for name in _entries(run_dir):
         if not _is_run_entry(name):
             raise UsageError(f"run directory {run_dir} holds {name}, which fdl run did not "

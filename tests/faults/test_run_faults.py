@@ -213,3 +213,12 @@ def test_overwrite_replaces_the_live_snapshot_and_tensorboard_events_too(tmp_pat
     check_run_dir(run_dir, use="overwrite")
     prepare_run_dir(run_dir, config={"fdl_version": "1"}, use="overwrite")
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]
+
+
+def test_overwrite_of_a_run_dir_that_does_not_exist_yet_creates_it(tmp_path):
+    from fdl.launch.rundir import check_run_dir, prepare_run_dir
+
+    run_dir = tmp_path / "runs" / "first"  # neither it nor its parent exists (a fresh clone)
+    check_run_dir(run_dir, use="overwrite")
+    prepare_run_dir(run_dir, config={"fdl_version": "1"}, use="overwrite")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]
