@@ -15,8 +15,9 @@ client is made as usual and the backend of its direct (non-proxy) connection poo
 in place: two private attributes of the pinned httpx/httpcore (``scripts/constraints.txt``).
 Where they are not found the client keeps 64 KiB reads and works the same;
 ``tests/test_httpclient.py`` fails on the pinned versions if the wrapping stops taking effect.
-Proxied and TLS connections are wrapped too where they go through the direct pool; a TLS read
-returns at most one record (16 KiB) whatever it asks, which is what it did before.
+Connections through a proxy (httpx's own proxy transports) keep 64 KiB reads. TLS connections
+are wrapped too, but a TLS read returns at most one record (16 KiB) whatever it asks: on https
+the reads stay as small as they were.
 """
 
 from __future__ import annotations

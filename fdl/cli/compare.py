@@ -7,11 +7,12 @@
 
 Each run is a real ``fdl run`` with the options given here: fdl run's options before SCRIPT or
 after it (after it, as with fdl run, they are fdl's wherever they appear), the script's own
-arguments after it, or after ``--``. Then a table, one row per policy: samples/s, speedup over sync, time to reach sync's
-final train loss, final train loss and eval metrics, idle fraction and sync overhead; a
-recommendation saying what it rests on; compare.md, compare.json and compare.png in the
-compare directory. Exit codes: 0 every run finished, 1 a run failed (the others still ran),
-2 bad input (nothing started), 130 interrupted (finished runs are kept). docs/cli.md has more.
+arguments after it, or after ``--``. Then a table, one row per policy: samples/s, speedup over
+sync, time to reach sync's final train loss, final train loss and eval metrics, idle fraction
+and sync overhead; a recommendation saying what it rests on; compare.md, compare.json and
+compare.png in the compare directory. Exit codes: 0 every run finished, 1 a run failed (the
+others still ran), 2 bad input (nothing started), 130 interrupted (finished runs are kept).
+docs/cli.md has more.
 """
 
 from __future__ import annotations
