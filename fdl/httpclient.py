@@ -15,9 +15,9 @@ client is made as usual and the backend of its direct (non-proxy) connection poo
 in place: two private attributes of the pinned httpx/httpcore (``scripts/constraints.txt``).
 Where they are not found the client keeps 64 KiB reads and works the same;
 ``tests/test_httpclient.py`` fails on the pinned versions if the wrapping stops taking effect.
-Connections through a proxy (httpx's own proxy transports) keep 64 KiB reads. TLS connections
-are wrapped too, but a TLS read returns at most one record (16 KiB) whatever it asks: on https
-the reads stay as small as they were.
+Connections through a proxy (httpx's own proxy transports) keep 64 KiB reads. Over TLS a read
+returns one record (16 KiB) whatever it asks, so a TLS read also takes, without waiting, the
+records already received after it, up to 1 MiB.
 """
 
 from __future__ import annotations
@@ -58,10 +58,38 @@ class _WideStream:
     """A connection (an httpcore ``NetworkStream``) whose reads ask for at least ``read_bytes``."""
 
     def __init__(self, inner: Any, read_bytes: int):
+        import ssl
+
         self.inner, self.read_bytes = inner, read_bytes
+        sock = inner.get_extra_info("socket")
+        self._tls = sock if isinstance(sock, ssl.SSLSocket) else None
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self.inner.read(max(max_bytes, self.read_bytes), timeout)
+        want = max(max_bytes, self.read_bytes)
+        data = self.inner.read(want, timeout)
+        if self._tls is None or not data or len(data) >= want:
+            return data
+        return self._tls_records_waiting(data, want, timeout)
+
+    def _tls_records_waiting(self, data: bytes, want: int, timeout: float | None) -> bytes:
+        """``data`` (one TLS record) and the records already received after it, up to
+        ``want`` bytes, without waiting for more. Any trouble ends the gathering: the next
+        read, a blocking one through httpcore, meets it again and reports it its way."""
+        parts, have = [data], len(data)
+        sock = self._tls
+        try:
+            sock.setblocking(False)
+            while have < want:
+                more = sock.recv(want - have)
+                if not more:  # the end: the next read says so
+                    break
+                parts.append(more)
+                have += len(more)
+        except OSError:  # ssl.SSLWantReadError (nothing more yet) and any real failure alike
+            pass
+        finally:
+            sock.settimeout(timeout)
+        return b"".join(parts)
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self.inner.write(buffer, timeout)
