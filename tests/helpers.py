@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,6 +81,21 @@ def wait_until(predicate: Callable[[], object], what: str, *,
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what} after {timeout} s")
         time.sleep(0.02)
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """(certificate, key) for 127.0.0.1 in ``folder``, made with openssl (the test skips
+    without it): what a test's TLS server presents and its client trusts."""
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test server's certificate")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -10,17 +10,15 @@ from __future__ import annotations
 import array
 import hashlib
 import random
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpcore
 import httpx
 import pytest
-from helpers import GUARD_S, wait_until
+from helpers import GUARD_S, self_signed_cert, wait_until
 
 from fdl.download import download
 from fdl.httpclient import READ_BYTES, _WideBackend, http_client, widen_reads
@@ -84,13 +82,7 @@ def test_a_client_of_another_shape_is_left_alone(client):
 @pytest.fixture
 def tls_pair(tmp_path):
     """(client context, server context) with a self-signed certificate for 127.0.0.1."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make the test server's certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
-                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(cert, key)
     return ssl.create_default_context(cafile=str(cert)), server

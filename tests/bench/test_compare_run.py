@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_error, run_fdl
 
-SCRIPT = Path(__file__).parent / "scripts" / "compare_train.py"
+SCRIPT = Path(__file__).parent.parent / "engine" / "scripts" / "compare_train.py"
 ARGS = ["compare", str(SCRIPT), "--policies", "sync,cadence", "--epochs", "1",
         "--nproc-per-node", "2", "--quiet-ranks", "--out", "cmp", "--lr", "0.2"]
 

@@ -12,7 +12,7 @@ from helpers import assert_one_error, run_fdl
 
 from fdl.cli.compare import hoist_run_options
 
-SCRIPT = Path(__file__).parent.parent / "bench" / "scripts" / "compare_train.py"
+SCRIPT = Path(__file__).parent.parent / "engine" / "scripts" / "compare_train.py"
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
@@ -54,3 +54,17 @@ def test_a_run_option_fdl_compare_sets_is_refused_before_script_too(tmp_path):
     proc = run_fdl("compare", "--policy", "async", str(SCRIPT), "--out", "cmp", cwd=tmp_path)
     assert_one_error(proc, 2, "--policy is fdl compare's to set")
     assert not (tmp_path / "cmp").exists()
+
+
+def test_the_options_it_keeps_in_place_are_fdl_compares_own():
+    import typer
+
+    from fdl.cli import compare
+    from fdl.cli.main import app
+
+    command = typer.main.get_command(app).commands["compare"]
+    options = [p for p in command.params if p.param_type_name == "option"]
+    valued = {flag for p in options if not p.is_flag for flag in p.opts}
+    flags = {flag for p in options if p.is_flag for flag in p.opts}
+    assert set(compare._OWN_VALUED) == valued
+    assert set(compare._OWN_FLAGS) == flags | {"-h", "--help"}

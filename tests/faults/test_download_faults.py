@@ -15,7 +15,6 @@ import hashlib
 import io
 import os
 import queue
-import shutil
 import signal
 import ssl
 import stat
@@ -27,7 +26,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import GUARD_S, assert_one_error, clean_env, libtorch_list, run_fdl, wait_until
+from helpers import (
+    GUARD_S,
+    assert_one_error,
+    clean_env,
+    libtorch_list,
+    run_fdl,
+    self_signed_cert,
+    wait_until,
+)
 
 from fdl.download import download
 from fdl.errors import FdlError, UsageError
@@ -167,13 +174,7 @@ def test_allow_http_flag_and_a_bad_allow_http_value(http_server, mirror_env):
 def https_redirect(tmp_path, http_server, monkeypatch):
     """A real TLS server on 127.0.0.1 (self-signed certificate, trusted through SSL_CERT_FILE)
     that answers every GET with a 302 to the same path on the plain-http ``http_server``."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make the test server's certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
-                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
 
     class Redirect(BaseHTTPRequestHandler):
         def log_message(self, format, *args):

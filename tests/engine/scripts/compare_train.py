@@ -1,10 +1,11 @@
 """A tiny fdl.Trainer script for `fdl compare`'s tests: two features' sign decides the class,
-512 training samples; epochs, policy and seed come from fdl run. ``--lr X`` (default 0.1)."""
+512 training samples; epochs, policy and seed come from fdl run. ``--lr X`` (default 0.1).
+The step and the evaluation are the engine test scripts' (common.py)."""
 
 import sys
 
 import torch
-import torch.nn.functional as F
+from common import evaluate, train_step
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -15,18 +16,6 @@ def make_data(num_samples: int, seed: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     features = torch.randn(num_samples, 8, generator=generator)
     return TensorDataset(features, (features[:, :2].sum(dim=1) > 0).long())
-
-
-def train_step(model, batch):
-    features, labels = batch
-    return F.cross_entropy(model(features), labels)
-
-
-def evaluate(model, batch):
-    features, labels = batch
-    logits = model(features)
-    return {"accuracy": (logits.argmax(dim=1) == labels).float().mean().item(),
-            "loss": F.cross_entropy(logits, labels).item()}
 
 
 lr = float(sys.argv[sys.argv.index("--lr") + 1]) if "--lr" in sys.argv else 0.1
