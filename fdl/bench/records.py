@@ -118,21 +118,23 @@ def torch_build() -> dict[str, str | None]:
         return {"torch": str(loaded.__version__), "cuda": loaded.version.cuda}
     facts: dict[str, str | None] = {"torch": None, "cuda": None}
     spec = importlib.util.find_spec("torch")  # finds the package without running it
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        try:
-            tree = ast.parse((Path(folder) / "version.py").read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, ValueError):
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    try:
+        tree = ast.parse((Path(folders[0]) / "version.py").read_text(encoding="utf-8"))
+    except (IndexError, OSError, SyntaxError, ValueError):
+        return facts
+    keys = {"__version__": "torch", "cuda": "cuda"}
+    for node in tree.body:  # __version__ = '2.13.0+cu128'; cuda: Optional[str] = '12.8'
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+        else:
             continue
-        for node in tree.body:  # __version__ = '2.13.0+cu128'; cuda: Optional[str] = '12.8'
-            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
-                else node.target if isinstance(node, ast.AnnAssign) else None
-            value = getattr(node, "value", None)
-            if isinstance(target, ast.Name) and isinstance(value, ast.Constant) and \
-                    isinstance(value.value, str | None):
-                key = {"__version__": "torch", "cuda": "cuda"}.get(target.id)
-                if key is not None:
-                    facts[key] = value.value
-        break
+        value = node.value
+        if isinstance(target, ast.Name) and target.id in keys and \
+                isinstance(value, ast.Constant) and isinstance(value.value, str | None):
+            facts[keys[target.id]] = value.value
     return facts
 
 
