@@ -84,7 +84,7 @@ def _run(spec: SettingSpec, given: tuple[str, ...], tmp: Path) -> tuple[Any, str
         return setting.value, setting.source
     script = {spec.name: examples["script"]} if "script" in given else {}
     config = resolve_config(script=script, env={**env, **launch.env})  # what a worker sees
-    return getattr(config, spec.name), config.sources[spec.name]
+    return config.to_dict()[spec.name]["value"], config.sources[spec.name]
 
 
 def _expected(spec: SettingSpec, given: tuple[str, ...], project: Path) -> tuple[Any, str]:
@@ -115,4 +115,4 @@ def test_a_flag_reaches_the_engine_as_its_own_variable() -> None:
     assert launch.env["FDL_POLICY"] == "sync"
     assert launch.env["FDL_SLOWDOWN"] == "1,2.5"
     config = resolve_config(script={"policy": "async"}, env=launch.env)
-    assert (config.policy, config.sources["policy"]) == ("sync", "flag")
+    assert (config.policy.name, config.sources["policy"]) == ("sync", "flag")

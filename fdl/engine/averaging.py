@@ -218,17 +218,6 @@ def _decode_ints(rows: torch.Tensor) -> torch.Tensor:
     return rows[:, 0].to(torch.int64) * 2**HALF_BITS + rows[:, 1].to(torch.int64)
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor], *, via_host: bool,
-                         group: dist.ProcessGroup | None = None) -> None:
-    """Give every rank of ``group`` (default: the default group) the values of its rank 0
-    (identical start even if initialisation is random)."""
-    for tensor in tensors:
-        carrier = tensor.cpu() if via_host and tensor.device.type != "cpu" else tensor
-        dist.broadcast(carrier, group=group, group_src=0)
-        if carrier is not tensor:
-            tensor.copy_(carrier)
-
-
 def checksum(model: nn.Module) -> str:
     """sha256 over every parameter and buffer's bytes: equal strings = bitwise equal replicas."""
     digest = hashlib.sha256()

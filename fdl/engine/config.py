@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl.engine.policies import Policy, policy_named
 from fdl.errors import UsageError
 from fdl.settings import RUN_DIR_ENV, resolve_engine
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    policy: str
+    policy: Policy  # looked up once, here, from the setting's name
     backend: str
     epochs: int
     batch_size: int
@@ -38,7 +39,8 @@ class EngineConfig:
     sources: dict[str, str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: {"value": getattr(self, key), "source": source}
+        """Every setting with its source, as config.json's ``engine`` section records them."""
+        return {key: {"value": _plain(getattr(self, key)), "source": source}
                 for key, source in self.sources.items()}
 
 
@@ -51,9 +53,15 @@ def resolve_config(*, script: Mapping[str, Any], env: Mapping[str, str] | None =
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise UsageError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     run_dir = env.get(RUN_DIR_ENV)
+    values = {key: setting.value for key, setting in settings.items()}
     return EngineConfig(
-        **{key: setting.value for key, setting in settings.items()},
+        **{**values, "policy": policy_named(values["policy"])},
         max_grad_norm=max_grad_norm,
         run_dir=Path(run_dir) if run_dir else None,
         sources={key: setting.source for key, setting in settings.items()},
     )
+
+
+def _plain(value: Any) -> Any:
+    """A setting's value as JSON holds it (a policy by its name)."""
+    return value.name if isinstance(value, Policy) else value

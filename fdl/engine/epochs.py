@@ -18,20 +18,20 @@ run began (evaluation left out, earlier attempts included), the rest cover this 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fdl.engine import summary as artifacts
+from fdl.engine.collectives import exchange_rows
 from fdl.engine.config import EngineConfig
-from fdl.engine.evaluation import all_reduce_sum, evaluate_model
+from fdl.engine.evaluation import evaluate_model
 from fdl.engine.plan import PlanState
+from fdl.engine.state import RankFigures
 from fdl.engine.tensorboard import ScalarWriter
 
 if TYPE_CHECKING:
-    from fdl.engine.rounds import Worker
-
-NUM_RANK_FIELDS = 3  # samples, busy_s, wait_s this epoch
+    from fdl.engine.rounds import Replica
 
 
 class Script(Protocol):
@@ -58,7 +58,8 @@ class EpochLog:
     started: float = field(default_factory=time.perf_counter)
     tensorboard: ScalarWriter | None = None
     _epoch_started: float = field(default_factory=time.perf_counter)
-    _mark: tuple[int, float, float, int] = (0, 0.0, 0.0, 0)  # totals at the last epoch's end
+    _mark: RankFigures = field(default_factory=RankFigures)  # totals at the last epoch's end
+    _mark_syncs: int = 0  # averages done by the last epoch's end
 
     def restore(self, history: list[dict[str, Any]], *, start_samples: int) -> None:
         self.start_samples = start_samples
@@ -67,31 +68,33 @@ class EpochLog:
             elapsed = history[-1].get("elapsed_s")
             self.start_elapsed_s = float(elapsed) if isinstance(elapsed, (int, float)) else 0.0
 
-    def begin(self, worker: Worker) -> None:
+    def begin(self, replica: Replica) -> None:
         """Training starts now: the clocks start, and rank 0 opens TensorBoard if asked."""
         self.started = self._epoch_started = time.perf_counter()
-        self._mark = _totals(worker)
+        self._mark, self._mark_syncs = replica.totals.figures(), len(replica.totals.comm_ms)
         if self.rank == 0 and self.config.tensorboard is not None:
             self.tensorboard = ScalarWriter.open(self.config.tensorboard, run_dir=self.run_dir,
                                                  purge_step=self.start_samples or None)
 
-    def epoch_end(self, epoch: int, worker: Worker, state: PlanState) -> None:
+    def epoch_end(self, epoch: int, replica: Replica, state: PlanState) -> None:
         now = time.perf_counter()
         elapsed, epoch_s = now - self.started - self.eval_s, now - self._epoch_started
-        comm_ms = worker.totals.comm_ms[self._mark[3]:]
-        loss_sum, count, per_rank = self._gather(worker)
-        self.last_loss = loss_sum / count if count else None
+        comm_ms = replica.totals.comm_ms[self._mark_syncs:]
+        self._mark_syncs = len(replica.totals.comm_ms)
+        per_rank = self._gather(replica)
+        steps = sum(r.loss_steps for r in per_rank)
+        self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
         begin = time.perf_counter()
         if self.trainer.eval_data is not None and self.trainer.evaluate is not None:
             self.last_eval = evaluate_model(
-                worker.model, self.trainer.eval_data, self.trainer.evaluate,
-                batch_size=self.config.batch_size, device=worker.device, rank=self.rank,
+                replica.model, self.trainer.eval_data, self.trainer.evaluate,
+                batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
                 world_size=self.world_size)
         self.eval_s += time.perf_counter() - begin
         record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
                               comm_ms=comm_ms, elapsed=elapsed)
         self.trainer.history.append(record)
-        worker.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
+        replica.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
                               eval=self.last_eval)
         if self.rank == 0:
             if self.run_dir is not None:
@@ -106,45 +109,37 @@ class EpochLog:
             self.tensorboard.close()
             self.tensorboard = None
 
-    def _gather(self, worker: Worker) -> tuple[float, float, list[list[float]]]:
-        """The epoch's loss (sum, count) over ranks, and each rank's [samples, busy_s, wait_s]
-        this epoch, in one collective."""
-        totals = _totals(worker)
-        mine = [totals[i] - self._mark[i] for i in range(NUM_RANK_FIELDS)]
+    def _gather(self, replica: Replica) -> list[RankFigures]:
+        """Every rank's figures for this epoch (samples, busy and averaging time, the loss
+        sums), in one collective."""
+        totals = replica.totals.figures()
+        loss_sum, loss_steps = replica.rank_state.epoch_loss
+        mine = replace(totals.minus(self._mark), loss_sum=loss_sum, loss_steps=loss_steps)
         self._mark = totals
-        row = [*worker.rank_state.epoch_loss] + [0.0] * (NUM_RANK_FIELDS * self.world_size)
-        start = 2 + NUM_RANK_FIELDS * worker.rank
-        row[start:start + NUM_RANK_FIELDS] = mine
-        worker.rank_state.epoch_loss = [0.0, 0]
-        flat = all_reduce_sum(row, device=worker.device)
-        per_rank = [flat[2 + NUM_RANK_FIELDS * r: 2 + NUM_RANK_FIELDS * (r + 1)]
-                    for r in range(self.world_size)]
-        return flat[0], flat[1], per_rank
+        replica.rank_state.epoch_loss = [0.0, 0]
+        rows = exchange_rows(mine.to_row(), rank=replica.rank, world_size=self.world_size,
+                             device=replica.device)
+        return [RankFigures.from_row(row) for row in rows]
 
     def _record(self, epoch: int, state: PlanState, *, epoch_s: float,
-                per_rank: list[list[float]], comm_ms: list[float],
+                per_rank: list[RankFigures], comm_ms: list[float],
                 elapsed: float) -> dict[str, Any]:
         samples = (epoch + 1) * len(self.trainer.train_data)
         done_here = samples - self.start_samples
-        busiest = max((row[1] for row in per_rank), default=0.0)
+        busiest = max((r.busy_s for r in per_rank), default=0.0)
         return {
             "epoch": epoch + 1, "samples": samples, "train_loss": self.last_loss,
             "eval": self.last_eval,
             "samples_per_s": done_here / elapsed if elapsed > 0 else None,
             "elapsed_s": round(self.start_elapsed_s + elapsed, 6),
             "epoch_s": round(epoch_s, 6),
-            "epoch_samples_per_s": _rate(sum(row[0] for row in per_rank), epoch_s),
-            "per_rank_samples_per_s": [_rate(row[0], epoch_s) for row in per_rank],
-            "idle_fraction": [max(0.0, 1 - row[1] / epoch_s) if epoch_s > 0 else None
-                              for row in per_rank],
+            "epoch_samples_per_s": _rate(sum(r.samples for r in per_rank), epoch_s),
+            "per_rank_samples_per_s": [_rate(r.samples, epoch_s) for r in per_rank],
+            "idle_fraction": [max(0.0, 1 - r.busy_s / epoch_s) if epoch_s > 0 else None
+                              for r in per_rank],
             "sync_overhead": sum(comm_ms) / 1000 / busiest if comm_ms and busiest > 0 else None,
             "anchor": state.anchor,
         }
-
-
-def _totals(worker: Worker) -> tuple[int, float, float, int]:
-    totals = worker.totals
-    return totals.samples, totals.busy_s, totals.wait_s, len(totals.comm_ms)
 
 
 def _rate(samples: float, seconds: float) -> float | None:

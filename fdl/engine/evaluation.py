@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fdl.engine.collectives import collective_device
 from fdl.engine.data import batch_size_of, collate, shard, to_device
 
 
@@ -36,21 +37,8 @@ def evaluate_model(model: nn.Module, dataset: Any,
     keys = [sorted(sums)]
     dist.broadcast_object_list(keys, src=0)  # rank 0 always has a non-empty shard
     totals = torch.tensor([sums.get(k, 0.0) for k in keys[0]] + [float(count)],
-                          dtype=torch.float64, device=_collective_device(device))
+                          dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(totals)
     values = totals.tolist()
     return {key: values[i] / values[-1] for i, key in enumerate(keys[0])}
 
-
-def _collective_device(device: torch.device) -> torch.device:
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    return device if backend == "nccl" else torch.device("cpu")
-
-
-def all_reduce_sum(values: list[float], *, device: torch.device) -> list[float]:
-    """Element-wise sum over ranks (identity when not distributed)."""
-    if not dist.is_initialized():
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device(device))
-    dist.all_reduce(tensor)
-    return tensor.tolist()

@@ -43,10 +43,11 @@ pays an average of its own and idles a rank on its rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
-from fdl.engine.policies import policy_named
+from fdl.engine.policies import Policy, policy_named
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS, POLICIES
 
@@ -60,6 +61,9 @@ SPEED_ALPHA = 0.7
 SPEED_CLIP = 2.0
 # Float noise must not add a batch: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
 _CEIL_TOLERANCE = 1e-9
+DEFAULT_POLICY = policy_named(ENGINE_DEFAULTS["policy"])
+
+
 class PlanConfigError(UsageError, ValueError):
     """A ``PlanConfig`` field that cannot be used (a ``ValueError``, and exit 2 from the CLI)."""
 
@@ -71,13 +75,14 @@ class PlanConfig:
     ``overhead_target`` is the wanted sync time / compute time per round; ``dead_zone`` the
     relative change in a rank's ideal share below which its share is left as it was;
     ``calibration_steps`` the batches every rank runs while a speed is still unknown.
+    ``policy`` may be given by name; it is looked up here, once, and held as the object.
     """
 
     world_size: int
     batch_size: int
     dataset_size: int
     epochs: int
-    policy: str = ENGINE_DEFAULTS["policy"]
+    policy: Policy = DEFAULT_POLICY
     initial_anchor: int = 4
     calibration_steps: int = 2
     # Below 4 batches of the slowest rank a round loses more to step jitter and to the fast
@@ -101,7 +106,10 @@ class PlanConfig:
         _check("overhead_target", target, _is_real(target) and 0 < target < math.inf,
                "a finite number > 0")
         _check("dead_zone", zone, _is_real(zone) and 0 <= zone < 1, "a number in [0, 1)")
-        _check("policy", self.policy, self.policy in POLICIES, " | ".join(POLICIES))
+        try:
+            object.__setattr__(self, "policy", policy_named(self.policy))
+        except ValueError as exc:
+            raise PlanConfigError(f"policy = {self.policy!r} is not allowed; {exc}") from None
 
 
 def _is_real(value: object) -> bool:
@@ -228,10 +236,97 @@ class PlanState:
         (epochs * dataset_size)``, never per-rank step counts."""
         return self.epoch * self.config.dataset_size + self.position
 
+    def to_dict(self) -> dict[str, Any]:
+        """The state as a checkpoint keeps it (``engine.json``): every field, and the facts of
+        the config that a resume compares with its own (:meth:`from_dict` reads it back)."""
+        config = self.config
+        return {"round_index": self.round_index, "epoch": self.epoch, "position": self.position,
+                "anchor": self.anchor, "ms_per_sample": list(self.ms_per_sample),
+                "anchor_history": [list(item) for item in self.anchor_history],
+                "prev_shares": list(self.prev_shares) if self.prev_shares else None,
+                "ceiling": self.ceiling, "policy": config.policy.name,
+                "world_size": config.world_size, "dataset_size": config.dataset_size,
+                "batch_size": config.batch_size, "epochs": config.epochs}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any], config: PlanConfig) -> PlanState:
+        """The state a run resumes from: where ``saved`` (:meth:`to_dict`'s) left the epoch's
+        stream, under ``config``. Under another policy the anchor starts afresh; with another
+        world size or policy the speeds are re-measured (the shares and the guard's ceiling
+        with them). ``ValueError`` when ``saved`` is not what :meth:`to_dict` writes (it is
+        read back from disk: :func:`saved_state_problem`)."""
+        problem = saved_state_problem(saved)
+        if problem is not None:
+            raise ValueError(problem)
+        state = replace(initial_state(config), round_index=saved["round_index"],
+                        epoch=saved["epoch"], position=saved["position"],
+                        anchor_history=tuple(tuple(item) for item in saved["anchor_history"]))
+        same_policy = saved["policy"] == config.policy.name
+        if same_policy:  # as it was: a guard's halving below min_anchor stays, sync's 1 too
+            state = replace(state, anchor=min(saved["anchor"], config.max_anchor))
+        if same_policy and saved["world_size"] == config.world_size:
+            state = replace(state, ms_per_sample=tuple(saved["ms_per_sample"]),
+                            prev_shares=tuple(saved["prev_shares"]) if saved["prev_shares"]
+                            else None, ceiling=saved["ceiling"])
+        return state
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_speed(value: Any) -> bool:
+    return value is None or (_is_real(value) and 0 < value < math.inf)
+
+
+def _is_change(item: Any) -> bool:
+    return isinstance(item, list) and len(item) == 3 and _count(item[0]) and _count(item[1]) \
+        and isinstance(item[2], str)
+
+
+# What each field of PlanState.to_dict must hold, checked when a checkpoint is read back.
+_SAVED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "round_index": (_count, "an integer >= 0"),
+    "epoch": (_count, "an integer >= 0"),
+    "position": (_count, "an integer >= 0"),
+    "anchor": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "ms_per_sample": (lambda v: isinstance(v, list) and all(_is_speed(x) for x in v),
+                      "a list of numbers > 0 or nulls"),
+    "anchor_history": (lambda v: isinstance(v, list) and all(_is_change(x) for x in v),
+                       "a list of [round, anchor, reason]"),
+    "prev_shares": (lambda v: v is None or (isinstance(v, list) and all(_count(x) for x in v)),
+                    "a list of integers >= 0 or null"),
+    "ceiling": (lambda v: v is None or (_count(v) and v >= 1), "an integer >= 1 or null"),
+    "policy": (lambda v: v in POLICIES, " | ".join(POLICIES)),
+    "world_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "dataset_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "batch_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "epochs": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+}
+
+
+def saved_state_problem(saved: Any) -> str | None:
+    """Why ``saved`` is not a state :meth:`PlanState.to_dict` wrote (None: it is): a missing
+    field, a value of the wrong type or range, or parts that do not fit each other."""
+    if not isinstance(saved, Mapping):
+        return f"the plan state is a {type(saved).__name__}, not an object"
+    for name, (valid, allowed) in _SAVED.items():
+        if name not in saved:
+            return f"the plan state has no {name!r}"
+        if not valid(saved[name]):
+            return f"the plan state's {name!r} is {saved[name]!r:.40}, expected {allowed}"
+    if len(saved["ms_per_sample"]) != saved["world_size"]:
+        return (f"the plan state describes {saved['world_size']} ranks with "
+                f"{len(saved['ms_per_sample'])} speeds")
+    if saved["position"] > saved["dataset_size"]:
+        return (f"the plan state's position {saved['position']} is beyond its "
+                f"{saved['dataset_size']} samples")
+    return None
+
 
 def initial_state(config: PlanConfig) -> PlanState:
     """The state before the first round (anchor 1 under ``sync``: one DDP step per round)."""
-    local = policy_named(config.policy).local_steps
+    local = config.policy.local_steps
     return PlanState(config=config, anchor=config.initial_anchor if local else 1,
                      ms_per_sample=(None,) * config.world_size)
 
@@ -333,7 +428,7 @@ def _calibration_pool(state: PlanState, room: int) -> int:
     the epoch has not that many past the slices (the pool never reaches the epoch's end, so the
     round is known not to end it)."""
     config = state.config
-    if not (_calibrating(state) and policy_named(config.policy).elastic
+    if not (_calibrating(state) and config.policy.elastic
             and config.world_size > 1):
         return 0
     wanted = CALIBRATION_POOL * config.calibration_steps * (config.world_size - 1)
@@ -345,7 +440,7 @@ def _ends_epoch(state: PlanState, planned: Sequence[int], remaining: int) -> boo
     known speeds, once at most ``TAIL_MERGE`` full rounds are left (one round a little longer
     instead of a full one and a short tail that idles a rank on its rounding and pays an
     average of its own)."""
-    return (policy_named(state.config.policy).local_steps and state.calibrated
+    return (state.config.policy.local_steps and state.calibrated
             and remaining <= TAIL_MERGE * sum(planned))
 
 
@@ -375,7 +470,7 @@ def _elastic_ranks(state: PlanState, planned: Sequence[int],
     known and there are two ranks or more (the round that ends an epoch is never elastic: it
     must be known to end it when it is planned, see :func:`_ends_epoch`)."""
     config = state.config
-    if not (policy_named(config.policy).elastic and state.calibrated and config.world_size > 1):
+    if not (config.policy.elastic and state.calibrated and config.world_size > 1):
         return None
     speeds = [float(ms) for ms in state.ms_per_sample]  # type: ignore[arg-type]
     slow = max(range(len(speeds)), key=lambda r: (speeds[r], -r))
@@ -384,13 +479,13 @@ def _elastic_ranks(state: PlanState, planned: Sequence[int],
 
 
 def _calibrating(state: PlanState) -> bool:
-    return policy_named(state.config.policy).local_steps and not state.calibrated
+    return state.config.policy.local_steps and not state.calibrated
 
 
 def _planned_shares(state: PlanState) -> tuple[int, ...]:
     """The round's samples per rank before any cut at the epoch end."""
     config = state.config
-    if not policy_named(config.policy).local_steps:
+    if not config.policy.local_steps:
         return (config.batch_size,) * config.world_size
     if _calibrating(state):
         return (config.calibration_steps * config.batch_size,) * config.world_size
@@ -476,7 +571,7 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
     )
     new = replace(state, round_index=state.round_index + 1, epoch=epoch, position=position,
                   ms_per_sample=speeds, prev_shares=None if plan.calibration else planned)
-    if not policy_named(config.policy).local_steps:
+    if not config.policy.local_steps:
         return new
     anchor, reason = _tuned_anchor(new, stats)
     return _with_anchor(new, anchor, reason)
@@ -530,7 +625,7 @@ def halve_anchor(state: PlanState, *, reason: str) -> PlanState:
     ``anchor_history``, and the ceiling set to it so the tuner cannot grow it back (the guard
     lifts the ceiling with :func:`with_ceiling` once the replicas agree again). A no-op under
     ``sync`` (its anchor is always 1)."""
-    if not policy_named(state.config.policy).local_steps:
+    if not state.config.policy.local_steps:
         return state
     halved = max(1, state.anchor // 2)
     return replace(_with_anchor(state, halved, reason), ceiling=halved)

@@ -1,7 +1,9 @@
 """The three policies as objects: what each one does at a round boundary, in one place.
 
-The round loop (:mod:`fdl.engine.rounds`), the planner (:mod:`fdl.engine.plan`), recovery and
-the simulator (:mod:`fdl.engine.simulator`) ask the policy instead of comparing its name::
+The name from the settings (``--policy async``) is looked up once, where the engine's config is
+made (:func:`policy_named`); from there the policy travels as this object, and the round loop
+(:mod:`fdl.engine.rounds`), the planner (:mod:`fdl.engine.plan`), recovery and the simulator
+(:mod:`fdl.engine.simulator`) ask it instead of comparing its name::
 
     policy = policy_named("async")
     policy.local_steps            # ranks run planned counts of local steps between averages
@@ -43,6 +45,9 @@ class Policy:
     # noise no longer becomes waiting.
     elastic: bool = True
 
+    def __str__(self) -> str:
+        return self.name
+
     @property
     def wraps_ddp(self) -> bool:
         return not self.local_steps
@@ -71,6 +76,13 @@ _BY_NAME = {policy.name: policy for policy in (SYNC, CADENCE, ASYNC)}
 assert tuple(_BY_NAME) == POLICIES
 
 
-def policy_named(name: str) -> Policy:
-    """The policy called ``name`` (one of fdl.settings.POLICIES); KeyError otherwise."""
-    return _BY_NAME[name]
+def policy_named(name: str | Policy) -> Policy:
+    """The policy called ``name`` (one of fdl.settings.POLICIES; a Policy is returned as it
+    is); a ValueError naming the allowed ones otherwise."""
+    if isinstance(name, Policy):
+        return name
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}") \
+            from None

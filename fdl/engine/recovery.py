@@ -1,6 +1,6 @@
 """Taking checkpoints during ``fit()`` and resuming from one.
 
-A worker resumes when ``fdl run --resume RUN_DIR`` asked for it (``FDL_RESUME=1``) or when
+A replica resumes when ``fdl run --resume RUN_DIR`` asked for it (``FDL_RESUME=1``) or when
 torch.distributed.elastic restarted the group after a crash (``TORCHELASTIC_RESTART_COUNT`` >
 0), and the run directory holds a valid checkpoint (see :mod:`fdl.engine.checkpoint`). It loads
 the consensus model, its optimizer state and RNG states, and continues the plan where the
@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,9 @@ from fdl.engine.checkpoint import (
     load_rank_state,
     write_checkpoint,
 )
-from fdl.engine.evaluation import all_reduce_sum
-from fdl.engine.plan import PlanConfig, PlanState, initial_state
-from fdl.engine.rounds import Worker
+from fdl.engine.collectives import all_reduce_sum
+from fdl.engine.plan import PlanConfig, PlanState, saved_state_problem
+from fdl.engine.rounds import Replica
 from fdl.engine.state import RankState, RoundReport
 from fdl.errors import UsageError
 from fdl.settings import RESUME_ENV
@@ -85,32 +85,28 @@ def checkpoint_problem(checkpoint: Checkpoint) -> str | None:
         engine = checkpoint.engine_state()
     except (OSError, ValueError) as exc:
         return f"engine.json does not load ({exc})"
-    problem = (_shape_problem(engine, _ENGINE_FIELDS, "engine.json")
-               or _engine_range_problem(engine, world_size=checkpoint.world_size))
+    problem = _engine_problem(engine, world_size=checkpoint.world_size)
     for name in sorted(checkpoint.manifest["files"]):
         if problem is None and name.endswith(".pt"):
             problem = _torch_file_problem(checkpoint.path / name)
     return problem
 
 
-# What each file of a checkpoint must hold: field -> allowed types (see _engine_state and
-# _rank_state, which write them).
-_ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
-    "round_index": (int,), "epoch": (int,), "position": (int,), "anchor": (int,),
-    "ms_per_sample": (list,), "anchor_history": (list,), "prev_shares": (list, type(None)),
-    "ceiling": (int, type(None)),
-    "policy": (str,), "world_size": (int,), "dataset_size": (int,), "history": (list,)}
+# What a rank file of a checkpoint must hold: field -> allowed types (_rank_state writes them).
 _RANK_FIELDS: dict[str, tuple[type, ...]] = {
     "optimizer": (dict,), "rng": (dict,), "rank_state": (dict,)}
 
 
-def _engine_range_problem(engine: dict[str, Any], *, world_size: int) -> str | None:
-    if engine["world_size"] != world_size or len(engine["ms_per_sample"]) != world_size:
-        return (f"engine.json describes {engine['world_size']} ranks with "
-                f"{len(engine['ms_per_sample'])} speeds, the manifest {world_size} ranks")
-    if not (0 <= engine["position"] <= engine["dataset_size"] and engine["epoch"] >= 0
-            and engine["round_index"] >= 0 and engine["anchor"] >= 1):
-        return "engine.json: round_index, epoch, position or anchor is out of range"
+def _engine_problem(engine: Any, *, world_size: int) -> str | None:
+    """Why ``engine.json`` (the plan state and the epoch history) cannot be resumed from."""
+    problem = saved_state_problem(engine)
+    if problem is not None:
+        return f"engine.json: {problem}"
+    if not isinstance(engine.get("history"), list):
+        return "engine.json has no epoch 'history' list"
+    if engine["world_size"] != world_size:
+        return (f"engine.json describes {engine['world_size']} ranks, the manifest "
+                f"{world_size}")
     return None
 
 
@@ -158,48 +154,31 @@ class Resumed:
     history: list[dict[str, Any]]
 
 
-def resume(checkpoint: Checkpoint, worker: Worker, plan_config: PlanConfig) -> Resumed:
-    """Load ``checkpoint`` into ``worker`` (model, optimizer, RNG) and rebuild the plan state."""
+def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) -> Resumed:
+    """Load ``checkpoint`` into ``replica`` (model, optimizer, RNG) and rebuild the plan state."""
     engine = checkpoint.engine_state()
     if engine["dataset_size"] != plan_config.dataset_size:
         raise UsageError(f"cannot resume from {checkpoint.path}: it was trained on "
                          f"{engine['dataset_size']} samples, this run has "
                          f"{plan_config.dataset_size}",
                          hint="resume with the same training data, or start a new run")
-    model_state, rank_state = load_rank_state(checkpoint, rank=worker.rank)
+    model_state, rank_state = load_rank_state(checkpoint, rank=replica.rank)
     try:
-        worker.model.load_state_dict(model_state)
-        worker.optimizer.load_state_dict(rank_state["optimizer"])
+        replica.model.load_state_dict(model_state)
+        replica.optimizer.load_state_dict(rank_state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
         raise UsageError(f"cannot resume from {checkpoint.path}: its model or optimizer does "
                          f"not fit this run's ({str(exc).splitlines()[0][:300]})",
                          hint="resume with the same model and optimizer, or start a new "
                               "run") from exc
-    _restore_rng(rank_state["rng"], worker.device)
+    _restore_rng(rank_state["rng"], replica.device)
     restored = RankState.from_dict(rank_state["rank_state"])
     # A mid-epoch checkpoint carries the epoch's loss so far; with another world size the
     # ranks' partial sums no longer add up, and the epoch's loss counts from the resume.
-    if checkpoint.world_size != worker.world_size:
+    if checkpoint.world_size != replica.world_size:
         restored.epoch_loss = [0.0, 0]
-    worker.rank_state = restored
-    return Resumed(checkpoint, _plan_state(engine, plan_config), list(engine["history"]))
-
-
-def _plan_state(engine: dict[str, Any], config: PlanConfig) -> PlanState:
-    state = initial_state(config)
-    same_shape = (engine["world_size"] == config.world_size
-                  and engine["policy"] == config.policy)
-    history = tuple(tuple(item) for item in engine["anchor_history"])
-    state = replace(state, round_index=engine["round_index"], epoch=engine["epoch"],
-                    position=engine["position"], anchor_history=history)  # type: ignore[arg-type]
-    if engine["policy"] == config.policy:
-        anchor = min(max(engine["anchor"], config.min_anchor), config.max_anchor)
-        state = replace(state, anchor=anchor)
-    if same_shape:
-        state = replace(state, ms_per_sample=tuple(engine["ms_per_sample"]),
-                        prev_shares=tuple(engine["prev_shares"]) if engine["prev_shares"]
-                        else None, ceiling=engine["ceiling"])
-    return state
+    replica.rank_state = restored
+    return Resumed(checkpoint, PlanState.from_dict(engine, plan_config), list(engine["history"]))
 
 
 @dataclass
@@ -225,29 +204,29 @@ class Checkpointer:
         mean = sum(r.since_checkpoint_s for r in reports) / len(reports)
         return mean >= self.every.seconds
 
-    def at_epoch_end(self, state: PlanState, worker: Worker) -> None:
-        if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(worker)):
-            self._write(state, worker)
+    def at_epoch_end(self, state: PlanState, replica: Replica) -> None:
+        if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(replica)):
+            self._write(state, replica)
 
-    def at_round(self, state: PlanState, worker: Worker) -> None:
-        self._write(state, worker)
+    def at_round(self, state: PlanState, replica: Replica) -> None:
+        self._write(state, replica)
 
-    def _elapsed(self, worker: Worker) -> float:
+    def _elapsed(self, replica: Replica) -> float:
         elapsed = self.since_last_s()
-        if self.every.seconds is not None and worker.world_size > 1:
+        if self.every.seconds is not None and replica.world_size > 1:
             # Every rank must decide alike: the mean of the ranks' clocks.
-            elapsed = all_reduce_sum([elapsed], device=worker.device)[0] / worker.world_size
+            elapsed = all_reduce_sum([elapsed], device=replica.device)[0] / replica.world_size
         return elapsed
 
-    def _write(self, state: PlanState, worker: Worker) -> None:
+    def _write(self, state: PlanState, replica: Replica) -> None:
         begin = time.perf_counter()
         path = write_checkpoint(
-            self.run_dir, round_index=state.round_index, rank=worker.rank,
-            world_size=worker.world_size,
-            model_state=worker.model.state_dict() if worker.rank == 0 else None,
-            rank_state=_rank_state(worker), engine_state=_engine_state(state, self.history),
-            gather=_gatherer(worker.world_size))
-        worker.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
+            self.run_dir, round_index=state.round_index, rank=replica.rank,
+            world_size=replica.world_size,
+            model_state=replica.model.state_dict() if replica.rank == 0 else None,
+            rank_state=_rank_state(replica), engine_state={**state.to_dict(), "history": self.history},
+            gather=_gatherer(replica.world_size))
+        replica.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
                               position=state.position, name=path.name, bytes=_size(path),
                               write_s=time.perf_counter() - begin)
         self.last = time.perf_counter()
@@ -264,12 +243,12 @@ def _gatherer(world_size: int) -> Any:
     return gather
 
 
-def _rank_state(worker: Worker) -> dict[str, Any]:
+def _rank_state(replica: Replica) -> dict[str, Any]:
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if worker.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(worker.device)
-    return {"optimizer": worker.optimizer.state_dict(), "rng": rng,
-            "rank_state": worker.rank_state.to_dict()}
+    if replica.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(replica.device)
+    return {"optimizer": replica.optimizer.state_dict(), "rng": rng,
+            "rank_state": replica.rank_state.to_dict()}
 
 
 def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:
@@ -277,18 +256,6 @@ def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:
     random.setstate(rng["python"])
     if device.type == "cuda" and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-def _engine_state(state: PlanState, history: list[dict[str, Any]]) -> dict[str, Any]:
-    config = state.config
-    return {"round_index": state.round_index, "epoch": state.epoch, "position": state.position,
-            "anchor": state.anchor, "ms_per_sample": list(state.ms_per_sample),
-            "anchor_history": [list(item) for item in state.anchor_history],
-            "prev_shares": list(state.prev_shares) if state.prev_shares else None,
-            "ceiling": state.ceiling,
-            "policy": config.policy, "world_size": config.world_size,
-            "dataset_size": config.dataset_size, "batch_size": config.batch_size,
-            "epochs": config.epochs, "history": history}
 
 
 def _size(path: Path) -> int:

@@ -2,7 +2,7 @@
 
 ::
 
-    state = train(worker, state)   # every round of the plan, until the last epoch ends
+    state = train(replica, state)   # every round of the plan, until the last epoch ends
 
 One round, on every rank alike:
 
@@ -44,13 +44,14 @@ from fdl.engine.averaging import Averager, checksum
 from fdl.engine.config import EngineConfig
 from fdl.engine.data import collate, epoch_permutation, slice_batches, to_device
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
-from fdl.engine.policies import Policy, policy_named
+from fdl.engine.policies import Policy
 from fdl.engine.progress import ProgressFile
 from fdl.engine.round_messages import CalibrationPool, ElasticSignal
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
     NO_DISTANCE,
     REPORT_FIELDS,
+    RankFigures,
     RankState,
     RoundReport,
     largest_distance,
@@ -72,6 +73,11 @@ class Totals:
     syncs: int = 0
     comm_ms: list[float] = field(default_factory=list)  # min-over-ranks wait per averaging
 
+    def figures(self) -> RankFigures:
+        """The totals so far as the figures ranks exchange (the loss is the epoch's business)."""
+        return RankFigures(samples=self.samples, busy_s=self.busy_s, sleep_s=self.sleep_s,
+                           wait_s=self.wait_s)
+
 
 class CheckpointHook(Protocol):
     """Where the round loop offers a checkpoint (fdl.engine.recovery.Checkpointer)."""
@@ -80,15 +86,16 @@ class CheckpointHook(Protocol):
 
     def due_within_epoch(self, reports: list[RoundReport]) -> bool: ...
 
-    def at_round(self, state: PlanState, worker: Worker) -> None: ...
+    def at_round(self, state: PlanState, replica: Replica) -> None: ...
 
-    def at_epoch_end(self, state: PlanState, worker: Worker) -> None: ...
+    def at_epoch_end(self, state: PlanState, replica: Replica) -> None: ...
 
 
 @dataclass
-class Worker:
-    """One rank: what it trains and with what. Its round-to-round bookkeeping is ``rank_state``
-    (what recovery saves); nothing outside this module writes the other fields mid-run."""
+class Replica:
+    """This rank's replica of the model and what it trains it with. Its round-to-round
+    bookkeeping is ``rank_state`` (what recovery saves); nothing outside this module writes the
+    other fields mid-run."""
 
     rank: int
     world_size: int
@@ -102,7 +109,7 @@ class Worker:
     schedule: Callable[[float], float] | None
     timeline: Timeline
     averager: Averager | None
-    on_epoch_end: Callable[[int, Worker, PlanState], None]
+    on_epoch_end: Callable[[int, Replica, PlanState], None]
     checkpointer: CheckpointHook | None = None
     progress: ProgressFile | None = None  # rank 0's live progress, when fdl run shows it
     slowdown: float = 1.0
@@ -116,7 +123,7 @@ class Worker:
 
     @property
     def policy(self) -> Policy:
-        return policy_named(self.config.policy)
+        return self.config.policy
 
     def order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
@@ -125,179 +132,239 @@ class Worker:
         return self._orders[epoch]
 
 
-def train(worker: Worker, state: PlanState) -> PlanState:
+def train(replica: Replica, state: PlanState) -> PlanState:
     """Run every round of the plan; returns the finished state."""
-    worker.base_lrs = [group["lr"] for group in worker.optimizer.param_groups]
-    policy, pending, last_reports = worker.policy, None, []
+    replica.base_lrs = [group["lr"] for group in replica.optimizer.param_groups]
+    policy, pending, last_reports = replica.policy, None, []
     while not state.finished:
         plan = next_round(state)
-        report, elastic_used, pool_used = run_slice(worker, plan, state)
+        done = run_slice(replica, plan, state)
         reports: list[RoundReport] | None = None
-        consensus = worker.averager is None
-        if worker.averager is not None and policy.averages_at(plan):
-            due = worker.checkpointer is not None and \
-                worker.checkpointer.due_within_epoch(last_reports)
+        consensus = replica.averager is None
+        if replica.averager is not None and policy.averages_at(plan):
+            due = replica.checkpointer is not None and \
+                replica.checkpointer.due_within_epoch(last_reports)
             consensus = policy.blocking(plan, checkpoint_due=due)
-            reports, pending = average(worker, plan, report, pending, blocking=consensus)
-        elif worker.averager is None:
-            reports = [report]
-        stats = round_stats(reports) if reports else RoundStats.unknown(worker.world_size)
-        advanced = advance(state, plan, stats, elastic_used=elastic_used, pool_used=pool_used)
+            reports, pending = average(replica, plan, done.report, pending, blocking=consensus)
+        elif replica.averager is None:
+            reports = [done.report]
+        stats = round_stats(reports) if reports else RoundStats.unknown(replica.world_size)
+        advanced = advance(state, plan, stats, elastic_used=done.elastic_used,
+                           pool_used=done.pool_used)
         if advanced.anchor != state.anchor:
-            worker.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
+            replica.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
-        state = _guarded(worker, advanced, plan, reports or [])
+        state = _guarded(replica, advanced, plan, reports or [])
         last_reports = reports or last_reports
         if plan.last_in_epoch:
-            worker.on_epoch_end(plan.epoch, worker, state)
-            if worker.checkpointer is not None and not state.finished:
-                worker.checkpointer.at_epoch_end(state, worker)
-        elif consensus and worker.checkpointer is not None and \
-                worker.checkpointer.due_within_epoch(last_reports):
-            worker.checkpointer.at_round(state, worker)
+            replica.on_epoch_end(plan.epoch, replica, state)
+            if replica.checkpointer is not None and not state.finished:
+                replica.checkpointer.at_epoch_end(state, replica)
+        elif consensus and replica.checkpointer is not None and \
+                replica.checkpointer.due_within_epoch(last_reports):
+            replica.checkpointer.at_round(state, replica)
             last_reports = []
-    final_consensus(worker, pending)
+    final_consensus(replica, pending)
     return state
 
 
-def run_slice(worker: Worker, plan: RoundPlan,
-              state: PlanState) -> tuple[RoundReport, int | None, int | None]:
-    """This rank's steps of the round; returns its report. In the calibration round the run's
-    very first step (allocations, lazy initialisation) is timed apart and left out of the
-    report, so it does not pass for the rank's speed. Also returns, in an elastic round, the
-    samples the elastic rank used, and in a round with a pool the batches the ranks took from
-    it (the same on every rank)."""
-    mine = plan.slices[worker.rank]
-    rank_state, batch_size = worker.rank_state, worker.config.batch_size
-    mean = RunningMean(rank_state.step_count, rank_state.step_total_s)  # slowdown emulation
-    timer = StepTimer(slowdown=worker.slowdown, mean=mean, device=worker.device)
-    # The warm-up step stays out of the emulation's mean too: its sleep follows its own time.
-    warmup = StepTimer(slowdown=worker.slowdown, device=worker.device)
-    total = worker.config.epochs * len(worker.dataset)
-    order = worker.order(plan.epoch)
-    batches = slice_batches(worker.dataset, order, start=mine.start, stop=mine.stop,
-                            batch_size=batch_size)
-    # DDP needs every rank in every gradient all-reduce: a rank left without samples in an
-    # epoch's cut last round joins (shadows the collectives) instead of hanging the others; the
-    # gradient is divided by the ranks that have data, as a plain DDP step on them would be.
-    uneven = worker.policy.wraps_ddp and worker.world_size > 1 and \
-        any(s.steps == 0 for s in plan.slices)
-    join = worker.step_model.join(divide_by_initial_world_size=False) if uneven \
-        else contextlib.nullcontext()
-    skip_first = plan.calibration and state.samples_seen == 0
-    started, timed_samples, data_s = time.perf_counter(), 0, 0.0
-    # The round's loss is summed on the device and read once, after the round: reading it each
-    # step would make the host wait for the GPU every step and stop it queueing work ahead.
-    round_loss = torch.zeros((), dtype=torch.float64, device=worker.device)
+def run_slice(replica: Replica, plan: RoundPlan, state: PlanState) -> SliceResult:
+    """This rank's part of the round: its own steps (:func:`_own_steps`), then the calibration
+    pool's (:func:`_pool_steps`), then its report (:func:`_close_slice`). In the calibration
+    round the run's very first step (allocations, lazy initialisation) is timed apart and left
+    out of the report, so it does not pass for the rank's speed."""
+    tally = RoundTally.open(replica)
+    elastic_used = _own_steps(replica, plan, state, tally)
+    pool_used = _pool_steps(replica, plan, state, tally)
+    return SliceResult(_close_slice(replica, plan, tally), elastic_used, pool_used)
 
-    def step(fetch: Callable[[], Any], samples: int, progress: float, *, warm: bool) -> None:
-        nonlocal timed_samples, data_s, round_loss
-        clock = warmup if warm else timer
-        clock.start()
-        fetched = time.perf_counter()
-        batch = to_device(fetch(), worker.device)
-        data_s += time.perf_counter() - fetched
-        if worker.schedule is not None:
-            _set_lr(worker, worker.schedule(min(1.0, progress / total)))
-        loss = _step(worker, batch)
-        clock.stop()
-        if not warm:
-            timed_samples += samples
-        round_loss += loss
-        rank_state.epoch_loss[1] += 1
-        if worker.progress is not None and worker.progress.due():
-            _show_progress(worker, plan, samples=min(
-                progress + plan.num_samples / max(1, mine.steps),
-                state.samples_seen + plan.num_samples))
 
-    signal = ElasticSignal.open(plan, rank=worker.rank)
-    with join:
+@dataclass(frozen=True)
+class SliceResult:
+    """What a rank's part of a round leaves for the boundary: its report, and the same on
+    every rank, the samples the elastic rank used (an elastic round) and the batches taken
+    from the pool (a round with one); None where the round has neither."""
+
+    report: RoundReport
+    elastic_used: int | None
+    pool_used: int | None
+
+
+@dataclass
+class RoundTally:
+    """What one round's steps add up to on this rank while they run: the step timers, the
+    samples their time covers, the time spent fetching batches and the loss, summed on the
+    device and read once, after the round (reading it each step would make the host wait for
+    the GPU every step and stop it queueing work ahead)."""
+
+    timer: StepTimer  # the timed steps; their running mean drives the slowdown emulation
+    warmup: StepTimer  # the run's very first step, timed apart (its sleep follows its own time)
+    mean: RunningMean
+    loss: torch.Tensor
+    started: float = field(default_factory=time.perf_counter)
+    timed_samples: int = 0
+    data_s: float = 0.0
+    pool_batches: int = 0
+
+    @classmethod
+    def open(cls, replica: Replica) -> RoundTally:
+        rank_state = replica.rank_state
+        mean = RunningMean(rank_state.step_count, rank_state.step_total_s)
+        return cls(timer=StepTimer(slowdown=replica.slowdown, mean=mean, device=replica.device),
+                   warmup=StepTimer(slowdown=replica.slowdown, device=replica.device),
+                   mean=mean, loss=torch.zeros((), dtype=torch.float64, device=replica.device))
+
+    @property
+    def steps(self) -> int:
+        return self.timer.steps + self.warmup.steps
+
+
+def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
+               tally: RoundTally) -> int | None:
+    """The rank's planned steps on its slice of the epoch's stream; the elastic rank stops
+    early once the slowest rank has posted that it is done. Returns the samples the elastic
+    rank used (None: the round is not elastic)."""
+    mine, batch_size = plan.slices[replica.rank], replica.config.batch_size
+    batches = slice_batches(replica.dataset, replica.order(plan.epoch), start=mine.start,
+                            stop=mine.stop, batch_size=batch_size)
+    warm_first = plan.calibration and state.samples_seen == 0
+    signal = ElasticSignal.open(plan, rank=replica.rank)
+    with _joined_if_uneven(replica, plan):
         for index in range(mine.steps):
             if index and signal.arrived(plan):
                 break
-            step(lambda: next(batches), min(batch_size, mine.num_samples - index * batch_size),
-                 state.samples_seen + plan.num_samples * index / max(1, mine.steps),
-                 warm=skip_first and index == 0)
-    elastic_used = signal.close(plan, rank=worker.rank, used=timed_samples)
-    pool = CalibrationPool.open(plan, world_size=worker.world_size)
-    taken = 0
-    while (j := pool.take()) is not None:  # whole batches, after this rank's own (warm) steps
+            _timed_step(replica, plan, state, tally, lambda: next(batches),
+                        samples=min(batch_size, mine.num_samples - index * batch_size),
+                        progress=state.samples_seen + plan.num_samples * index
+                        / max(1, mine.steps), warm=warm_first and index == 0)
+    return signal.close(plan, rank=replica.rank, used=tally.timed_samples)
+
+
+def _joined_if_uneven(replica: Replica, plan: RoundPlan) -> contextlib.AbstractContextManager:
+    """DDP needs every rank in every gradient all-reduce: a rank left without samples in an
+    epoch's cut last round joins (shadows the collectives) instead of hanging the others; the
+    gradient is divided by the ranks that have data, as a plain DDP step on them would be."""
+    if replica.policy.wraps_ddp and replica.world_size > 1 and \
+            any(s.steps == 0 for s in plan.slices):
+        return replica.step_model.join(divide_by_initial_world_size=False)
+    return contextlib.nullcontext()
+
+
+def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
+                tally: RoundTally) -> int | None:
+    """Whole batches of the calibration round's pool, taken one at a time after the rank's
+    own steps until every rank is done; returns how many the ranks took (None: no pool)."""
+    batch_size, order = replica.config.batch_size, replica.order(plan.epoch)
+    pool = CalibrationPool.open(plan, world_size=replica.world_size)
+    while (j := pool.take()) is not None:
         low = plan.pool_start + j * batch_size
-        step(lambda low=low: collate(worker.dataset, order[low:low + batch_size]), batch_size,
-             state.samples_seen + low - state.position, warm=False)
-        taken += 1
-    pool_used = pool.close()
-    round_sum = float(round_loss)  # the one read of the device per round
+        _timed_step(replica, plan, state, tally,
+                    lambda low=low: collate(replica.dataset, order[low:low + batch_size]),
+                    samples=batch_size, progress=state.samples_seen + low - state.position,
+                    warm=False)
+        tally.pool_batches += 1
+    return pool.close()
+
+
+def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: RoundTally,
+                fetch: Callable[[], Any], *, samples: int, progress: float, warm: bool) -> None:
+    """One whole step, timed as the planner must balance it: fetching and collating the
+    batch, the host-to-device copy, the LR call, forward, backward, optimizer step."""
+    clock = tally.warmup if warm else tally.timer
+    clock.start()
+    fetched = time.perf_counter()
+    batch = to_device(fetch(), replica.device)
+    tally.data_s += time.perf_counter() - fetched
+    if replica.schedule is not None:
+        total = replica.config.epochs * len(replica.dataset)
+        _set_lr(replica, replica.schedule(min(1.0, progress / total)))
+    loss = _step(replica, batch)
+    clock.stop()
+    if not warm:
+        tally.timed_samples += samples
+    tally.loss += loss
+    replica.rank_state.epoch_loss[1] += 1
+    if replica.progress is not None and replica.progress.due():
+        mine = plan.slices[replica.rank]
+        _show_progress(replica, plan, samples=min(
+            progress + plan.num_samples / max(1, mine.steps),
+            state.samples_seen + plan.num_samples))
+
+
+def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundReport:
+    """Read the round's loss and step times (the one wait for the device per round), book the
+    round and build the rank's report."""
+    rank_state, timer = replica.rank_state, tally.timer
+    round_sum = float(tally.loss)
     rank_state.epoch_loss[0] += round_sum
-    if worker.progress is not None and timer.steps + warmup.steps:
-        worker.progress.loss = round_sum / (timer.steps + warmup.steps)
+    if replica.progress is not None and tally.steps:
+        replica.progress.loss = round_sum / tally.steps
     timer.finish()
-    warmup.finish()
-    rank_state.step_count, rank_state.step_total_s = mean.count, mean.total
-    used = mine.num_samples if plan.elastic != worker.rank else timed_samples
-    _book_round(worker, plan, used + taken * batch_size, timer, warmup,
-                compute_s=time.perf_counter() - started, data_s=data_s)
-    since = worker.checkpointer.since_last_s() if worker.checkpointer is not None else 0.0
-    report = rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,
-                               samples=timed_samples if timer.steps else 0,
-                               since_checkpoint_s=since)
-    return report, elastic_used, pool_used
+    tally.warmup.finish()
+    rank_state.step_count, rank_state.step_total_s = tally.mean.count, tally.mean.total
+    mine = plan.slices[replica.rank]
+    used = mine.num_samples if plan.elastic != replica.rank else tally.timed_samples
+    _book_round(replica, plan, used + tally.pool_batches * replica.config.batch_size, tally,
+                compute_s=time.perf_counter() - tally.started)
+    since = replica.checkpointer.since_last_s() if replica.checkpointer is not None else 0.0
+    return rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,
+                             samples=tally.timed_samples if timer.steps else 0,
+                             since_checkpoint_s=since)
 
 
-def _show_progress(worker: Worker, plan: RoundPlan, *, samples: float) -> None:
-    assert worker.progress is not None
-    totals, total = worker.totals, max(1, plan.num_samples)
-    worker.progress.write(samples=samples, epoch=plan.epoch,
+def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None:
+    assert replica.progress is not None
+    totals, total = replica.totals, max(1, plan.num_samples)
+    replica.progress.write(samples=samples, epoch=plan.epoch,
                           shares=[s.num_samples / total for s in plan.slices],
                           anchor=plan.anchor, sync_s=totals.wait_s, busy_s=totals.busy_s)
 
 
-def _book_round(worker: Worker, plan: RoundPlan, used: int, timer: StepTimer,
-                warmup: StepTimer, *, compute_s: float, data_s: float) -> None:
-    totals = worker.totals
-    steps = timer.steps + warmup.steps
+def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally, *,
+                compute_s: float) -> None:
+    totals, timer, warmup = replica.totals, tally.timer, tally.warmup
     totals.samples += used
-    totals.steps += steps
+    totals.steps += tally.steps
     totals.busy_s += timer.busy_s + warmup.busy_s
     totals.sleep_s += timer.sleep_s + warmup.sleep_s
-    worker.timeline.event("round", round=plan.round_index, epoch=plan.epoch, steps=steps,
-                          samples=used, compute_s=compute_s, data_s=data_s,
-                          busy_s=timer.busy_s + warmup.busy_s, step_ms=timer.step_ms,
-                          sleep_s=timer.sleep_s + warmup.sleep_s, anchor=plan.anchor,
-                          lr_scale=worker.lr_scale)
+    replica.timeline.event("round", round=plan.round_index, epoch=plan.epoch, steps=tally.steps,
+                           samples=used, compute_s=compute_s, data_s=tally.data_s,
+                           busy_s=timer.busy_s + warmup.busy_s, step_ms=timer.step_ms,
+                           sleep_s=timer.sleep_s + warmup.sleep_s, anchor=plan.anchor,
+                           lr_scale=replica.lr_scale)
 
 
-def _step(worker: Worker, batch: Any) -> torch.Tensor:
-    worker.optimizer.zero_grad(set_to_none=True)
-    loss = worker.train_step(worker.step_model, batch)
-    if not worker._checked:
+def _step(replica: Replica, batch: Any) -> torch.Tensor:
+    replica.optimizer.zero_grad(set_to_none=True)
+    loss = replica.train_step(replica.step_model, batch)
+    if not replica._checked:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise UsageError(
                 "train_step must return a scalar loss tensor that requires grad, got "
                 + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                    else type(loss).__name__),
                 hint="return e.g. torch.nn.functional.cross_entropy(model(x), y)")
-        worker._checked = True
+        replica._checked = True
     loss.backward()
-    if worker.config.max_grad_norm is not None:
-        nn.utils.clip_grad_norm_(worker.model.parameters(), worker.config.max_grad_norm)
-    worker.optimizer.step()
+    if replica.config.max_grad_norm is not None:
+        nn.utils.clip_grad_norm_(replica.model.parameters(), replica.config.max_grad_norm)
+    replica.optimizer.step()
     return loss.detach()
 
 
-def _set_lr(worker: Worker, multiplier: float) -> None:
-    worker.lr_scale = multiplier
-    for group, base in zip(worker.optimizer.param_groups, worker.base_lrs, strict=True):
+def _set_lr(replica: Replica, multiplier: float) -> None:
+    replica.lr_scale = multiplier
+    for group, base in zip(replica.optimizer.param_groups, replica.base_lrs, strict=True):
         group["lr"] = base * multiplier
 
 
-def average(worker: Worker, plan: RoundPlan, report: RoundReport, pending: Any, *,
+def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any, *,
             blocking: bool) -> tuple[list[RoundReport] | None, Any]:
     """One averaging event; returns the reports that arrived (None: the first background
     average, nothing has arrived yet) and the average still in flight (None when blocking).
     The time from the first copy to the last (pack, reduce or wait, load or apply) is what the
     average cost this rank (RankState.after_sync books it)."""
-    averager, rank_state = worker.averager, worker.rank_state
+    averager, rank_state = replica.averager, replica.rank_state
     assert averager is not None
     start = time.perf_counter()
     rows = None
@@ -306,7 +373,7 @@ def average(worker: Worker, plan: RoundPlan, report: RoundReport, pending: Any, 
         rank_state.last_distance = averager.distance_from_average()
         averager.apply_delta()
         rows = averager.stats()
-    averager.pack(weight=plan.weights()[worker.rank], stats=report.to_row(), keep_snapshot=True)
+    averager.pack(weight=plan.weights()[replica.rank], stats=report.to_row(), keep_snapshot=True)
     if blocking:
         averager.all_reduce(async_op=False)
         rank_state.last_distance = averager.distance_from_average()
@@ -317,13 +384,13 @@ def average(worker: Worker, plan: RoundPlan, report: RoundReport, pending: Any, 
     end = time.perf_counter()
     rank_state.after_sync((end - start) * 1000, blocking=blocking)
     reports = None if rows is None else [RoundReport.from_row(row) for row in rows]
-    _record_sync(worker, plan, start, end, reports, blocking=blocking)
+    _record_sync(replica, plan, start, end, reports, blocking=blocking)
     return reports, pending
 
 
-def _record_sync(worker: Worker, plan: RoundPlan, start: float, end: float,
+def _record_sync(replica: Replica, plan: RoundPlan, start: float, end: float,
                  reports: list[RoundReport] | None, *, blocking: bool) -> None:
-    totals = worker.totals
+    totals = replica.totals
     totals.wait_s += end - start
     totals.syncs += 1
     if reports is not None:
@@ -332,33 +399,33 @@ def _record_sync(worker: Worker, plan: RoundPlan, start: float, end: float,
             totals.comm_ms.append(sync_ms)
     event: dict[str, Any] = {"round": plan.round_index, "start": start, "end": end,
                              "wait_s": end - start, "blocking": blocking,
-                             "bytes": worker.averager.bytes if worker.averager else 0}
-    if worker.verify and blocking:
-        event["checksum"] = checksum(worker.model)
-    worker.timeline.event("sync", **event)
+                             "bytes": replica.averager.bytes if replica.averager else 0}
+    if replica.verify and blocking:
+        event["checksum"] = checksum(replica.model)
+    replica.timeline.event("sync", **event)
 
 
-def _guarded(worker: Worker, state: PlanState, plan: RoundPlan,
+def _guarded(replica: Replica, state: PlanState, plan: RoundPlan,
              reports: list[RoundReport]) -> PlanState:
     """Let the divergence guard (fdl.engine.guard) judge the largest replica distance the ranks
     reported — the same on every rank, so every rank acts alike — and log what it saw."""
     distance = largest_distance(reports) if reports else NO_DISTANCE
-    if distance == NO_DISTANCE or not worker.policy.local_steps or worker.world_size == 1:
+    if distance == NO_DISTANCE or not replica.policy.local_steps or replica.world_size == 1:
         return state
     before = state.anchor
-    state, verdict = guard.observe(worker.rank_state.guard, state, distance=distance,
-                                   lr_scale=worker.lr_scale, steps=plan.anchor,
-                                   threshold=worker.config.divergence_threshold)
-    worker.timeline.event("guard", round=plan.round_index, distance=distance,
+    state, verdict = guard.observe(replica.rank_state.guard, state, distance=distance,
+                                   lr_scale=replica.lr_scale, steps=plan.anchor,
+                                   threshold=replica.config.divergence_threshold)
+    replica.timeline.event("guard", round=plan.round_index, distance=distance,
                           level=verdict.level, streak=verdict.streak, halve=verdict.halved,
                           released=verdict.released)
     if verdict.halved and state.anchor != before:  # at anchor 1 it can only hold the ceiling
-        worker.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
+        replica.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
                               previous=before, reason="divergence guard")
     return state
 
 
-def final_consensus(worker: Worker, pending: Any) -> None:
+def final_consensus(replica: Replica, pending: Any) -> None:
     """The run's final average is the last epoch's blocking one (every policy blocks at an
     epoch's end): nothing may still be in flight, and every rank now holds the same model."""
     if pending is not None:

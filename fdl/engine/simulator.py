@@ -29,7 +29,6 @@ import random
 from dataclasses import dataclass, field, replace
 
 from fdl.engine.plan import PlanConfig, RoundPlan, RoundStats, advance, initial_state, next_round
-from fdl.engine.policies import policy_named
 from fdl.engine.state import RankState, RoundReport, round_stats
 
 FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
@@ -101,13 +100,13 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
                         dataset_size=profile.dataset_size, epochs=profile.epochs, policy=policy)
     if overhead_target is not None:
         config = replace(config, overhead_target=overhead_target)
-    if not policy_named(policy).local_steps:
+    rule = config.policy
+    if not rule.local_steps:
         return _simulate_sync(profile, config, rng)
     state, ranks = initial_state(config), [RankState() for _ in range(world)]
     clock, busy_total = [0.0] * world, [0.0] * world
     pending: _Pending | None = None
     averages, anchors, trained = 0, [], 0
-    rule = policy_named(policy)
     while not state.finished:
         plan = next_round(state)
         used = [s.num_samples for s in plan.slices]
@@ -148,7 +147,7 @@ def simulate(profile: Profile, policy: str, *, seed: int = 0,
             leave = [max(leave) + profile.latency_ms] * world
         clock = leave
     wall_ms = max(clock)
-    return SimResult(profile.name, policy, trained, wall_ms / 1000,
+    return SimResult(profile.name, rule.name, trained, wall_ms / 1000,
                      profile.ideal_samples_per_s, averages, state.anchor,
                      tuple(1 - b / wall_ms for b in busy_total), anchors)
 
@@ -202,7 +201,7 @@ def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random) -> 
             busy_total[r] += steps[r]
         wall += max(steps) + DDP_EXPOSED * profile.reduce_ms
         state = advance(state, plan, RoundStats.unknown(world))
-    return SimResult(profile.name, config.policy, config.epochs * config.dataset_size,
+    return SimResult(profile.name, config.policy.name, config.epochs * config.dataset_size,
                      wall / 1000, profile.ideal_samples_per_s, 0, 1,
                      tuple(1 - b / wall for b in busy_total))
 

@@ -46,6 +46,34 @@ class RoundReport:
 REPORT_FIELDS = tuple(f.name for f in fields(RoundReport))
 
 
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank did over a stretch of training (the run for ``summary.json``, an epoch for
+    ``metrics.jsonl``), as every rank learns it: each rank's figures cross ranks as one row of
+    a single SUM all-reduce (fdl.engine.collectives.exchange_rows), packed and unpacked here."""
+
+    samples: float = 0.0  # samples trained
+    busy_s: float = 0.0  # whole steps, emulated sleep included
+    sleep_s: float = 0.0  # emulated slowdown
+    wait_s: float = 0.0  # blocked at averages
+    loss_sum: float = 0.0  # the stretch's summed step losses, and how many steps they are
+    loss_steps: float = 0.0
+
+    def to_row(self) -> list[float]:
+        return [float(getattr(self, name)) for name in FIGURE_FIELDS]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RankFigures:
+        return cls(**dict(zip(FIGURE_FIELDS, row, strict=True)))
+
+    def minus(self, earlier: RankFigures) -> RankFigures:
+        """The figures of the stretch since ``earlier`` (a mark taken from the same totals)."""
+        return RankFigures(*(a - b for a, b in zip(self.to_row(), earlier.to_row(), strict=True)))
+
+
+FIGURE_FIELDS = tuple(f.name for f in fields(RankFigures))
+
+
 def round_stats(reports: Sequence[RoundReport]) -> RoundStats:
     """The planner's view of a round. ``sync_ms`` is the smallest wait over ranks — the
     communication proper, since every other rank also waited for the slowest one — and

@@ -18,15 +18,14 @@ from fdl.files import write_json_atomic as write_json_atomic  # re-exported: the
 
 
 def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
-                  per_rank: list[list[float]], comm_ms: list[float], syncs: int,
+                  samples: list[int], busy_s: list[float], comm_ms: list[float], syncs: int,
                   eval_metrics: dict[str, float], final_loss: float | None,
                   extra: dict[str, Any]) -> dict[str, Any]:
-    """``per_rank[r] = [samples, busy_s, sleep_s, wait_s]`` summed over the run."""
-    samples = [int(row[0]) for row in per_rank]
-    busy = [row[1] for row in per_rank]
+    """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run."""
+    busy = busy_s
     compute_s = max(busy) if busy else 0.0
     return {
-        "policy": config.policy,
+        "policy": str(config.policy),
         "backend": config.backend,
         "world_size": world_size,
         "devices": devices,

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from fdl.engine.averaging import Averager, broadcast_from_rank0, checksum
+from fdl.engine.averaging import Averager, checksum
+from fdl.engine.collectives import broadcast_from_rank0
 
 WORLD_SIZE = 2
 VALUES = (1.0, 3.0)

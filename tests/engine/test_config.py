@@ -17,7 +17,7 @@ DIVERGENCE_THRESHOLD = DEFAULTS["divergence_threshold"]
 
 def test_nothing_given_is_every_default():
     config = resolve_config(script={}, env={})
-    assert (config.policy, config.backend, config.epochs, config.batch_size, config.seed,
+    assert (config.policy.name, config.backend, config.epochs, config.batch_size, config.seed,
             config.simulate_slowdown) == ("cadence", "auto", 5, 64, 42, None)
     assert config.sources == dict.fromkeys(DEFAULTS, "default")
     assert config.max_grad_norm is None
@@ -29,7 +29,7 @@ def test_env_beats_script_beats_default():
     config = resolve_config(
         script={"policy": "async", "epochs": 3, "batch_size": 32},
         env={"FDL_POLICY": "sync", "FDL_SEED": "7", "FDL_SLOWDOWN": "1,2.5"})
-    assert config.policy == "sync" and config.sources["policy"] == "env"  # env over script
+    assert config.policy.name == "sync" and config.sources["policy"] == "env"  # env over script
     assert config.seed == 7 and config.sources["seed"] == "env"  # env over default
     assert config.simulate_slowdown == (1.0, 2.5) and config.sources["simulate_slowdown"] == "env"
     assert config.epochs == 3 and config.sources["epochs"] == "script"
@@ -39,7 +39,7 @@ def test_env_beats_script_beats_default():
 
 def test_script_values_are_parsed():
     config = resolve_config(script={"policy": " SYNC ", "simulate_slowdown": [1, 2]}, env={})
-    assert config.policy == "sync"
+    assert config.policy.name == "sync"
     assert config.simulate_slowdown == (1.0, 2.0)
     assert config.sources["simulate_slowdown"] == "script"
 
@@ -106,7 +106,7 @@ def test_a_bad_script_value_is_a_usage_error_naming_the_argument(script, key):
 
 def test_a_bad_script_value_overridden_by_env_is_never_read():
     config = resolve_config(script={"policy": "turbo"}, env={"FDL_POLICY": "sync"})
-    assert config.policy == "sync"
+    assert config.policy.name == "sync"
 
 
 def test_unknown_policy_hint_lists_the_choices():
@@ -149,4 +149,4 @@ def test_a_bad_fdl_divergence_threshold_is_a_usage_error_naming_the_variable():
 def test_reads_os_environ_when_no_env_is_given(monkeypatch):
     monkeypatch.setenv("FDL_POLICY", "async")
     config = resolve_config(script={})
-    assert config.policy == "async" and config.sources["policy"] == "env"
+    assert config.policy.name == "async" and config.sources["policy"] == "env"

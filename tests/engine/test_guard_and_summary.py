@@ -210,8 +210,7 @@ def summary(**overrides) -> dict:
         "config": resolve_config(script={"policy": "async", "epochs": 2,
                                          "simulate_slowdown": "1,2.5"}, env={}),
         "world_size": 2, "devices": ["cpu (4 threads)", "cpu (4 threads)"], "wall_s": 10.0,
-        # [samples, busy_s, sleep_s, wait_s]
-        "per_rank": [[600, 8.0, 0.0, 1.0], [400, 9.0, 5.0, 0.5]],
+        "samples": [600, 400], "busy_s": [8.0, 9.0],
         "comm_ms": [20.0, 40.0, 30.0], "syncs": 3, "eval_metrics": {"accuracy": 0.9},
         "final_loss": 0.25, "extra": {"anchor": 4},
     }
@@ -246,7 +245,7 @@ def test_summary_without_communication_has_no_sync_numbers():
 
 
 def test_summary_without_compute_has_no_overhead():
-    document = summary(per_rank=[[0, 0.0, 0.0, 0.0], [0, 0.0, 0.0, 0.0]])
+    document = summary(samples=[0, 0], busy_s=[0.0, 0.0])
     assert document["sync"]["overhead"] is None
     assert document["sync"]["mean_ms"] == 30.0
     assert document["samples"] == 0

@@ -4,6 +4,7 @@ tuning and the divergence guard's levers, and whole runs as properties."""
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from fdl.engine.plan import (
     halve_anchor,
     initial_state,
     next_round,
+    saved_state_problem,
     shares,
     update_speed,
     with_ceiling,
@@ -765,7 +767,7 @@ def run_to_the_end(config: PlanConfig, base_ms, weather) -> tuple[PlanState, lis
         state = after
         if today.guard == "halve":
             halved = halve_anchor(state, reason="diverged")
-            if config.policy == "sync":
+            if config.policy.name == "sync":
                 assert halved == state
             else:
                 assert halved.anchor == halved.ceiling == max(1, state.anchor // 2)
@@ -792,7 +794,7 @@ def check_layout(step: Round) -> None:
     assert plan.last_in_epoch == (plan.elastic is None and not plan.pool
                                   and laid[-1].stop == config.dataset_size)
     if plan.pool:  # the calibration round's pool: right after the slices, short of the end
-        assert plan.calibration and config.world_size > 1 and config.policy != "sync"
+        assert plan.calibration and config.world_size > 1 and config.policy.name != "sync"
         assert plan.pool_start == laid[-1].stop
         assert plan.pool_start + plan.pool * config.batch_size < config.dataset_size
     assert plan.counts == tuple(s.steps for s in plan.slices)
@@ -804,7 +806,7 @@ def check_shares(step: Round) -> None:
     """The round's kind (calibration, elastic, full or cut) and samples, from the state."""
     state, plan, planned = step.state, step.plan, step.planned
     config = state.config
-    local = config.policy != "sync"
+    local = config.policy.name != "sync"
     assert plan.calibration == (local and not state.calibrated)
     assert (step.after.prev_shares is None) == plan.calibration
     if not local:
@@ -860,7 +862,7 @@ def fastest_candidates(ms: tuple[float | None, ...]) -> set[int]:
 def check_elastic(state: PlanState, plan: RoundPlan, planned, remaining: int) -> None:
     fast, slow = plan.elastic, plan.signal_from
     ms = state.ms_per_sample
-    assert state.config.policy != "sync" and state.calibrated
+    assert state.config.policy.name != "sync" and state.calibrated
     assert fast in fastest_candidates(ms) and slow != fast and ms[slow] == max(ms)
     others = sum(planned) - planned[fast]
     assert remaining > TAIL_MERGE * sum(planned)
@@ -931,7 +933,7 @@ def check_anchor(step: Round) -> None:
     expected = state.anchor
     ms = [busy / n for busy, n in zip(stats.busy_ms, stats.samples, strict=True)
           if n and usable(busy / n)]
-    if config.policy != "sync" and ms and 0 <= stats.sync_ms < math.inf:
+    if config.policy.name != "sync" and ms and 0 <= stats.sync_ms < math.inf:
         wanted = stats.sync_ms / (config.overhead_target * config.batch_size * max(ms))
         high = min(config.max_anchor, state.ceiling or config.max_anchor)
         if wanted > state.anchor:  # grow to the wanted anchor, at most doubling
@@ -947,7 +949,7 @@ def check_anchor(step: Round) -> None:
     else:
         assert after.anchor_history == state.anchor_history
     assert 1 <= after.anchor <= config.max_anchor
-    assert config.policy != "sync" or after.anchor == 1
+    assert config.policy.name != "sync" or after.anchor == 1
     assert state.ceiling is None or after.anchor <= state.ceiling
 
 
@@ -1031,3 +1033,57 @@ def test_shares_follow_the_speed_ratio(ratio, anchor, batch_size, slow):
     base = anchor * batch_size
     assert slow_share == base
     assert rounds_half_up_to_batches(base * ratio, fast_share, batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The state a checkpoint keeps (engine.json)
+
+
+@settings(max_examples=100, deadline=None)
+@given(config=configs(), speeds=speeds_ms, weather=st.lists(weathers, min_size=1, max_size=6))
+def test_every_state_of_a_run_comes_back_from_its_saved_form(config, speeds, weather):
+    """What a checkpoint writes (through JSON, as engine.json holds it) gives back the state
+    the run was in, at every round: the next round is planned exactly as it would have been."""
+    _, rounds = run_to_the_end(config, speeds, weather)
+    for step in rounds:
+        saved = json.loads(json.dumps(step.state.to_dict()))
+        assert saved_state_problem(saved) is None
+        restored = PlanState.from_dict(saved, config)
+        assert restored == step.state
+        assert next_round(restored) == step.plan
+
+
+def test_a_resume_with_other_ranks_or_another_policy_measures_again():
+    config = PlanConfig(world_size=2, batch_size=4, dataset_size=100, epochs=2, policy="async")
+    state = replace(initial_state(config), round_index=5, epoch=1, position=40, anchor=9,
+                    ms_per_sample=(1.0, 2.5), prev_shares=(90, 36), ceiling=9,
+                    anchor_history=((3, 9, "overhead 0.1 > 0.02"),))
+    saved = state.to_dict()
+    three = replace(config, world_size=3)
+    wider = PlanState.from_dict(saved, three)
+    assert (wider.round_index, wider.epoch, wider.position, wider.anchor) == (5, 1, 40, 9)
+    assert wider.ms_per_sample == (None, None, None) and wider.prev_shares is None
+    assert wider.ceiling is None and wider.anchor_history == state.anchor_history
+    other = PlanState.from_dict(saved, replace(config, policy="cadence"))
+    assert other.anchor == config.initial_anchor and other.ms_per_sample == (None, None)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("epoch", -1, "'epoch' is -1, expected an integer >= 0"),
+    ("anchor", 0, "'anchor' is 0, expected an integer >= 1"),
+    ("ms_per_sample", [1.0, "fast"], "'ms_per_sample' is [1.0, 'fast']"),
+    ("ms_per_sample", [1.0], "describes 2 ranks with 1 speeds"),
+    ("anchor_history", [[1, 2]], "'anchor_history' is [[1, 2]]"),
+    ("policy", "ddp", "'policy' is 'ddp', expected sync | cadence | async"),
+    ("position", 101, "position 101 is beyond its 100 samples"),
+    ("ceiling", True, "'ceiling' is True"),
+])
+def test_a_saved_state_that_is_not_what_to_dict_writes_is_refused(field, value, message):
+    config = PlanConfig(world_size=2, batch_size=4, dataset_size=100, epochs=2)
+    saved = {**initial_state(config).to_dict(), field: value}
+    assert message in saved_state_problem(saved)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PlanState.from_dict(saved, config)
+    missing = initial_state(config).to_dict()
+    del missing[field]
+    assert saved_state_problem(missing) == f"the plan state has no {field!r}"

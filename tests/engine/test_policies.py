@@ -60,6 +60,7 @@ def test_only_sync_wraps_ddp_and_only_local_step_policies_average_parameters():
 def test_every_setting_name_has_its_policy_and_nothing_else_does():
     assert [policy_named(name).name for name in POLICIES] == list(POLICIES)
     assert {policy_named(name) for name in POLICIES} == {SYNC, CADENCE, ASYNC}
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown policy 'turbo'; expected one of sync"):
         policy_named("turbo")
+    assert policy_named(ASYNC) is ASYNC
 

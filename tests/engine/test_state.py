@@ -15,6 +15,7 @@ from fdl.engine.state import (
     NO_DISTANCE,
     REPORT_FIELDS,
     GuardState,
+    RankFigures,
     RankState,
     RoundReport,
     largest_distance,
@@ -28,6 +29,20 @@ def report(*, busy_ms: float = 100.0, samples: int = 64, wait_ms: float = 5.0,
            distance: float = 0.01, since_checkpoint_s: float = 2.0) -> RoundReport:
     return RoundReport(busy_ms=busy_ms, samples=samples, wait_ms=wait_ms, distance=distance,
                        since_checkpoint_s=since_checkpoint_s)
+
+
+# --- RankFigures <-> a row of floats ---------------------------------------------------------
+
+
+def test_figures_cross_ranks_as_a_row_and_a_stretch_is_the_difference_of_two_marks():
+    run = RankFigures(samples=640, busy_s=3.5, sleep_s=1.25, wait_s=0.5, loss_sum=12.0,
+                      loss_steps=10)
+    assert RankFigures.from_row(torch.tensor(run.to_row(), dtype=torch.float64).tolist()) == run
+    mark = RankFigures(samples=128, busy_s=1.0, sleep_s=0.25, wait_s=0.125)
+    assert run.minus(mark) == RankFigures(samples=512, busy_s=2.5, sleep_s=1.0, wait_s=0.375,
+                                          loss_sum=12.0, loss_steps=10)
+    with pytest.raises(ValueError):
+        RankFigures.from_row([1.0, 2.0])
 
 
 # --- RoundReport <-> a row of floats --------------------------------------------------------

@@ -17,10 +17,11 @@ import torch
 from helpers import clean_env, run_fdl
 
 from fdl.engine.checkpoint import latest_checkpoint
+from fdl.engine.collectives import agreed_backend
 from fdl.engine.data import epoch_permutation
+from fdl.engine.fit import rank_seed
 from fdl.engine.plan import PlanConfig, RoundStats, advance, initial_state, next_round
 from fdl.engine.timeline import read_events
-from fdl.engine.trainer import agreed_backend, rank_seed
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))

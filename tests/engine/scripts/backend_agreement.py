@@ -9,11 +9,11 @@ import sys
 
 import torch.distributed as dist
 
-from fdl.engine.trainer import _all_true, agreed_backend
+from fdl.engine.collectives import agreed_backend, all_true
 
 init_file, rank, out, claims = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-answers = [agreed_backend("auto", can_nccl=claim == "1", all_can_nccl=_all_true)
+answers = [agreed_backend("auto", can_nccl=claim == "1", all_can_nccl=all_true)
            for claim in claims]
 with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump(answers, handle)

@@ -1,0 +1,167 @@
+"""The process group and what travels over it outside an average: joining the group (torchrun's
+environment), choosing this worker's device, agreeing on one averaging backend, and the small
+collectives the engine needs (a broadcast of the initial weights, sums of figures per rank).
+
+Every rank calls these in the same order; each is one collective (or none when not
+distributed), so they never hang a rank that calls them alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fdl.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Where this process stands in the job, from torchrun's environment (solo: rank 0 of 1)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node: int  # GROUP_RANK: the node's index
+    local_world_size: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Membership:
+        env = os.environ if env is None else env
+        return cls(rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
+                   local_rank=int(env.get("LOCAL_RANK", "0")),
+                   node=int(env.get("GROUP_RANK", "0")),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class Group:
+    """The joined group: the backend every rank averages with and the process group that
+    carries the averages (None: the default group)."""
+
+    backend: str  # "nccl" or "cpu"
+    process_group: Any = None
+    created: bool = False  # this process created the default group (and destroys it)
+
+
+def pick_device(local_rank: int, backend: str) -> torch.device:
+    """This worker's device: ``cuda:local_rank`` (modulo the visible GPUs) when CUDA is
+    available, else the CPU; ``backend == "nccl"`` without a GPU is a usage error."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    if backend == "nccl":
+        raise UsageError("backend 'nccl' needs a CUDA GPU, and this worker has none",
+                         hint="use --backend cpu (or auto)")
+    return torch.device("cpu")
+
+
+def agreed_backend(requested: str, *, can_nccl: bool, all_can_nccl: Callable[[bool], bool]) -> str:
+    """The averaging backend every rank uses. ``auto`` is decided for the whole group:
+    ``all_can_nccl(mine)`` is True only if every rank can use NCCL (a GPU and NCCL) — a group
+    mixing a CPU worker with GPU workers would otherwise pick gloo on one side and NCCL on the
+    other and hang in the first collective."""
+    if requested != "auto":
+        return requested
+    return "nccl" if all_can_nccl(can_nccl) else "cpu"
+
+
+def join_group(requested: str, device: torch.device, world_size: int) -> Group:
+    """Join the process group (once per process: an existing default group is used as is).
+
+    ``nccl`` and ``cpu`` make the default group of that kind. ``auto`` makes a gloo default
+    group (every worker can), agrees on one backend over it (:func:`agreed_backend`) and, when
+    every rank can use NCCL, adds an NCCL group for the averaging and DDP."""
+    can_nccl = device.type == "cuda" and dist.is_nccl_available()
+    if world_size <= 1:
+        return Group(agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=bool))
+    created = not dist.is_initialized()
+    if requested != "auto":
+        if created:
+            dist.init_process_group(backend="nccl" if requested == "nccl" else "gloo",
+                                    device_id=device if device.type == "cuda" else None)
+        return Group(requested, created=created)
+    if created:
+        dist.init_process_group(backend="gloo")
+    backend = agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=all_true)
+    return Group(backend, dist.new_group(backend="nccl") if backend == "nccl" else None,
+                 created=created)
+
+
+def leave_group(group: Group) -> None:
+    """Destroy the default group if this process created it. DDP's reducer sits in reference
+    cycles: it is freed first, while its process group still exists, not at interpreter exit
+    (a worker once aborted there with "terminate called without an active exception")."""
+    if group.created and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def all_true(mine: bool) -> bool:
+    """Whether every rank's ``mine`` is True (a MIN all-reduce over the default group)."""
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], *, via_host: bool,
+                         group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank of ``group`` (default: the default group) the values of its rank 0
+    (identical start even if initialisation is random)."""
+    for tensor in tensors:
+        carrier = tensor.cpu() if via_host and tensor.device.type != "cpu" else tensor
+        dist.broadcast(carrier, group=group, group_src=0)
+        if carrier is not tensor:
+            tensor.copy_(carrier)
+
+
+def all_reduce_sum(values: Sequence[float], *, device: torch.device) -> list[float]:
+    """Element-wise sum over ranks (identity when not distributed), in float64."""
+    if not dist.is_initialized():
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device(device))
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def exchange_rows(row: Sequence[float], *, rank: int, world_size: int,
+                  device: torch.device) -> list[list[float]]:
+    """Every rank's ``row`` (all of one length), on every rank, in one collective: each rank
+    fills its own row of a zero block and the block is summed."""
+    width = len(row)
+    block = [0.0] * (width * world_size)
+    block[rank * width:(rank + 1) * width] = row
+    flat = all_reduce_sum(block, device=device)
+    return [flat[r * width:(r + 1) * width] for r in range(world_size)]
+
+
+def gather_labels(label: str, *, world_size: int) -> list[str]:
+    """Every rank's ``label`` (a few words, e.g. its device), in rank order."""
+    labels = [label] * world_size
+    if world_size > 1:
+        dist.all_gather_object(labels, label)
+    return labels
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """Where a tensor for a collective over the default group must live: the device under
+    NCCL, the host under gloo."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def device_label(device: torch.device) -> str:
+    """``cuda:0 NVIDIA GeForce RTX 4070`` or ``cpu (4 threads)``: what summary.json records."""
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"cpu ({torch.get_num_threads()} threads)"
