@@ -1,4 +1,4 @@
-"""fdl.httpclient against a real HTTP server on 127.0.0.1 (``http_server`` in tests/conftest.py):
+"""fdl.download.client against a real HTTP server on 127.0.0.1 (``http_server`` in tests/conftest.py):
 the download client's connections ask the socket for 1 MiB per read (on the pinned httpx and
 httpcore: this test fails if an upgrade moves the insides the widening relies on), proxies from
 the environment still apply, and a client of another shape is left as it is. Over real TLS
@@ -20,8 +20,8 @@ import httpx
 import pytest
 from helpers import GUARD_S, self_signed_cert, wait_until
 
-from fdl.download import download
-from fdl.httpclient import READ_BYTES, _WideBackend, http_client, widen_reads
+from fdl.download.client import READ_BYTES, _WideBackend, http_client, widen_reads
+from fdl.download.fetch import download
 
 try:
     import fcntl

@@ -1,5 +1,5 @@
-"""The HTTP client fdl downloads with: redirects checked hop by hop (:func:`fdl.urls.redirect_guard`)
-and socket reads of up to 1 MiB instead of httpcore's 64 KiB.
+"""The HTTP client fdl downloads with: redirects checked hop by hop
+(:func:`fdl.download.urls.redirect_guard`) and socket reads of up to 1 MiB instead of httpcore's 64 KiB.
 
 Why the reads: on a fast link the client is bound by its own CPU, and most of it goes on the
 work done per read (a ``recv``, h11's parsing, a bytes object and a Python loop turn each).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdl.urls import HTTP_OPT_IN, redirect_guard
+from fdl.download.urls import HTTP_OPT_IN, redirect_guard
 
 READ_BYTES = 1 << 20
 
