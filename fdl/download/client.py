@@ -14,7 +14,7 @@ transport would turn off the proxies taken from the environment (``HTTPS_PROXY``
 client is made as usual and the backend of its direct (non-proxy) connection pool is wrapped
 in place: two private attributes of the pinned httpx/httpcore (``scripts/constraints.txt``).
 Where they are not found the client keeps 64 KiB reads and works the same;
-``tests/test_httpclient.py`` fails on the pinned versions if the wrapping stops taking effect.
+``tests/download/test_client.py`` fails on the pinned versions if the wrapping stops taking effect.
 Connections through a proxy (httpx's own proxy transports) keep 64 KiB reads. Over TLS a read
 returns one record (16 KiB) whatever it asks, so a TLS read also takes, without waiting, the
 records already received after it, up to 1 MiB.
