@@ -11,7 +11,7 @@ with backoff, verified, then renamed into place. The other modules are its parts
 * ``partfile.py``: the ``.part`` staging file and the running hashes of what it holds;
 * ``urls.py``: which URLs may be fetched (https and file; plain http only when opted in) and the
   per-hop redirect guard;
-* ``client.py``: the one ``httpx.Client`` the downloads use.
+* ``client.py``: the one ``httpx.Client`` the downloads use, built with httpx's public API only.
 
 Example::
 

@@ -29,14 +29,13 @@ their offsets (:mod:`fdl.download.ranged`). How many: ``connections`` (the argum
 its resume asks ``If-Range``) from the start when it is given; when neither is, the first answer's
 connection goes on alone, and more are opened (up to 4) while the open ones spend most of their time
 waiting for the network, not on this machine's CPU: a capped or distant link gets 4, a fast local
-mirror, where one connection already keeps a core busy, stays at 1. Reads take up to 1 MiB at a time
-(:mod:`fdl.download.client`). Which ranges are on disk is recorded beside it in
-``<dest>.part.ranges.json`` (:mod:`fdl.download.ranges`), so an interrupted download resumes only
-the missing ranges; a record that cannot be trusted is ignored and the download starts over. Every
-range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and size compared with the
-first answer's: a file changed on the server discards the ``.part`` and its record and starts over
-(a transient failure: retried, then reported), so a file is never assembled from two versions.
-Without ranges, a length or a validator, one stream.
+mirror, where one connection already keeps a core busy, stays at 1. Which ranges are on disk is
+recorded beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.download.ranges`), so an interrupted
+download resumes only the missing ranges; a record that cannot be trusted is ignored and the
+download starts over. Every range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and
+size compared with the first answer's: a file changed on the server discards the ``.part`` and its
+record and starts over (a transient failure: retried, then reported), so a file is never assembled
+from two versions. Without ranges, a length or a validator, one stream.
 
 ``file://`` URLs are copied with the same hashing and progress reports (air-gapped sites). Plain
 ``http`` (a redirect hop included) is refused unless ``allow_http`` is set, and schemes other than

@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from fdl.download.client import READ_BYTES
 from fdl.download.fetch import download
 from fdl.errors import FdlError, UsageError
 
 DATA = random.Random(0).randbytes(3 * (1 << 20) + 12345)  # not a multiple of any chunk size
 DIGEST = hashlib.sha256(DATA).hexdigest()
 FAST = {"backoff_s": 0.01, "chunk_size": 1 << 16, "allow_http": True}  # 127.0.0.1: opted in
+READ_BYTES = 1 << 20  # no read of a body returns more (httpx asks the socket for 64 KiB)
 
 
 @pytest.fixture
