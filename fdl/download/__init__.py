@@ -1,5 +1,6 @@
 """fdl's HTTP downloads: every byte fdl fetches from a server (libtorch archives, bench datasets)
-comes through this package.
+comes through this package, and no other part of fdl imports an HTTP library
+(tests/download/test_http_boundary.py holds that).
 
 The one entry point is :func:`fdl.download.fetch.download`: mirrors tried in order, the file
 streamed to ``<dest>.part`` and hashed as it lands, resumed with ``Range`` after a cut, retried
