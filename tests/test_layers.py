@@ -28,9 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.partfile", "fdl.urls",
-             "fdl.httpclient", "fdl.rangestate", "fdl.ranged", "fdl.download", "fdl.console",
-             "fdl.settings"),
+    "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.console", "fdl.settings"),
+    "download": ("fdl.download",),
     "system": ("fdl.system",),
     "libtorch": ("fdl.libtorch",),
     "scaffold": ("fdl.scaffold",),
@@ -42,22 +41,26 @@ LAYERS: dict[str, tuple[str, ...]] = {
 }
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "base": ("base",),
+    "download": ("base",),
     "system": ("base",),
-    "libtorch": ("system", "base"),
+    "libtorch": ("download", "system", "base"),
     "scaffold": ("libtorch", "system", "base"),
     "engine": ("base",),
     "launch": ("engine", "system", "base"),
-    "bench": ("launch", "engine", "libtorch", "system", "base"),
-    "cli": ("bench", "launch", "engine", "scaffold", "libtorch", "system", "base"),
-    "top": ("cli", "bench", "launch", "engine", "scaffold", "libtorch", "system", "base"),
+    "bench": ("launch", "engine", "libtorch", "download", "system", "base"),
+    "cli": ("bench", "launch", "engine", "scaffold", "libtorch", "download", "system", "base"),
+    "top": ("cli", "bench", "launch", "engine", "scaffold", "libtorch", "download", "system",
+            "base"),
 }
 """The layer table, ``LAYERS`` and ``MAY_IMPORT``: which modules form each layer (a package name
 covers its whole package), and which layers each layer may import besides its own. This is the
 one place the order is written down; docs/architecture.md quotes it. A new module under fdl/
 must be placed here (test_every_module_has_a_layer).
 
-* base: leaf modules of the standard library's kind (errors, paths, files, downloads, the
-  console, the settings contract); they import each other only, without cycles.
+* base: leaf modules of the standard library's kind (errors, paths, files, the console, the
+  settings contract); they import each other only, without cycles.
+* download: fdl's HTTP downloads (the one download-and-verify, ranged connections, the URL
+  rule, the HTTP client), shared by libtorch and bench.
 * system: the host survey (GPUs, host, installed torch, CUDA rules).
 * libtorch: the catalog, store, installs, builds, coverage and the diagnose report, which
   combine the survey with the catalog.
@@ -309,6 +312,10 @@ def test_graph_sees_lazy_type_checking_relative_and_dynamic_imports(tmp_path):
     ("fdl.libtorch.coverage", "fdl.system.gpus", True),
     ("fdl.cli.run", "fdl.launch", True),
     ("fdl.__main__", "fdl.cli.main", True),
+    ("fdl.files", "fdl.download.fetch", False),
+    ("fdl.download.fetch", "fdl.libtorch.store", False),
+    ("fdl.download.ranged", "fdl.files", True),
+    ("fdl.bench.fetch", "fdl.download.fetch", True),
 ])
 def test_layer_rule_tells_down_from_up(source, target, allowed):
     edge = Import(source, target, Path("x.py"), 1, "module level")

@@ -54,7 +54,7 @@ from torch.utils.data import TensorDataset
 
 from fdl import paths
 from fdl.bench import fetch
-from fdl.download import Progress
+from fdl.download.fetch import Progress
 from fdl.errors import FdlError, UsageError
 
 NAMES = ("mnist", "cifar10", "shakespeare", "digits", "synthetic")

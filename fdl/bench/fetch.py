@@ -7,18 +7,18 @@ a file without a current marker (copied in by hand, replaced, or the expected ch
 is hashed again.
 
 Plain ``http`` (a URL, a mirror, or a redirect hop) is refused unless ``FDL_ALLOW_HTTP=1``, as
-for libtorch downloads (``fdl.urls``).
+for libtorch downloads (``fdl.download.urls``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fdl.download import Progress
-from fdl.download import download as download_file
+from fdl.download.fetch import Progress
+from fdl.download.fetch import download as download_file
+from fdl.download.urls import ALLOW_HTTP_ENV, http_allowed
 from fdl.errors import FdlError
 from fdl.files import hash_file
-from fdl.urls import ALLOW_HTTP_ENV, http_allowed
 
 
 def _marker(path: Path) -> Path:

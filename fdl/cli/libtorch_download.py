@@ -54,12 +54,12 @@ def download(
     import os
 
     from fdl import console
+    from fdl.download.urls import http_allowed
     from fdl.libtorch.catalog import MIRROR_ENV
     from fdl.libtorch.install import check_request, find_installed
     from fdl.libtorch.request import DownloadAsk, resolve_download
     from fdl.libtorch.store import Store
     from fdl.paths import libtorch_root
-    from fdl.urls import http_allowed
 
     allow_http = http_allowed(flag=allow_http)
     ask = DownloadAsk(cpu=cpu, cuda=cuda, variant=variant, version=version, url=url,

@@ -60,10 +60,10 @@ def setup(
         help="The interpreter whose torch wheel is checked (default: this one).")] = None,
 ) -> None:
     """Install and activate the libtorch that covers every GPU; check the torch wheel."""
+    from fdl.download.urls import http_allowed
     from fdl.libtorch.install import check_request
     from fdl.libtorch.store import Store
     from fdl.paths import libtorch_root
-    from fdl.urls import http_allowed
 
     allow_http = http_allowed(flag=allow_http)
     store = Store(libtorch_root())

@@ -58,9 +58,9 @@ class ArchiveRequest:
 def check_request(request: ArchiveRequest, *, allow_http: bool) -> int:
     """Check what ``install_archive`` takes from outside, before anything is written; returns
     the extraction limit. Raises ``UsageError``/``ConfigError`` (exit 2)."""
+    from fdl.download.urls import check_url
     from fdl.libtorch.extract import max_extract_bytes
     from fdl.libtorch.validate import check_variant_name
-    from fdl.urls import check_url
 
     if request.name is not None:
         check_variant_name(request.name)
@@ -108,7 +108,7 @@ def _lock_name(request: ArchiveRequest) -> str:
 def _fetch_and_install(store: Store, request: ArchiveRequest, *, allow_http: bool,
                        max_bytes: int,
                        progress: Callable[[int, int | None], None] | None) -> Variant:
-    from fdl.download import download
+    from fdl.download.fetch import download
     from fdl.libtorch.extract import extract_zip
 
     staging = store.staging()

@@ -36,7 +36,7 @@ from helpers import (
     wait_until,
 )
 
-from fdl.download import download
+from fdl.download.fetch import download
 from fdl.errors import FdlError, UsageError
 from fdl.libtorch.extract import extract_zip
 

@@ -21,26 +21,25 @@ Failures:
 * a checksum mismatch deletes the ``.part`` and raises ``FdlError`` naming both digests;
 * a file larger than ``max_bytes`` is refused and its ``.part`` deleted, never retried.
 
-Large files come over several connections: when the file is at least ``parallel_min_bytes``
-(64 MiB) and the first answer (``200``) offers ranges (``Accept-Ranges: bytes``, a
-``Content-Length`` and an ``ETag`` or ``Last-Modified``), several connections each fetch byte
-ranges into the ``.part`` at their offsets (:mod:`fdl.ranged`). How many: ``connections`` (the
-argument, else ``FDL_DOWNLOAD_CONNECTIONS``; 1 is one request for the whole file, recorded like
-the others so that its resume asks ``If-Range``) from the start when it is given; when neither
-is, the first answer's connection goes on alone, and more are opened (up to 4) while the open
-ones spend most of their time waiting for the network, not on this machine's CPU: a capped or
-distant link gets 4, a fast local mirror, where one connection already keeps a core busy, stays
-at 1. Reads take up to 1 MiB at a time (:mod:`fdl.httpclient`). Which ranges are on disk is
-recorded beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.rangestate`), so an interrupted
+Large files come over several connections: when the file is at least ``parallel_min_bytes`` (64 MiB)
+and the first answer (``200``) offers ranges (``Accept-Ranges: bytes``, a ``Content-Length`` and an
+``ETag`` or ``Last-Modified``), several connections each fetch byte ranges into the ``.part`` at
+their offsets (:mod:`fdl.download.ranged`). How many: ``connections`` (the argument, else
+``FDL_DOWNLOAD_CONNECTIONS``; 1 is one request for the whole file, recorded like the others so that
+its resume asks ``If-Range``) from the start when it is given; when neither is, the first answer's
+connection goes on alone, and more are opened (up to 4) while the open ones spend most of their time
+waiting for the network, not on this machine's CPU: a capped or distant link gets 4, a fast local
+mirror, where one connection already keeps a core busy, stays at 1. Which ranges are on disk is
+recorded beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.download.ranges`), so an interrupted
 download resumes only the missing ranges; a record that cannot be trusted is ignored and the
 download starts over. Every range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and
-size compared with the first answer's: a file changed on the server discards the ``.part`` and
-its record and starts over (a transient failure: retried, then reported), so a file is never
-assembled from two versions. Without ranges, a length or a validator, one stream.
+size compared with the first answer's: a file changed on the server discards the ``.part`` and its
+record and starts over (a transient failure: retried, then reported), so a file is never assembled
+from two versions. Without ranges, a length or a validator, one stream.
 
-``file://`` URLs are copied with the same hashing and progress reports (air-gapped sites).
-Plain ``http`` (a redirect hop included) is refused unless ``allow_http`` is set, and schemes
-other than https, http and file always are (``fdl.urls``): a refused URL is skipped while others
+``file://`` URLs are copied with the same hashing and progress reports (air-gapped sites). Plain
+``http`` (a redirect hop included) is refused unless ``allow_http`` is set, and schemes other than
+https, http and file always are (``fdl.download.urls``): a refused URL is skipped while others
 remain, and when all are refused ``UsageError`` is raised before anything is written.
 
 Example::
@@ -64,15 +63,15 @@ from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from fdl.download.client import http_client
+from fdl.download.partfile import PartFile, Progress, TooLarge
+from fdl.download.ranged import Ranges, RangesIgnored, fetch_ranges, offers_ranges, start_ranges
+from fdl.download.ranged import RuledOut as _RuledOut
+from fdl.download.ranged import Transient as _Transient
+from fdl.download.ranged import check_status as _check_status
+from fdl.download.ranges import discard_state, load_state, state_path
+from fdl.download.urls import HTTP_OPT_IN, check_url
 from fdl.errors import FdlError, UsageError
-from fdl.httpclient import http_client
-from fdl.partfile import PartFile, Progress, TooLarge
-from fdl.ranged import Ranges, RangesIgnored, fetch_ranges, offers_ranges, start_ranges
-from fdl.ranged import RuledOut as _RuledOut
-from fdl.ranged import Transient as _Transient
-from fdl.ranged import check_status as _check_status
-from fdl.rangestate import discard_state, load_state, state_path
-from fdl.urls import HTTP_OPT_IN, check_url
 
 __all__ = ["DownloadResult", "Progress", "download"]
 
@@ -235,7 +234,7 @@ def _failure(part: PartFile, causes: dict[str, str], *, retrying: bool, attempts
 
 def _http_client(urls: list[str], *, allow_http: bool, opt_in: str, timeout_s: float
                  ) -> contextlib.AbstractContextManager[Any]:
-    """The HTTP client (:mod:`fdl.httpclient`); none when every URL is a file."""
+    """The HTTP client (:mod:`fdl.download.client`); none when every URL is a file."""
     if all(_is_file(url) for url in urls):
         return contextlib.nullcontext()
     return http_client(allow_http=allow_http, timeout_s=timeout_s, opt_in=opt_in)

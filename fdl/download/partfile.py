@@ -4,8 +4,9 @@
 digest is ready when the last byte lands; after an interruption it re-hashes the bytes already
 on disk (:func:`fdl.files.hash_file`) and appending goes on from there. Writing and hashing run
 in threads beside the caller's reads (:class:`Fanout`). A file growing past ``max_bytes``
-raises :class:`TooLarge`. Used by :mod:`fdl.download` only; a module of its own to keep the
-download's retry and mirror logic readable in one screen."""
+raises :class:`TooLarge`. Used by :mod:`fdl.download.fetch` (and :mod:`fdl.download.ranged`,
+which fills it in ranges) only; a module of its own to keep the download's retry and mirror
+logic readable in one screen."""
 
 from __future__ import annotations
 

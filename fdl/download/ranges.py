@@ -1,11 +1,11 @@
 """Which byte ranges of a parallel download are on disk: the sidecar ``<dest>.part.ranges.json``.
 
-A parallel download (:mod:`fdl.ranged`) writes each range at its offset in a ``.part`` file
+A parallel download (:mod:`fdl.download.ranged`) writes each range at its offset in a ``.part`` file
 sized to the whole file up front, so the ``.part``'s size says nothing about what it holds; this
 record does. It names the URL, the file's size and the validators the server gave (``ETag``,
-``Last-Modified``), and for each range ``[start, end)`` how many of its bytes, from ``start``,
-are written. The bytes are written before the record counts them, so a crash at any point
-leaves a record that claims no more than the disk holds.
+``Last-Modified``), and for each range ``[start, end)`` how many of its bytes, from ``start``, are
+written. The bytes are written before the record counts them, so a crash at any point leaves a
+record that claims no more than the disk holds.
 
 The record is written atomically (:func:`fdl.files.write_json_atomic`). One that cannot be read,
 is not this shape, or does not fit the ``.part`` beside it (out-of-bounds, overlapping or

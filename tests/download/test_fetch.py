@@ -1,4 +1,4 @@
-"""fdl.download against a real HTTP server on 127.0.0.1 that misbehaves on request.
+"""fdl.download.fetch against a real HTTP server on 127.0.0.1 that misbehaves on request.
 
 The faults users meet (a cut connection, a wrong sha256, Ctrl-C, plain http) are in
 tests/faults/test_download_faults.py."""
@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from fdl.download import download
+from fdl.download.fetch import download
 from fdl.errors import FdlError, UsageError
-from fdl.httpclient import READ_BYTES
 
 DATA = random.Random(0).randbytes(3 * (1 << 20) + 12345)  # not a multiple of any chunk size
 DIGEST = hashlib.sha256(DATA).hexdigest()
 FAST = {"backoff_s": 0.01, "chunk_size": 1 << 16, "allow_http": True}  # 127.0.0.1: opted in
+READ_BYTES = 1 << 20  # no read of a body returns more (httpx asks the socket for 64 KiB)
 
 
 @pytest.fixture

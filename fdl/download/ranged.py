@@ -1,8 +1,8 @@
 """A large file fetched over several connections at once, each a byte range written at its
 offset in the ``.part``: a CDN that caps each connection's rate is then held to its cap times
-the number of connections. Used by :mod:`fdl.download` when the server offers ranges.
+the number of connections. Used by :mod:`fdl.download.fetch` when the server offers ranges.
 
-* The pieces (:mod:`fdl.rangestate`) go to worker threads, one connection each, first come
+* The pieces (:mod:`fdl.download.ranges`) go to worker threads, one connection each, first come
   first served; each asks ``Range: bytes=a-b`` with ``If-Range`` set to the file's validator,
   writes what arrives with ``os.pwritev`` and counts it done only once written. The first
   answer (the whole file from byte 0) serves the first piece, and the ones after it while its
@@ -16,8 +16,8 @@ the number of connections. Used by :mod:`fdl.download` when the server offers ra
 * One more thread hashes the file in order as its written prefix grows, reading it back from
   the page cache, so the digest is ready soon after the last byte lands. (Hashing the batches
   from memory instead, as they are written in order, was tried and not kept: in rotated A/B
-  runs on this VM it was no faster, 1.31 s a GiB against 1.36 s median, and it holds up to a
-  window of batches in memory.)
+  runs on this VM, with the 1 MiB socket reads fdl then did, it was no faster, 1.31 s a GiB
+  against 1.36 s median, and it holds up to a window of batches in memory.)
 * The main thread reports progress (bytes across all connections) and saves the record every
   second; Ctrl-C saves it and leaves, so the next run fetches only what is missing.
 * A response from another version of the file (a ``200`` to ``If-Range``, another ``ETag``,
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.partfile import PartFile, Progress
-from fdl.rangestate import RangeState, discard_state, if_range_value, plan_state, save_state
+from fdl.download.partfile import PartFile, Progress
+from fdl.download.ranges import RangeState, discard_state, if_range_value, plan_state, save_state
 
 _SAVE_EVERY_S = 1.0
 _HASH_BLOCK = 4 << 20

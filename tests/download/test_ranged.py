@@ -1,6 +1,6 @@
-"""Parallel ranged downloads (fdl.ranged, fdl.rangestate) against a real HTTP server on
-127.0.0.1 (``http_server`` in tests/conftest.py) serving files built here, with the parallel
-threshold lowered so that a few MiB go over several connections.
+"""Parallel ranged downloads (fdl.download.ranged, fdl.download.ranges) against a real HTTP
+server on 127.0.0.1 (``http_server`` in tests/conftest.py) serving files built here, with the
+parallel threshold lowered so that a few MiB go over several connections.
 
 Covered: the assembled file and its sha256, a server without ranges and one that offers them
 and then ignores them, resuming only the missing ranges after a cut and after SIGINT to a real
@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 from helpers import GUARD_S, wait_until
 
-from fdl.download import download, num_connections
+from fdl.download.client import http_client
+from fdl.download.fetch import download, num_connections
+from fdl.download.ranged import RangedFetch, more_connections
+from fdl.download.ranges import load_state, plan_state, state_path
 from fdl.errors import FdlError, UsageError
-from fdl.httpclient import http_client
-from fdl.ranged import RangedFetch, more_connections
-from fdl.rangestate import load_state, plan_state, state_path
 
 DATA = random.Random(1).randbytes(3 * (1 << 20) + 4321)  # not a multiple of any piece
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -158,7 +158,7 @@ def test_sigint_keeps_the_part_and_its_record_and_the_rerun_resumes(served, tmp_
         import signal, sys
         signal.signal(signal.SIGINT, signal.default_int_handler)
         from pathlib import Path
-        from fdl.download import download
+        from fdl.download.fetch import download
         download({served.url("libtorch.zip")!r}, Path({str(dest)!r}), **{PARALLEL!r})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
