@@ -32,7 +32,7 @@ def atomic_replace(path: Path) -> Iterator[Path]:
     """A unique temporary path beside ``path``, for writers that want a file name (e.g.
     ``torch.save``): renamed over ``path`` when the block ends normally, removed when it
     raises, so ``path`` holds the old file or the complete new one. Temporary names are
-    ``.<name>.<random>.tmp`` (what fdl.launch.rundir recognises as leftovers of a kill)."""
+    ``.<name>.<random>.tmp`` (what fdl.rundir.layout recognises as leftovers of a kill)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

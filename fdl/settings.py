@@ -40,7 +40,7 @@ SOURCES_ENV = "FDL_SOURCES"  # JSON {name: source}, so workers can record proven
 RUN_DIR_ENV = "FDL_RUN_DIR"  # always set by fdl run: where the workers write
 RESUME_ENV = "FDL_RESUME"  # "1": load the newest valid checkpoint (fdl run --resume)
 LAUNCHER_PID_ENV = "FDL_LAUNCHER_PID"  # the workers die with the launcher (fdl.launch.worker)
-# Seconds between rank 0's progress snapshots (fdl.engine.progress); set by fdl run when it shows
+# Seconds between rank 0's progress snapshots (fdl.rundir.progress); set by fdl run when it shows
 # live progress on a terminal, absent otherwise (no snapshots written).
 PROGRESS_ENV = "FDL_PROGRESS"
 # What torch.distributed.elastic gives each worker (besides TORCHELASTIC_*): a process that

@@ -63,7 +63,7 @@ def main() -> None:
 
 
 def component_costs(count: int = 2000) -> tuple[float, float]:
-    """CPU milliseconds of one snapshot write (fdl.engine.progress) and of one redraw of the two
+    """CPU milliseconds of one snapshot write (fdl.rundir.progress) and of one redraw of the two
     status lines on a terminal console (fdl.launch.live), averaged over ``count``."""
     import io
     import tempfile
@@ -72,7 +72,7 @@ def component_costs(count: int = 2000) -> tuple[float, float]:
     from rich.live import Live
     from rich.text import Text
 
-    from fdl.engine.progress import ProgressFile
+    from fdl.rundir.progress import ProgressFile
     from fdl.launch.live import format_status
 
     with tempfile.TemporaryDirectory() as tmp:

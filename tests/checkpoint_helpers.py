@@ -1,4 +1,4 @@
-"""A checkpoint written in-process by a single worker, for the tests of fdl.engine.checkpoint
+"""A checkpoint written in-process by a single worker, for the tests of fdl.rundir.checkpoints
 (tests/engine/test_checkpoint.py) and of the checkpoints it refuses
 (tests/faults/test_checkpoint_faults.py). Kept out of tests/helpers.py, which the CLI tests
 import: this module loads torch."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from fdl.engine import checkpoint as ckpt
 from fdl.engine.state import RankState
+from fdl.rundir import checkpoints as ckpt
 
 
 def solo_gather(obj: object) -> list[object]:

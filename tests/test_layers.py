@@ -29,28 +29,33 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.console", "fdl.settings"),
-    "download": ("fdl.download",),
     "system": ("fdl.system",),
+    "download": ("fdl.download",),
+    "rundir": ("fdl.rundir",),
     "libtorch": ("fdl.libtorch",),
-    "scaffold": ("fdl.scaffold",),
     "engine": ("fdl.engine",),
+    "scaffold": ("fdl.scaffold",),
     "launch": ("fdl.launch",),
     "bench": ("fdl.bench",),
+    "compare": ("fdl.compare",),
     "cli": ("fdl.cli",),
     "top": ("fdl", "fdl.__main__"),
 }
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "base": ("base",),
-    "download": ("base",),
     "system": ("base",),
+    "download": ("base",),
+    "rundir": ("base",),
     "libtorch": ("download", "system", "base"),
+    "engine": ("rundir", "base"),
     "scaffold": ("libtorch", "system", "base"),
-    "engine": ("base",),
-    "launch": ("engine", "system", "base"),
-    "bench": ("launch", "engine", "libtorch", "download", "system", "base"),
-    "cli": ("bench", "launch", "engine", "scaffold", "libtorch", "download", "system", "base"),
-    "top": ("cli", "bench", "launch", "engine", "scaffold", "libtorch", "download", "system",
-            "base"),
+    "launch": ("engine", "rundir", "system", "base"),
+    "bench": ("launch", "engine", "libtorch", "rundir", "download", "system", "base"),
+    "compare": ("launch", "rundir", "system", "base"),
+    "cli": ("bench", "compare", "launch", "scaffold", "engine", "libtorch", "rundir", "download",
+            "system", "base"),
+    "top": ("cli", "bench", "compare", "launch", "scaffold", "engine", "libtorch", "rundir",
+            "download", "system", "base"),
 }
 """The layer table, ``LAYERS`` and ``MAY_IMPORT``: which modules form each layer (a package name
 covers its whole package), and which layers each layer may import besides its own. This is the
@@ -59,15 +64,20 @@ must be placed here (test_every_module_has_a_layer).
 
 * base: leaf modules of the standard library's kind (errors, paths, files, the console, the
   settings contract); they import each other only, without cycles.
+* system: the host survey (GPUs, host, installed torch, CUDA rules, machine facts).
 * download: fdl's HTTP downloads (the one download-and-verify, ranged connections, the URL
   rule, the HTTP client), shared by libtorch and bench.
-* system: the host survey (GPUs, host, installed torch, CUDA rules).
+* rundir: the run directory, one module per file contract (writes and checks it), and its
+  readers (``fdl report``, the merged timeline).
 * libtorch: the catalog, store, installs, builds, coverage and the diagnose report, which
   combine the survey with the catalog.
-* scaffold: ``fdl init``'s project templates.
 * engine: the El Che training engine that every worker runs; it never imports the launcher.
-* launch: ``fdl run``, which plans and starts workers running the engine.
-* bench: ``fdl bench``, sweeps of ``fdl run`` cells.
+* scaffold: ``fdl init``'s project templates.
+* launch: ``fdl run``, which plans and starts workers running the engine (and runs one
+  ``fdl run`` as a child process for bench and compare).
+* bench: ``fdl bench``, sweeps of ``fdl run`` cells over the model zoo.
+* compare: ``fdl compare``, a user's script under each policy; never imports bench, nor bench
+  compare.
 * cli: the Typer commands, adapters over everything below.
 * top: ``fdl/__init__.py`` (the lazy ``fdl.Trainer``) and ``fdl/__main__.py``.
 

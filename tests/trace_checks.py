@@ -1,5 +1,5 @@
 """The rules ``timeline/trace.json`` keeps: the Chrome Trace Event Format's (JSON Object form)
-and fdl's own mapping from the merged timeline to it (fdl.launch.timeline_trace). Used on a
+and fdl's own mapping from the merged timeline to it (fdl.rundir.timeline_trace). Used on a
 hand-made timeline (tests/launch/test_timeline_trace.py) and on a real run with a restart
 (tests/engine/test_recovery_runs.py). No viewer runs here: Perfetto's trace processor is a
 binary its Python package downloads at first use, and the tests are offline."""

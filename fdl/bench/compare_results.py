@@ -76,7 +76,7 @@ def load_run_result(run_dir: Path, *,
                     expected: Mapping[str, Any] | None = None) -> RunResult:
     """The result in ``run_dir``; RunUnusable when there is none fdl compare can use, or when
     its config.json does not hold ``expected`` (:func:`config_matches`)."""
-    from fdl.launch.report import load_summary_and_config
+    from fdl.rundir.report import load_summary_and_config
 
     try:
         summary, config = load_summary_and_config(run_dir)

@@ -101,7 +101,7 @@ def run_cell(cell: CompareCell, *, cwd: Path, env: Mapping[str, str],
              echo: Callable[[str], None] | None = None) -> CellOutcome:
     """Run one cell from scratch (an earlier attempt's run directory is removed first, only if
     it holds nothing but what fdl run writes) and read back what it left."""
-    from fdl.launch.rundir import check_run_dir
+    from fdl.rundir.layout import check_run_dir
 
     if cell.run_dir.exists():
         check_run_dir(cell.run_dir, use="overwrite")

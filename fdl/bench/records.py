@@ -27,9 +27,9 @@ SCHEMA = 1
 
 def build_record(cell: Cell, *, run_dir: Path, out_dir: Path) -> dict[str, Any]:
     """The results.jsonl line of a finished cell, from its summary.json, metrics.jsonl and the
-    per-rank timelines (``fdl.launch.report.build_report``: the ideal and idle time)."""
+    per-rank timelines (``fdl.rundir.report.build_report``: the ideal and idle time)."""
     from fdl.bench.models import get_model  # imports torch: not for machine_facts' sake
-    from fdl.launch.report import build_report, load_run
+    from fdl.rundir.report import build_report, load_run
 
     model = get_model(cell.model)
     summary, timelines, _ = load_run(run_dir)

@@ -25,23 +25,16 @@ def report(
 ) -> None:
     """Explain a finished run: throughput, idle time by cause, sync, anchor, metrics."""
     from fdl import console
-    from fdl.launch.timeline_trace import TRACE_FILE
+    from fdl.rundir.report import run_report
+    from fdl.rundir.timeline_trace import trace_path
 
     document = run_report(run_dir)
     if json_output:
         console.print_json(document)
         warn_incomplete(document)
     else:
-        trace = run_dir / "timeline" / TRACE_FILE
+        trace = trace_path(run_dir)
         render(document, trace=trace if trace.is_file() else None)
-
-
-def run_report(run_dir: Path) -> dict[str, Any]:
-    from fdl.launch.report import build_report, load_run, report_batch_size
-
-    summary, timelines, config = load_run(run_dir)
-    batch = report_batch_size(config, path=run_dir / "config.json")
-    return build_report(summary, timelines, batch_size=batch)
 
 
 def warn_incomplete(doc: dict[str, Any]) -> None:
@@ -57,7 +50,7 @@ def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
     narrow enough for an 80-column terminal, then the run's figures, then ``trace`` (a
     trace.json to open in Perfetto) when given."""
     from fdl import console
-    from fdl.launch.timeline_trace import trace_note
+    from fdl.rundir.timeline_trace import trace_note
 
     console.rule(f"fdl report: {doc['policy']} on {doc['world_size']} worker(s), "
                  f"backend {doc['backend']}")

@@ -101,7 +101,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     from fdl import console
     from fdl.launch.elastic import launch, preflight
     from fdl.launch.live import INTERVAL_S, live_progress
-    from fdl.launch.rundir import check_run_dir, prepare_run_dir
+    from fdl.rundir.layout import check_run_dir, prepare_run_dir
     from fdl.settings import PROGRESS_ENV
     from fdl.version import __version__
 
@@ -109,7 +109,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
         spec = dataclasses.replace(spec, env={**spec.env, PROGRESS_ENV: f"{INTERVAL_S:g}"})
     check_run_dir(spec.run_dir, use=spec.run_dir_use)
     listener = preflight(spec)
-    prepare_run_dir(spec.run_dir, config={"fdl_version": __version__, **spec.to_dict()},
+    prepare_run_dir(spec.run_dir, spec=spec.to_dict(), fdl_version=__version__,
                     use=spec.run_dir_use)
     console.info(f"fdl run: {spec.nproc_per_node} worker(s) per node, {spec.devices.reason}; "
                  f"run directory {spec.run_dir}")
@@ -124,23 +124,23 @@ def _write_timeline(spec: LaunchSpec) -> None:
     """Merge this node's timelines and samples into timeline.json/.csv/.html (and the curves
     PNG), also after a failure: that is when the timeline is most wanted."""
     from fdl import console
-    from fdl.launch.timeline_merge import write_timeline
+    from fdl.rundir import metrics, timeline
+    from fdl.rundir.timeline_merge import html_path, write_timeline
 
-    if not (spec.run_dir / "timeline").is_dir():
+    if not timeline.directory(spec.run_dir).is_dir():
         return
     try:
         written = write_timeline(spec.run_dir)
     except (OSError, ValueError) as exc:
         console.warn(f"timeline not written: {exc}")
         return
-    html = spec.run_dir / "timeline" / "timeline.html"
+    html = html_path(spec.run_dir)
     if html in written:
-        from fdl.launch.timeline_trace import TRACE_FILE, trace_note
+        from fdl.rundir.timeline_trace import trace_note, trace_path
 
         console.info(f"fdl run: timeline {html}")
-        console.info(f"fdl run: trace {trace_note(spec.run_dir / 'timeline' / TRACE_FILE)}")
-    has_epochs = (spec.run_dir / "metrics.jsonl").is_file()
-    if has_epochs and not any(p.suffix == ".png" for p in written):
+        console.info(f"fdl run: trace {trace_note(trace_path(spec.run_dir))}")
+    if metrics.has_epochs(spec.run_dir) and not any(p.suffix == ".png" for p in written):
         console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "
                      "(pip install 'fdl[report]')")
 
@@ -153,8 +153,11 @@ def _report(result: LaunchResult, spec: LaunchSpec) -> None:
         return
     cause = result.root_cause
     if cause is None:
-        if (spec.run_dir / "summary.json").is_file():  # the script trained with fdl.Trainer
-            from fdl.cli.report import render, run_report
+        from fdl.rundir.summary import has_summary
+
+        if has_summary(spec.run_dir):  # the script trained with fdl's engine
+            from fdl.cli.report import render
+            from fdl.rundir.report import run_report
 
             render(run_report(spec.run_dir))
         console.info(f"fdl run: done; run directory {spec.run_dir}")

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fdl.engine import summary as artifacts
 from fdl.engine.collectives import exchange_rows
 from fdl.engine.config import EngineConfig
 from fdl.engine.evaluation import evaluate_model
 from fdl.engine.plan import PlanState
 from fdl.engine.state import RankFigures
 from fdl.engine.tensorboard import ScalarWriter
+from fdl.rundir import metrics
+from fdl.rundir.metrics import EpochRecord
 
 if TYPE_CHECKING:
     from fdl.engine.rounds import Replica
@@ -93,12 +94,12 @@ class EpochLog:
         self.eval_s += time.perf_counter() - begin
         record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
                               comm_ms=comm_ms, elapsed=elapsed)
-        self.trainer.history.append(record)
+        self.trainer.history.append(record.to_dict())
         replica.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
                               eval=self.last_eval)
         if self.rank == 0:
             if self.run_dir is not None:
-                artifacts.append_jsonl(self.run_dir / "metrics.jsonl", record)
+                metrics.append_epoch(self.run_dir, record)
             if self.tensorboard is not None:
                 self.tensorboard.epoch(record)
             _progress_line(record, self.config.epochs)
@@ -123,33 +124,29 @@ class EpochLog:
 
     def _record(self, epoch: int, state: PlanState, *, epoch_s: float,
                 per_rank: list[RankFigures], comm_ms: list[float],
-                elapsed: float) -> dict[str, Any]:
+                elapsed: float) -> EpochRecord:
         samples = (epoch + 1) * len(self.trainer.train_data)
         done_here = samples - self.start_samples
         busiest = max((r.busy_s for r in per_rank), default=0.0)
-        return {
-            "epoch": epoch + 1, "samples": samples, "train_loss": self.last_loss,
-            "eval": self.last_eval,
-            "samples_per_s": done_here / elapsed if elapsed > 0 else None,
-            "elapsed_s": round(self.start_elapsed_s + elapsed, 6),
-            "epoch_s": round(epoch_s, 6),
-            "epoch_samples_per_s": _rate(sum(r.samples for r in per_rank), epoch_s),
-            "per_rank_samples_per_s": [_rate(r.samples, epoch_s) for r in per_rank],
-            "idle_fraction": [max(0.0, 1 - r.busy_s / epoch_s) if epoch_s > 0 else None
-                              for r in per_rank],
-            "sync_overhead": sum(comm_ms) / 1000 / busiest if comm_ms and busiest > 0 else None,
-            "anchor": state.anchor,
-        }
+        return EpochRecord(
+            epoch=epoch + 1, samples=samples, train_loss=self.last_loss, eval=self.last_eval,
+            samples_per_s=done_here / elapsed if elapsed > 0 else None,
+            elapsed_s=round(self.start_elapsed_s + elapsed, 6), epoch_s=round(epoch_s, 6),
+            epoch_samples_per_s=_rate(sum(r.samples for r in per_rank), epoch_s),
+            per_rank_samples_per_s=[_rate(r.samples, epoch_s) for r in per_rank],
+            idle_fraction=[max(0.0, 1 - r.busy_s / epoch_s) if epoch_s > 0 else None
+                           for r in per_rank],
+            sync_overhead=sum(comm_ms) / 1000 / busiest if comm_ms and busiest > 0 else None,
+            anchor=state.anchor)
 
 
 def _rate(samples: float, seconds: float) -> float | None:
     return samples / seconds if seconds > 0 else None
 
 
-def _progress_line(record: dict[str, Any], epochs: int) -> None:
+def _progress_line(record: EpochRecord, epochs: int) -> None:
     from fdl import console
 
-    metrics = "  ".join(f"{k} {v:.4f}" for k, v in record["eval"].items())
-    loss = record["train_loss"]
-    console.info(f"epoch {record['epoch']}/{epochs}  loss {loss:.4f}  "
-                 f"{record['samples_per_s']:.0f} samples/s" + (f"  {metrics}" if metrics else ""))
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in record.eval.items())
+    console.info(f"epoch {record.epoch}/{epochs}  loss {record.train_loss:.4f}  "
+                 f"{record.samples_per_s:.0f} samples/s" + (f"  {shown}" if shown else ""))

@@ -17,9 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fdl.engine import summary as artifacts
 from fdl.engine.averaging import Averager, checksum
-from fdl.engine.checkpoint import CheckpointEvery
 from fdl.engine.collectives import (
     Group,
     Membership,
@@ -34,12 +32,17 @@ from fdl.engine.collectives import (
 from fdl.engine.config import EngineConfig
 from fdl.engine.epochs import EpochLog
 from fdl.engine.plan import PlanConfig, PlanState, initial_state
-from fdl.engine.progress import ProgressFile
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
 from fdl.engine.rounds import NUM_STATS, Replica, train
 from fdl.engine.state import RankFigures
-from fdl.engine.timeline import Timeline
 from fdl.errors import UsageError
+from fdl.rundir import config as run_config
+from fdl.rundir import metrics
+from fdl.rundir.checkpoints import CheckpointEvery
+from fdl.rundir.model import save_model
+from fdl.rundir.progress import ProgressFile
+from fdl.rundir.summary import build_summary, write_summary
+from fdl.rundir.timeline import Timeline
 
 
 class Script(Protocol):
@@ -90,8 +93,7 @@ def _fit_in_group(script: Script, config: EngineConfig, membership: Membership, 
     run_dir = config.run_dir
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        artifacts.merge_config(run_dir / "config.json", {**config.to_dict(),
-                                                         "resolved_backend": group.backend})
+        run_config.merge_engine(run_dir, {**config.to_dict(), "resolved_backend": group.backend})
     epochs_log = EpochLog(script, config, run_dir if rank == 0 else None, rank, world_size)
     replica = _replica(script, config, membership, device=device, group=group,
                        epochs_log=epochs_log)
@@ -114,8 +116,8 @@ def _fit_in_group(script: Script, config: EngineConfig, membership: Membership, 
                        state=state, final_checksum=final_checksum, epochs_log=epochs_log,
                        resumed_from=resumed_from)
     if run_dir is not None and rank == 0:
-        artifacts.write_json_atomic(run_dir / "summary.json", summary)
-        artifacts.save_model(run_dir / "model.pt", replica.model)
+        write_summary(run_dir, summary)
+        save_model(run_dir, replica.model)
     replica.model.cpu()
     return Fitted(replica.model, epochs_log.last_eval, summary, run_dir)
 
@@ -179,7 +181,7 @@ def _start(script: Script, replica: Replica, plan_config: PlanConfig, config: En
         script.history[:] = resumed.history
         epochs_log.restore(resumed.history, start_samples=state.samples_seen)
     if replica.rank == 0 and (attempt > 0 or checkpoint is not None) and run_dir is not None:
-        artifacts.rewrite_jsonl(run_dir / "metrics.jsonl", script.history)
+        metrics.rewrite_epochs(run_dir, script.history)
         for line in skipped:
             _console().warn(f"checkpoint skipped: {line}")
         if checkpoint is not None:
@@ -205,7 +207,7 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
     devices = gather_labels(device_label(replica.device), world_size=world) if world > 1 \
         else [str(replica.device)]
     totals = replica.totals
-    return artifacts.build_summary(
+    return build_summary(
         config=config, world_size=world, devices=devices, wall_s=wall_s,
         samples=[int(r.samples) for r in per_rank], busy_s=[r.busy_s for r in per_rank],
         comm_ms=totals.comm_ms, syncs=totals.syncs, eval_metrics=epochs_log.last_eval,
@@ -220,7 +222,7 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
 
 def _node_sampler(run_dir: Path | None, membership: Membership, *,
                   device: torch.device) -> Any:
-    """Local rank 0's utilisation sampler (timeline/samples-node<n>.jsonl). It must never stop
+    """Local rank 0's utilisation sampler (fdl.engine.sampler). It must never stop
     training: a run directory it cannot write to only costs the utilisation curves."""
     from fdl.engine.sampler import start_node_sampler
 

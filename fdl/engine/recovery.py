@@ -2,7 +2,7 @@
 
 A replica resumes when ``fdl run --resume RUN_DIR`` asked for it (``FDL_RESUME=1``) or when
 torch.distributed.elastic restarted the group after a crash (``TORCHELASTIC_RESTART_COUNT`` >
-0), and the run directory holds a valid checkpoint (see :mod:`fdl.engine.checkpoint`). It loads
+0), and the run directory holds a valid checkpoint (see :mod:`fdl.rundir.checkpoints`). It loads
 the consensus model, its optimizer state and RNG states, and continues the plan where the
 checkpoint left it: same epoch, stream position, anchor and anchor history. If the world size
 changed, the speed estimates are dropped (re-measured in the first round) and rank r takes the
@@ -29,8 +29,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdl.engine.checkpoint import (
+from fdl.engine.collectives import all_reduce_sum
+from fdl.engine.plan import PlanConfig, PlanState, saved_state_problem
+from fdl.engine.rounds import Replica
+from fdl.engine.state import RankState, RoundReport
+from fdl.errors import UsageError
+from fdl.rundir.checkpoints import (
     DIRNAME,
+    ENGINE_FILE,
+    MODEL_FILE,
     Checkpoint,
     CheckpointEvery,
     UnloadableFile,
@@ -39,11 +46,6 @@ from fdl.engine.checkpoint import (
     load_rank_state,
     write_checkpoint,
 )
-from fdl.engine.collectives import all_reduce_sum
-from fdl.engine.plan import PlanConfig, PlanState, saved_state_problem
-from fdl.engine.rounds import Replica
-from fdl.engine.state import RankState, RoundReport
-from fdl.errors import UsageError
 from fdl.settings import RESUME_ENV
 
 
@@ -84,7 +86,7 @@ def checkpoint_problem(checkpoint: Checkpoint) -> str | None:
     try:
         engine = checkpoint.engine_state()
     except (OSError, ValueError) as exc:
-        return f"engine.json does not load ({exc})"
+        return f"{ENGINE_FILE} does not load ({exc})"
     problem = _engine_problem(engine, world_size=checkpoint.world_size)
     for name in sorted(checkpoint.manifest["files"]):
         if problem is None and name.endswith(".pt"):
@@ -101,11 +103,11 @@ def _engine_problem(engine: Any, *, world_size: int) -> str | None:
     """Why ``engine.json`` (the plan state and the epoch history) cannot be resumed from."""
     problem = saved_state_problem(engine)
     if problem is not None:
-        return f"engine.json: {problem}"
+        return f"{ENGINE_FILE}: {problem}"
     if not isinstance(engine.get("history"), list):
-        return "engine.json has no epoch 'history' list"
+        return f"{ENGINE_FILE} has no epoch 'history' list"
     if engine["world_size"] != world_size:
-        return (f"engine.json describes {engine['world_size']} ranks, the manifest "
+        return (f"{ENGINE_FILE} describes {engine['world_size']} ranks, the manifest "
                 f"{world_size}")
     return None
 
@@ -115,7 +117,7 @@ def _torch_file_problem(path: Path) -> str | None:
         loaded = load_file(path, mmap=True)
     except UnloadableFile as exc:
         return str(exc)
-    if path.name == "model.pt":
+    if path.name == MODEL_FILE:
         return _shape_problem(loaded, {}, path.name)
     problem = _shape_problem(loaded, _RANK_FIELDS, path.name)
     if problem is not None:

@@ -45,7 +45,6 @@ from fdl.engine.config import EngineConfig
 from fdl.engine.data import collate, epoch_permutation, slice_batches, to_device
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
 from fdl.engine.policies import Policy
-from fdl.engine.progress import ProgressFile
 from fdl.engine.round_messages import CalibrationPool, ElasticSignal
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
@@ -57,8 +56,9 @@ from fdl.engine.state import (
     largest_distance,
     round_stats,
 )
-from fdl.engine.timeline import Timeline
 from fdl.errors import UsageError
+from fdl.rundir.progress import ProgressFile
+from fdl.rundir.timeline import Timeline
 
 NUM_STATS = len(REPORT_FIELDS)
 

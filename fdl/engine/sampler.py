@@ -1,5 +1,5 @@
-"""Per-node utilisation samples, one JSON object a line, in
-``<run_dir>/timeline/samples-node<node>.jsonl``.
+"""Per-node utilisation samples (fdl.rundir.timeline.UtilisationSample), one JSON object a line, in
+the run's timeline directory (``samples-node<node>.jsonl``).
 
 On each node the worker with ``local_rank == 0`` runs one background thread that, every
 ``interval_s`` (100 ms by default), appends::
@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import psutil
 import torch
 
 from fdl.files import JsonlAppender
+from fdl.rundir.timeline import GpuReading, UtilisationSample, samples_path
 
 _BUS_ID = re.compile(
     r"^(?:(?P<domain>[0-9a-f]{1,8}):)?(?P<bus>[0-9a-f]{1,2}):(?P<device>[0-9a-f]{1,2})"
@@ -106,18 +108,19 @@ def _load_nvml(nvml: Any) -> Any | None:
     return nvml
 
 
-def _read_gpu(nvml: Any, cuda_index: int, handle: Any | None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"cuda_index": cuda_index, "util_percent": None,
-                             "mem_used_bytes": None, "mem_total_bytes": None}
+def _read_gpu(nvml: Any, cuda_index: int, handle: Any | None) -> GpuReading:
+    reading = GpuReading(cuda_index)
     if handle is None:
-        return entry
+        return reading
     # NVMLError_NotSupported (MIG), GpuIsLost, ...: the value stays null, the sample goes on.
     with contextlib.suppress(Exception):
-        entry["util_percent"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        reading = replace(reading,
+                          util_percent=float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
     with contextlib.suppress(Exception):
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        entry["mem_used_bytes"], entry["mem_total_bytes"] = int(memory.used), int(memory.total)
-    return entry
+        reading = replace(reading, mem_used_bytes=int(memory.used),
+                          mem_total_bytes=int(memory.total))
+    return reading
 
 
 class Sampler:
@@ -207,15 +210,13 @@ class Sampler:
     def sample(self) -> dict[str, Any]:
         """One sample record (does not write it)."""
         memory = psutil.virtual_memory()
-        return {
-            "t": round(self._clock(), 6),
-            "node": self.node,
-            "host": self._host,
-            "cpu_percent": float(psutil.cpu_percent(interval=None)),
-            "ram_used_bytes": int(memory.total - memory.available),
-            "ram_total_bytes": int(memory.total),
-            "gpus": [_read_gpu(self._nvml, index, handle) for index, handle in self._gpus],
-        }
+        return UtilisationSample(
+            t=round(self._clock(), 6), node=self.node, host=self._host,
+            cpu_percent=float(psutil.cpu_percent(interval=None)),
+            ram_used_bytes=int(memory.total - memory.available),
+            ram_total_bytes=int(memory.total),
+            gpus=[_read_gpu(self._nvml, index, handle) for index, handle in self._gpus],
+        ).to_dict()
 
     def _run(self) -> None:
         # Event.wait, not sleep: stop() wakes the thread at once instead of after a tick.
@@ -248,5 +249,5 @@ def start_node_sampler(run_dir: Path | None, *, local_rank: int, node: int,
         num_devices = torch.cuda.device_count()
         if num_devices > 0:
             cuda_indices = sorted({rank % num_devices for rank in range(local_world_size)})
-    path = Path(run_dir) / "timeline" / f"samples-node{node}.jsonl"
+    path = samples_path(Path(run_dir), node)
     return Sampler(path, node=node, cuda_indices=cuda_indices, interval_s=interval_s).start()

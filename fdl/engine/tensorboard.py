@@ -4,7 +4,7 @@ one point per epoch, flushed at once so a running TensorBoard shows the epoch th
 
 The step of every point is the number of samples trained so far, so runs with different
 policies, batch sizes or worker counts line up on one axis. Tags (each value is the epoch's record
-in ``metrics.jsonl``, fdl.engine.epochs, under the key named)::
+in ``metrics.jsonl``, fdl.rundir.metrics.EpochRecord, under the field named)::
 
     train/loss                  train_loss
     eval/<metric>               eval[<metric>]
@@ -20,12 +20,13 @@ before any worker starts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
+from fdl.rundir.layout import tensorboard_dir
+from fdl.rundir.metrics import EpochRecord
 
 INSTALL_HINT = "pip install 'fdl[tensorboard]'"
 
@@ -33,27 +34,7 @@ INSTALL_HINT = "pip install 'fdl[tensorboard]'"
 def log_dir(setting: str, *, run_dir: Path | None) -> Path:
     """Where ``tensorboard = setting`` writes: ``on`` is the run directory's ``tensorboard/``
     (``runs/tensorboard`` for a script run without fdl run), anything else a directory."""
-    if setting == "on":
-        return (run_dir if run_dir is not None else Path("runs")) / "tensorboard"
-    return Path(setting)
-
-
-def tags(record: dict[str, Any]) -> dict[str, float]:
-    """The scalars of one ``metrics.jsonl`` record, by tag (values that are not finite numbers,
-    e.g. an overhead with no average yet, are left out)."""
-    values: dict[str, Any] = {"train/loss": record.get("train_loss"),
-                              "throughput/samples_per_s": record.get("epoch_samples_per_s"),
-                              "sync/overhead": record.get("sync_overhead"),
-                              "elche/anchor": record.get("anchor")}
-    for name, value in (record.get("eval") or {}).items():
-        values[f"eval/{name}"] = value
-    for rank, value in enumerate(record.get("per_rank_samples_per_s") or []):
-        values[f"throughput/rank{rank}"] = value
-    for rank, value in enumerate(record.get("idle_fraction") or []):
-        values[f"idle/rank{rank}"] = value
-    return {tag: float(value) for tag, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)}
+    return tensorboard_dir(run_dir) if setting == "on" else Path(setting)
 
 
 @dataclass
@@ -74,9 +55,9 @@ class ScalarWriter:
         directory.mkdir(parents=True, exist_ok=True)
         return cls(SummaryWriter(log_dir=str(directory), purge_step=purge_step))
 
-    def epoch(self, record: dict[str, Any]) -> None:
-        step = int(record["samples"])
-        for tag, value in tags(record).items():
+    def epoch(self, record: EpochRecord) -> None:
+        step = record.samples
+        for tag, value in record.scalars().items():
             self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()
 

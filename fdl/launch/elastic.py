@@ -44,9 +44,9 @@ from fdl.launch.rendezvous import (
     parse_endpoint,
     resolve,
 )
-from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
 from fdl.launch.startup import no_join_stagger, torch_import_without_collections
+from fdl.rundir import layout as run_layout
 from fdl.settings import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 5
@@ -122,7 +122,7 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> Launch
 
     if not os.environ.get("FDL_DEBUG"):
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    logs_dir = spec.run_dir / "logs"
+    logs_dir = run_layout.logs_dir(spec.run_dir)
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
     env = {**_agent_env(spec), **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
@@ -267,15 +267,15 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool) -> Any:
             dest = LogsDest()
             for local_rank, env in envs.items():
                 rank = env["RANK"]
-                path = logs_dir / f"rank{rank}.log"
+                path = run_layout.log_path(logs_dir, rank)
                 attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 if attempt and path.exists():
-                    path.replace(logs_dir / f"rank{rank}.attempt{attempt - 1}.log")
+                    path.replace(run_layout.log_path(logs_dir, rank, attempt=attempt - 1))
                 dest.stdouts[local_rank] = str(path)
                 dest.stderrs[local_rank] = ""  # the worker merges stderr into stdout
                 if not quiet or rank == "0":
                     dest.tee_stdouts[local_rank] = str(path)
-                error_file = str(logs_dir / f".rank{rank}.error.json")
+                error_file = str(run_layout.error_file(logs_dir, rank))
                 dest.error_files[local_rank] = error_file
                 env["TORCHELASTIC_ERROR_FILE"] = error_file  # as torchrun gives it (for @record)
             return dest
@@ -293,9 +293,9 @@ def _failed(exc: Any, logs_dir: Path) -> LaunchResult:
         except ValueError:
             signame = f"signal {-code}"
         code = 128 - code
-    log = logs_dir / f"rank{rank}.log"
+    log = run_layout.log_path(logs_dir, rank)
     cause = RootCause(rank, failure.local_rank, code, signame, log,
-                      tuple(tail_lines(log, LOG_TAIL_LINES)))
+                      tuple(run_layout.tail_lines(log, LOG_TAIL_LINES)))
     return LaunchResult(code or 1, cause)
 
 

@@ -1,5 +1,5 @@
 """``fdl run``'s live progress on a terminal: two status lines under the workers' output, redrawn
-a few times a second from rank 0's ``RUN_DIR/progress.json`` (fdl.engine.progress)::
+a few times a second from rank 0's progress snapshot (fdl.rundir.progress)::
 
     epoch 2/5 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 73%  1:02 left
     7,120 samples/s  loss 0.4623  sync 1.8%  anchor 20  ranks 71% 29%
@@ -14,8 +14,6 @@ what rank 0 writes shows nothing new: the display is never worth stopping a run 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -23,27 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fdl.rundir.progress import clear_snapshot, read_snapshot
+
 INTERVAL_S = 0.25  # rank 0's snapshots and the redraws: four a second
-MAX_BYTES = 64 * 1024  # a snapshot is some 400 bytes; anything much larger is not one
-PROGRESS_FILE = "progress.json"
-
-
-def read_snapshot(path: Path) -> dict[str, Any] | None:
-    """The snapshot in ``path``, or None when there is none fit to show."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_BYTES + 1)
-    except OSError:
-        return None
-    if len(data) > MAX_BYTES:
-        return None
-    try:
-        document = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(document, dict) or document.get("schema") != 1:
-        return None
-    return document
 
 
 def format_status(snapshot: dict[str, Any], *, width: int) -> str:
@@ -104,12 +84,10 @@ def live_progress(run_dir: Path, *, enabled: bool) -> Iterator[None]:
         return
     from fdl import console
 
-    path = run_dir / PROGRESS_FILE
-    with contextlib.suppress(OSError):  # an earlier run's last snapshot is not this run's
-        path.unlink(missing_ok=True)
+    clear_snapshot(run_dir)
     stop = threading.Event()
     with console.live_status() as update:
-        poller = threading.Thread(target=_poll, args=(path, update, stop, console.terminal_width),
+        poller = threading.Thread(target=_poll, args=(run_dir, update, stop, console.terminal_width),
                                   name="fdl-live-progress", daemon=True)
         poller.start()
         try:
@@ -119,11 +97,11 @@ def live_progress(run_dir: Path, *, enabled: bool) -> Iterator[None]:
             poller.join()
 
 
-def _poll(path: Path, update: Callable[[str], None], stop: threading.Event,
+def _poll(run_dir: Path, update: Callable[[str], None], stop: threading.Event,
           width: Callable[[], int]) -> None:
     shown = None
     while not stop.wait(INTERVAL_S):
-        snapshot = read_snapshot(path)
+        snapshot = read_snapshot(run_dir)
         if snapshot is None:  # not yet (or not a script that trains with fdl.Trainer)
             continue
         text = format_status(snapshot, width=max(20, width() - 1))

@@ -3,7 +3,7 @@
 The script, its arguments and every setting given as a flag come from ``RUN_DIR/config.json``
 unless given again (then the new value wins: ``--nproc-per-node 1`` resumes with one worker
 fewer, ``--epochs 10`` trains further). The workers get ``FDL_RESUME=1`` and load the newest
-checkpoint whose files match its manifest (fdl.engine.checkpoint); nothing starts when there is
+checkpoint whose files match its manifest (fdl.rundir.checkpoints); nothing starts when there is
 none.
 
 Planning (:func:`resume_request`, also under ``--dry-run``) reads only ``config.json``;
@@ -12,12 +12,12 @@ the checkpoints are read and hashed by :func:`check_resumable`, just before the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from fdl.errors import UsageError
 from fdl.launch.request import RunRequest
+from fdl.rundir.config import FILE as CONFIG_FILE
+from fdl.rundir.config import launch_settings, read_config
 from fdl.settings import BY_NAME
 
 
@@ -34,20 +34,20 @@ def resume_request(request: RunRequest, *, cwd: Path) -> RunRequest:
     if explicit is not None and (cwd / explicit).resolve() != run_dir:
         raise UsageError("--resume and --run-dir name different directories",
                          hint="--resume RUN_DIR continues in RUN_DIR; leave --run-dir out")
-    previous = _previous_config(run_dir)
+    previous = read_config(run_dir, hint="--resume needs a run directory written by fdl run",
+                           missing_ok=False)
     if request.script is None:
         script = previous.get("script")
         if not script or not isinstance(script, str):
-            raise UsageError(f"{run_dir}/config.json does not name the script",
+            raise UsageError(f"{run_dir / CONFIG_FILE} does not name the script",
                              hint="fdl run --resume RUN_DIR SCRIPT [ARGS...]")
         args = previous.get("args", ())
         request = RunRequest(script, tuple(str(a) for a in args) if isinstance(args, list)
                              else (), {**request.flags, "module": bool(previous.get("module"))})
-    settings = previous.get("settings", {})
     flags = {key: BY_NAME[key].encode(entry["value"])
-             for key, entry in (settings.items() if isinstance(settings, dict) else ())
+             for key, entry in launch_settings(previous).items()
              if key in BY_NAME and BY_NAME[key].flag and key != "run_dir"
-             and isinstance(entry, dict) and entry.get("source") == "flag"
+             and entry.get("source") == "flag"
              and entry.get("value") is not None and request.get(key) is None}
     return request.with_flags(run_dir=str(run_dir), **flags)
 
@@ -55,7 +55,7 @@ def resume_request(request: RunRequest, *, cwd: Path) -> RunRequest:
 def check_resumable(run_dir: Path) -> None:
     """A usage error unless ``run_dir`` holds a checkpoint whose files match its manifest (each
     file is read and hashed)."""
-    from fdl.engine.checkpoint import DIRNAME, latest_checkpoint
+    from fdl.rundir.checkpoints import DIRNAME, latest_checkpoint
 
     checkpoint, skipped = latest_checkpoint(run_dir)
     if checkpoint is None:
@@ -63,14 +63,3 @@ def check_resumable(run_dir: Path) -> None:
         raise UsageError(f"--resume {run_dir}: no usable checkpoint in {run_dir / DIRNAME} "
                          f"({why})",
                          hint="checkpoints are written with --checkpoint-every N (epochs) or 10m")
-
-
-def _previous_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.json"
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}",
-                         hint="--resume needs a run directory written by fdl run") from exc
-    return document if isinstance(document, dict) else {}
-

@@ -33,7 +33,7 @@ class LaunchSpec:
     settings: dict[str, Setting]
     env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
     quiet_ranks: bool = False
-    run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.launch.rundir.check_run_dir)
+    run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.rundir.layout.check_run_dir)
 
     @property
     def nproc_per_node(self) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import run_fdl
 
-from fdl.launch.timeline_trace import trace_note
+from fdl.rundir.timeline_trace import trace_note
 
 WALL_S = 12345.678
 BATCH = 64

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import run_fdl
 
-from fdl.engine.timeline import read_events
+from fdl.rundir.timeline import read_events
 from fdl.settings import ENGINE_DEFAULTS
 
 SCRIPT = Path(__file__).parent / "scripts" / "divergence_train.py"
@@ -47,7 +47,7 @@ def diverged(tmp_path_factory) -> DivergedRun:
                    "--quiet-ranks", str(SCRIPT), NUM_SAMPLES, LOSS_SCALE, cwd=base,
                    timeout=240, env={"FDL_OVERHEAD_TARGET": "100"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return DivergedRun(base / "run", [read_events(base / "run" / "timeline" / f"rank{r}.jsonl")
+    return DivergedRun(base / "run", [read_events(base / "run", r)
                                       for r in (0, 1)])
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import clean_env, run_fdl
 
-from fdl.engine.timeline import read_events
+from fdl.rundir.timeline import read_events
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -61,7 +61,7 @@ def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy):
     _, run_dir = fdl_train(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",
                            "--epochs", "6", script_args=("--batch-norm",),
                            env={"FDL_VERIFY_REPLICAS": "1"})
-    events = [read_events(run_dir / "timeline" / f"rank{r}.jsonl") for r in (0, 1)]
+    events = [read_events(run_dir, r) for r in (0, 1)]
     checks = [[(e["round"], e["checksum"]) for e in ev if e["kind"] == "sync" and
                "checksum" in e] for ev in events]
     assert checks[0] == checks[1]

@@ -25,7 +25,7 @@ import torch
 from helpers import clean_env, run_fdl
 
 from fdl.engine.speed import RunningMean, StepTimer
-from fdl.engine.timeline import read_events
+from fdl.rundir.timeline import read_events
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -56,7 +56,7 @@ def test_one_gpu_trains_with_nccl(tmp_path, policy):
 def test_two_gpus_replicas_identical(tmp_path, policy, backend):
     run_dir = train(tmp_path, 2, "--policy", policy, "--backend", backend,
                     "--simulate-slowdown", "1,2.5")
-    events = [read_events(run_dir / "timeline" / f"rank{r}.jsonl") for r in (0, 1)]
+    events = [read_events(run_dir, r) for r in (0, 1)]
     finals = [next(e["checksum"] for e in ev if e["kind"] == "final") for ev in events]
     assert finals[0] == finals[1]
     checks = [[e["checksum"] for e in ev if e["kind"] == "sync" and "checksum" in e]

@@ -14,8 +14,8 @@ from fdl.engine.config import resolve_config
 from fdl.engine.guard import BASELINE_ROUNDS, RELEASE_ROUNDS, STREAK, Verdict, observe
 from fdl.engine.plan import PlanConfig, PlanState, RoundStats, advance, initial_state, next_round
 from fdl.engine.state import GuardState, RankState
-from fdl.engine.summary import build_summary
-from fdl.engine.timeline import Timeline, read_events
+from fdl.rundir.summary import build_summary
+from fdl.rundir.timeline import EVENTS, Timeline, read_events
 
 # ---------------------------------------------------------------------------------------------
 # The divergence guard (fdl.engine.guard.observe)
@@ -275,42 +275,56 @@ def test_summary_of_an_unemulated_run():
 # Timeline
 
 
+def fields(kind: str, **given) -> dict:
+    """Every field an event of ``kind`` must carry (0 where not ``given``)."""
+    return dict.fromkeys(EVENTS[kind], 0) | given
+
+
 def test_timeline_writes_one_json_line_per_event(tmp_path):
     timeline = Timeline(tmp_path, rank=1)
-    timeline.event("round", round=0, epoch=0, steps=4, step_ms=12.5)
-    timeline.event("sync", round=0, wait_s=0.01, blocking=True)
-    timeline.event("guard", round=0, distance=float("nan"), streak=0)
+    timeline.event("round", **fields("round", round=0, epoch=0, steps=4, step_ms=12.5))
+    timeline.event("sync", **fields("sync", round=0, wait_s=0.01, blocking=True))
+    timeline.event("guard", **fields("guard", round=0, distance=float("nan"), streak=0))
     timeline.close()
     path = tmp_path / "timeline" / "rank1.jsonl"
     lines = path.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 3
     assert all(isinstance(json.loads(line), dict) for line in lines)
-    events = read_events(path)
+    events = read_events(tmp_path, 1)
     assert [event["kind"] for event in events] == ["round", "sync", "guard"]
     assert all(event["rank"] == 1 and isinstance(event["t"], float) for event in events)
-    assert events[0] | {"t": 0} == {"t": 0, "rank": 1, "kind": "round", "round": 0, "epoch": 0,
-                                    "steps": 4, "step_ms": 12.5}
+    assert events[0] | {"t": 0} == {"t": 0, "rank": 1, "kind": "round"} | fields(
+        "round", round=0, epoch=0, steps=4, step_ms=12.5)
     assert events[1]["blocking"] is True and events[1]["wait_s"] == 0.01
     assert events[0]["t"] <= events[1]["t"] <= events[2]["t"]
 
 
 def test_timeline_serialises_non_json_numbers_as_floats(tmp_path):
     timeline = Timeline(tmp_path, rank=0)
-    timeline.event("round", loss=torch.tensor(0.5))
+    timeline.event("round", **fields("round", loss=torch.tensor(0.5)))
     timeline.close()
-    assert read_events(tmp_path / "timeline" / "rank0.jsonl")[0]["loss"] == 0.5
+    assert read_events(tmp_path, 0)[0]["loss"] == 0.5
+
+
+def test_an_event_of_an_unknown_kind_or_without_its_fields_is_a_bug(tmp_path):
+    timeline = Timeline(tmp_path, rank=0)
+    with pytest.raises(KeyError):
+        timeline.event("rounds", **fields("round"))
+    with pytest.raises(AssertionError, match="a sync event without \\['wait_s'\\]"):
+        timeline.event("sync", **{k: v for k, v in fields("sync").items() if k != "wait_s"})
 
 
 def test_timeline_without_a_run_dir_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     timeline = Timeline(None, rank=0)
-    timeline.event("round", round=0)
+    timeline.event("round", **fields("round"))
     timeline.close()
     timeline.close()  # closing twice is harmless
     assert list(tmp_path.iterdir()) == []
 
 
 def test_read_events_skips_blank_lines(tmp_path):
-    path = tmp_path / "rank0.jsonl"
+    path = tmp_path / "timeline" / "rank0.jsonl"
+    path.parent.mkdir()
     path.write_text('{"kind": "a"}\n\n{"kind": "b"}\n', encoding="utf-8")
-    assert [event["kind"] for event in read_events(path)] == ["a", "b"]
+    assert [event["kind"] for event in read_events(tmp_path, 0)] == ["a", "b"]

@@ -17,7 +17,7 @@ import psutil
 from helpers import clean_env, run_fdl, wait_until
 from trace_checks import check_against, check_format, load_strict
 
-from fdl.engine.timeline import read_events
+from fdl.rundir.timeline import read_events
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FLAGS = ("--nproc-per-node", "2", "--checkpoint-every", "1", "--max-restarts", "1",
@@ -66,7 +66,7 @@ def test_sigkilled_worker_restarts_from_checkpoint_and_matches(tmp_path):
     assert [r["epoch"] for r in crash["history"]] == [1, 2, 3, 4]
     assert crash["summary"]["attempt"] == 1 and crash["summary"]["resumed_from"]
 
-    starts = [e for e in read_events(run_dir / "timeline" / "rank1.jsonl") if e["kind"] == "start"]
+    starts = [e for e in read_events(run_dir, 1) if e["kind"] == "start"]
     assert [e["attempt"] for e in starts] == [0, 1]
     assert starts[0]["resumed_from"] is None and starts[1]["resumed_from"].startswith("ckpt-r")
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -92,7 +92,7 @@ def test_resume_with_one_worker_fewer_and_more_epochs(tmp_path):
     again = run_fdl("run", "--resume", str(run_dir), "--nproc-per-node", "1", "--epochs", "3",
                     cwd=tmp_path, timeout=240)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    starts = [e for e in read_events(run_dir / "timeline" / "rank0.jsonl") if e["kind"] == "start"]
+    starts = [e for e in read_events(run_dir, 0) if e["kind"] == "start"]
     assert starts[-1]["world_size"] == 1 and starts[-1]["epoch"] == 1
     assert starts[-1]["resumed_from"] is not None
     result = json.loads((out / "rank0.json").read_text())

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from common import make_data, train_step
 
 import fdl
-from fdl.engine.checkpoint import latest_checkpoint
+from fdl.rundir.checkpoints import latest_checkpoint
 
 
 def trainer(epochs: int = 3, *, num_samples: int = 512,

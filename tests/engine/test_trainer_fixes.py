@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from helpers import clean_env, run_fdl
 
-from fdl.engine.checkpoint import latest_checkpoint
 from fdl.engine.collectives import agreed_backend
 from fdl.engine.data import epoch_permutation
 from fdl.engine.fit import rank_seed
 from fdl.engine.plan import PlanConfig, RoundStats, advance, initial_state, next_round
-from fdl.engine.timeline import read_events
+from fdl.rundir.checkpoints import latest_checkpoint
+from fdl.rundir.timeline import read_events
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -154,13 +154,13 @@ SMALL_ANCHOR = {"FDL_OVERHEAD_TARGET": "100"}  # the anchor stays at its minimum
 
 
 def events(run_dir: Path, rank: int, kind: str) -> list[dict]:
-    return [e for e in read_events(run_dir / "timeline" / f"rank{rank}.jsonl")
+    return [e for e in read_events(run_dir, rank)
             if e["kind"] == kind]
 
 
 def since_last_start(run_dir: Path, rank: int) -> list[dict]:
     """Rank ``rank``'s events of its last attempt."""
-    all_events = read_events(run_dir / "timeline" / f"rank{rank}.jsonl")
+    all_events = read_events(run_dir, rank)
     last = max(i for i, e in enumerate(all_events) if e["kind"] == "start")
     return all_events[last + 1:]
 
@@ -210,7 +210,7 @@ def test_every_sample_once_per_epoch_with_the_calibration_pool_and_balanced_epoc
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     counts = torch.bincount(torch.tensor(seen[0] + seen[1]), minlength=num_samples)
     assert counts.tolist() == [2] * num_samples  # 2 epochs
-    rounds = [[e for e in read_events(run_dir / "timeline" / f"rank{r}.jsonl")
+    rounds = [[e for e in read_events(run_dir, r)
                if e["kind"] == "round"] for r in (0, 1)]
     first = [ranks[0] for ranks in rounds]
     # each rank ran its own 2 calibration batches; whoever was done first (usually the fast

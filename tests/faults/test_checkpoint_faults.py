@@ -4,7 +4,7 @@ Each is skipped with a warning that names it, and the previous valid checkpoint 
 
 The end-to-end tests share one real solo run (``fdl run``, one worker, 3 epochs, a checkpoint
 after epochs 1 and 2) and resume a copy of it with ``fdl run --resume``; the rest call
-fdl.engine.checkpoint / fdl.engine.recovery in-process."""
+fdl.rundir.checkpoints / fdl.engine.recovery in-process."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ import torch
 from checkpoint_helpers import write_solo_checkpoint
 from helpers import run_fdl
 
-from fdl.engine import checkpoint as ckpt
-from fdl.engine.checkpoint import UnloadableFile, latest_checkpoint, load_rank_state
 from fdl.engine.recovery import find_resume_checkpoint
-from fdl.engine.timeline import read_events
 from fdl.errors import UsageError
+from fdl.rundir import checkpoints as ckpt
+from fdl.rundir.checkpoints import UnloadableFile, latest_checkpoint, load_rank_state
+from fdl.rundir.timeline import read_events
 
 SCRIPT = Path(__file__).parents[1] / "engine" / "scripts" / "recovery_train.py"
 
@@ -94,7 +94,7 @@ def resume(run_dir: Path):
 
 
 def last_start(run_dir: Path) -> dict:
-    return [e for e in read_events(run_dir / "timeline" / "rank0.jsonl")
+    return [e for e in read_events(run_dir, 0)
             if e["kind"] == "start"][-1]
 
 
@@ -157,10 +157,11 @@ def rank_state_field(path: Path, **changes) -> dict:
 
 
 @pytest.mark.parametrize(("name", "content", "why"), [
-    ("engine.json", lambda p: b'{"epoch": "two"}', "engine.json has no 'round_index'"),
-    ("engine.json", lambda p: b"[1, 2]", "engine.json holds a list"),
+    ("engine.json", lambda p: b'{"epoch": "two"}', "the plan state has no 'round_index'"),
+    ("engine.json", lambda p: b"[1, 2]", "the plan state is a list, not an object"),
     ("engine.json", lambda p: engine_with(p, world_size=3), "describes 3 ranks"),
-    ("engine.json", lambda p: engine_with(p, position=-5), "out of range"),
+    ("engine.json", lambda p: engine_with(p, position=-5),
+     "'position' is -5, expected an integer >= 0"),
     ("rank0.pt", lambda p: pickled([1, 2]), "rank0.pt holds a list"),
     ("rank0.pt", lambda p: rank_state_with(p, rank_state=[0, 0.0]), "'rank_state' is [0, 0.0]"),
     ("rank0.pt", lambda p: rank_state_with(p, rank_state={"guard_streak": 0}),

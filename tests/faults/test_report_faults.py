@@ -17,14 +17,14 @@ import pytest
 from helpers import assert_one_error, run_fdl
 
 from fdl.bench.records import append_record
-from fdl.cli.report import run_report
 from fdl.engine.sampler import Sampler
-from fdl.engine.summary import append_jsonl, merge_config
-from fdl.engine.timeline import Timeline, read_events
 from fdl.errors import UsageError
 from fdl.files import read_jsonl
-from fdl.launch.report import build_report, load_run
-from fdl.launch.timeline_merge import merge_timeline
+from fdl.rundir.config import merge_engine
+from fdl.rundir.metrics import EpochRecord, append_epoch, read_epochs
+from fdl.rundir.report import build_report, load_run, run_report
+from fdl.rundir.timeline import Timeline, read_events
+from fdl.rundir.timeline_merge import merge_timeline
 
 SUMMARY = {"policy": "cadence", "backend": "cpu", "world_size": 2, "devices": ["cpu", "cpu"],
            "emulated_slowdown": None, "epochs": 2, "samples": 400, "wall_s": 10.0,
@@ -187,7 +187,7 @@ def test_a_config_fdl_cannot_use_is_a_usage_error(tmp_path, content, message):
 def test_the_engine_adds_its_settings_to_a_damaged_config(tmp_path, content):
     path = tmp_path / "config.json"
     path.write_bytes(content)
-    merge_config(path, {"batch_size": {"value": 10, "source": "default"}})
+    merge_engine(tmp_path, {"batch_size": {"value": 10, "source": "default"}})
     assert json.loads(path.read_text()) == {"engine": {"batch_size": {"value": 10,
                                                                      "source": "default"}}}
 
@@ -229,16 +229,20 @@ def test_a_timeline_event_after_a_torn_line_survives(tmp_path):
     path.parent.mkdir()
     path.write_text(json.dumps({"t": 0.5, "kind": "round"}) + "\n" + TORN)
     timeline = Timeline(tmp_path, rank=0)
-    timeline.event("start", attempt=1, resumed_from="ckpt-r00000002")
+    timeline.event("start", attempt=1, resumed_from="ckpt-r00000002", world_size=2, epoch=1,
+                   round=2, skipped=[])
     timeline.close()
-    assert [e["kind"] for e in read_events(path)] == ["round", "start"]
+    assert [e["kind"] for e in read_events(tmp_path, 0)] == ["round", "start"]
 
 
 def test_a_metrics_record_after_a_torn_line_survives(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(TORN)
-    append_jsonl(path, {"epoch": 2})
-    assert read_jsonl(path) == [{"epoch": 2}]
+    (tmp_path / "metrics.jsonl").write_text(TORN)
+    record = EpochRecord(epoch=2, samples=400, train_loss=0.5, eval={}, samples_per_s=40.0,
+                         elapsed_s=10.0, epoch_s=5.0, epoch_samples_per_s=40.0,
+                         per_rank_samples_per_s=[30.0, 10.0], idle_fraction=[0.0, 0.5],
+                         sync_overhead=None, anchor=4)
+    append_epoch(tmp_path, record)
+    assert read_epochs(tmp_path) == [record.to_dict()]
 
 
 def test_a_bench_result_after_a_torn_line_survives(tmp_path):

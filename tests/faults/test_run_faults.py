@@ -203,7 +203,7 @@ def test_overwrite_and_resume_together(project):
 
 
 def test_overwrite_replaces_the_live_snapshot_and_tensorboard_events_too(tmp_path):
-    from fdl.launch.rundir import check_run_dir, prepare_run_dir
+    from fdl.rundir.layout import check_run_dir, prepare_run_dir
 
     run_dir = tmp_path / "one"
     earlier_run(run_dir)
@@ -216,7 +216,7 @@ def test_overwrite_replaces_the_live_snapshot_and_tensorboard_events_too(tmp_pat
 
 
 def test_overwrite_of_a_run_dir_that_does_not_exist_yet_creates_it(tmp_path):
-    from fdl.launch.rundir import check_run_dir, prepare_run_dir
+    from fdl.rundir.layout import check_run_dir, prepare_run_dir
 
     run_dir = tmp_path / "runs" / "first"  # neither it nor its parent exists (a fresh clone)
     check_run_dir(run_dir, use="overwrite")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fdl.launch.live import MAX_BYTES, format_status, read_snapshot
+from fdl.launch.live import format_status
+from fdl.rundir.progress import FILE, MAX_BYTES, read_snapshot
 
 SNAPSHOT = {"schema": 1, "epoch": 2, "epochs": 5, "epoch_fraction": 0.5, "samples": 7000,
             "total_samples": 20000, "elapsed_s": 3.0, "samples_per_s": 7120.4, "eta_s": 62.0,
@@ -37,17 +38,17 @@ def test_junk_values_show_as_unknown(junk: object) -> None:
 
 
 def test_read_refuses_what_rank_0_does_not_write(tmp_path: Path) -> None:
-    path = tmp_path / "progress.json"
-    assert read_snapshot(path) is None  # not yet written
+    path = tmp_path / FILE
+    assert read_snapshot(tmp_path) is None  # not yet written
     for content in (b"", b'{"schema": 1, "epo', b"[1, 2]", b'{"schema": 2}', b"\xff\xfe",
                     b'{"schema": 1, "pad": "' + b"x" * MAX_BYTES + b'"}'):
         path.write_bytes(content)
-        assert read_snapshot(path) is None, content[:40]
+        assert read_snapshot(tmp_path) is None, content[:40]
     path.write_text(json.dumps(SNAPSHOT))
-    assert read_snapshot(path) == SNAPSHOT
-    directory = tmp_path / "dir.json"
-    directory.mkdir()
-    assert read_snapshot(directory) is None
+    assert read_snapshot(tmp_path) == SNAPSHOT
+    path.unlink()
+    path.mkdir()
+    assert read_snapshot(tmp_path) is None
 
 
 def test_a_hostile_run_directory_never_stops_the_display(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
-"""``timeline/trace.json``: a run's merged timeline (:mod:`fdl.launch.timeline_merge`) in the
+"""``timeline/trace.json``: a run's merged timeline (:mod:`fdl.rundir.timeline_merge`) in the
 Chrome Trace Event Format, JSON Object form, for https://ui.perfetto.dev (Open trace file) or
 chrome://tracing (Load)::
 
-    from fdl.launch.timeline_trace import build_trace, write_trace
+    from fdl.rundir.timeline_trace import build_trace, write_trace
     trace = build_trace(merge_timeline(run_dir), run_name=run_dir.name)  # pure: a dict
     write_trace(run_dir / "timeline" / "trace.json", trace)
 
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.files import write_atomic
+from fdl.rundir.timeline import directory
 from fdl.version import __version__
 
 TRACE_FILE = "trace.json"
@@ -57,6 +58,10 @@ _INSTANT_NAMES = {"anchor": "anchor", "guard": "guard", "epoch": "epoch end",
                   "checkpoint": "checkpoint", "final": "final"}
 _GIB = 1024 ** 3
 _MAX_ID = 2 ** 20  # ranks and nodes beyond it are not a run's (a stray rank<N>.jsonl): left out
+
+
+def trace_path(run_dir: Path) -> Path:
+    return directory(run_dir) / TRACE_FILE
 
 
 def trace_note(path: Path) -> str:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from checkpoint_helpers import write_solo_checkpoint
 
-from fdl.engine import checkpoint as ckpt
-from fdl.engine.checkpoint import CheckpointEvery, latest_checkpoint, load_rank_state
 from fdl.errors import UsageError
+from fdl.rundir import checkpoints as ckpt
+from fdl.rundir.checkpoints import CheckpointEvery, latest_checkpoint, load_rank_state
 from fdl.settings import parse_checkpoint_every
 
 

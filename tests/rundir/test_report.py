@@ -9,7 +9,7 @@ import pytest
 from helpers import run_fdl
 
 from fdl.errors import UsageError
-from fdl.launch.report import build_report, load_run
+from fdl.rundir.report import build_report, load_run
 
 SUMMARY = {"policy": "cadence", "backend": "cpu", "world_size": 2, "devices": ["cpu", "cpu"],
            "emulated_slowdown": [1.0, 2.5], "epochs": 1, "samples": 400, "wall_s": 10.0,

@@ -1,13 +1,13 @@
 """One timeline for a whole run: every rank's events and every node's utilisation samples merged
 into ``timeline/timeline.json`` and ``timeline/timeline.csv``, plus ``timeline/timeline.html``
-(:mod:`fdl.launch.timeline_html`), ``timeline/trace.json`` for Perfetto and chrome://tracing
-(:mod:`fdl.launch.timeline_trace`) and ``timeline/curves.png`` (:mod:`fdl.launch.timeline_plot`).
+(:mod:`fdl.rundir.timeline_html`), ``timeline/trace.json`` for Perfetto and chrome://tracing
+(:mod:`fdl.rundir.timeline_trace`) and ``timeline/curves.png`` (:mod:`fdl.rundir.timeline_plot`).
 
-    from fdl.launch.timeline_merge import write_timeline
+    from fdl.rundir.timeline_merge import write_timeline
     write_timeline(Path("runs/20260101T120000Z-train-async"))   # -> the paths it wrote
 
 Inputs (each optional, so a crashed run still gets a timeline): ``timeline/rank<r>.jsonl``
-(:mod:`fdl.engine.timeline`; a restarted worker appends to its file, so one file may hold several
+(:mod:`fdl.rundir.timeline`; a restarted worker appends to its file, so one file may hold several
 attempts, each opening with a ``start`` event), ``timeline/samples-node<n>.jsonl`` (utilisation
 every 100 ms), ``metrics.jsonl`` (one line per epoch) and ``summary.json``. A line that does not
 parse — typically the last one of a file whose writer was killed mid-line — is skipped, and so
@@ -51,28 +51,28 @@ import csv
 import io
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from fdl.files import scan_jsonl, write_atomic
-from fdl.launch.timeline_html import render_html, strict_json
-from fdl.launch.timeline_trace import TRACE_FILE, build_trace, write_trace
+from fdl.rundir.metrics import read_epochs
+from fdl.rundir.summary import read_summary
+from fdl.rundir.timeline import RANK_FILE, SAMPLES_FILE, directory, numbered_files
+from fdl.rundir.timeline_html import render_html, strict_json
+from fdl.rundir.timeline_trace import build_trace, trace_path, write_trace
 
 SCHEMA = 1
 CSV_COLUMNS = ("record", "kind", "rank", "node", "round", "t", "end", "duration_s",
                "cpu_percent", "ram_used_bytes", "ram_total_bytes", "detail")
-_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
-_SAMPLE_FILE = re.compile(r"samples-node(\d+)\.jsonl")
+HTML_FILE = "timeline.html"
 _SPAN_KINDS = ("round", "sync")
 
 
 def merge_timeline(run_dir: Path) -> dict[str, Any]:
     """The merged timeline document of ``run_dir`` (see the module docstring)."""
-    directory = run_dir / "timeline"
-    by_rank = {int(m.group(1)): found.records for path, m in _matching(directory, _RANK_FILE)
+    by_rank = {rank: found.records for rank, path in numbered_files(run_dir, RANK_FILE)
                if (found := scan_jsonl(path)).error is None}
-    samples = [s for path, _ in _matching(directory, _SAMPLE_FILE)
+    samples = [s for _, path in numbered_files(run_dir, SAMPLES_FILE)
                for s in scan_jsonl(path).records]
     by_rank = {rank: [e for e in events if _has_time(e)] for rank, events in by_rank.items()}
     samples = [s for s in samples if _has_time(s)]
@@ -92,8 +92,8 @@ def merge_timeline(run_dir: Path) -> dict[str, Any]:
     return {
         "schema": SCHEMA, "t0": t0, "duration": max(ends, default=0.0),
         "ranks": sorted(by_rank), "spans": spans, "events": events, "samples": samples,
-        "epochs": scan_jsonl(run_dir / "metrics.jsonl").records,
-        "summary": _read_summary(run_dir),
+        "epochs": read_epochs(run_dir),
+        "summary": read_summary(run_dir),
     }
 
 
@@ -102,19 +102,23 @@ def write_timeline(run_dir: Path) -> list[Path]:
     matplotlib is installed and an epoch was recorded) ``curves.png`` under
     ``run_dir/timeline``; returns the paths written, in that order. A missing ``curves.png``
     after epochs means no matplotlib: ``pip install 'fdl[report]'``."""
-    from fdl.launch.timeline_plot import write_curves_png
+    from fdl.rundir.timeline_plot import write_curves_png
 
     doc = merge_timeline(run_dir)
-    directory = run_dir / "timeline"
-    directory.mkdir(parents=True, exist_ok=True)
-    written = [directory / "timeline.json", directory / "timeline.csv",
-               directory / "timeline.html", directory / TRACE_FILE]
+    folder = directory(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [folder / "timeline.json", folder / "timeline.csv", html_path(run_dir),
+               trace_path(run_dir)]
     write_atomic(written[0], strict_json(doc) + "\n")
     write_atomic(written[1], timeline_csv(doc))
     write_atomic(written[2], render_html(doc, title=f"fdl timeline — {run_dir.name}"))
     write_trace(written[3], build_trace(doc, run_name=run_dir.name))
     png = write_curves_png(run_dir, doc["epochs"]) if doc["epochs"] else None
     return [*written, png] if png is not None else written
+
+
+def html_path(run_dir: Path) -> Path:
+    return directory(run_dir) / HTML_FILE
 
 
 def timeline_csv(doc: dict[str, Any]) -> str:
@@ -142,13 +146,6 @@ def _detail(record: dict[str, Any], shown: tuple[str, ...]) -> str | None:
     """The fields of ``record`` that have no column of their own, as JSON."""
     rest = {k: v for k, v in record.items() if k not in shown}
     return json.dumps(rest, separators=(",", ":"), default=str) if rest else None
-
-
-def _matching(directory: Path, pattern: re.Pattern[str]) -> list[tuple[Path, re.Match[str]]]:
-    if not directory.is_dir():
-        return []
-    found = [(path, pattern.fullmatch(path.name)) for path in directory.iterdir()]
-    return sorted(((path, m) for path, m in found if m), key=lambda pm: int(pm[1].group(1)))
 
 
 def _has_time(record: dict[str, Any]) -> bool:
@@ -223,11 +220,3 @@ def _with_idle(spans: list[dict[str, Any]], events: list[dict[str, Any]],
 
 def _span(rank: int, kind: str, start: float, end: float, number: Any) -> dict[str, Any]:
     return {"rank": rank, "kind": kind, "start": start, "end": end, "round": number}
-
-
-def _read_summary(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None

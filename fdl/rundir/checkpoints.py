@@ -53,6 +53,8 @@ from fdl.files import atomic_replace, sha256_file, write_atomic
 DIRNAME = "checkpoints"
 KEEP = 2
 MANIFEST = "manifest.json"
+ENGINE_FILE = "engine.json"  # the plan state (fdl.engine.plan.PlanState.to_dict) and history
+MODEL_FILE = "model.pt"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a file in the checkpoint's own directory
 
 
@@ -97,7 +99,7 @@ class Checkpoint:
         return int(self.manifest["world_size"])
 
     def engine_state(self) -> dict[str, Any]:
-        return json.loads((self.path / "engine.json").read_text(encoding="utf-8"))
+        return json.loads((self.path / ENGINE_FILE).read_text(encoding="utf-8"))
 
 
 def checkpoint_name(round_index: int) -> str:
@@ -127,9 +129,9 @@ def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: 
     files = {f"rank{rank}.pt": _save(torch, rank_state, staging / f"rank{rank}.pt")}
     if rank == 0:
         assert model_state is not None
-        files["model.pt"] = _save(torch, model_state, staging / "model.pt")
-        write_atomic(staging / "engine.json", json.dumps(engine_state, indent=1), durable=True)
-        files["engine.json"] = file_digest(staging / "engine.json")
+        files[MODEL_FILE] = _save(torch, model_state, staging / MODEL_FILE)
+        write_atomic(staging / ENGINE_FILE, json.dumps(engine_state, indent=1), durable=True)
+        files[ENGINE_FILE] = file_digest(staging / ENGINE_FILE)
     every = gather(files)
     final = root / name
     if rank == 0:
@@ -219,7 +221,7 @@ def _manifest_problem(manifest: Any) -> str | None:
     for name in files:
         if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
             return f"the manifest names {name!r}, a file outside the checkpoint"
-    needed = ["model.pt", "engine.json", *(f"rank{r}.pt" for r in range(world_size))]
+    needed = [MODEL_FILE, ENGINE_FILE, *(f"rank{r}.pt" for r in range(world_size))]
     missing = [name for name in needed if name not in files]
     if missing:
         return f"the manifest does not list {', '.join(missing[:3])}"
@@ -259,6 +261,6 @@ def load_rank_state(checkpoint: Checkpoint, *, rank: int) -> tuple[dict[str, Any
     checkpoint's, rank r takes rank ``r % old_world_size``'s optimizer state (momentum of a
     replica that started from the same consensus model). Both load with ``weights_only=True``
     (:func:`load_file`)."""
-    model_state = load_file(checkpoint.path / "model.pt")
+    model_state = load_file(checkpoint.path / MODEL_FILE)
     source = rank % checkpoint.world_size
     return model_state, load_file(checkpoint.path / f"rank{source}.pt")

@@ -14,6 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fdl.rundir.timeline import directory
+
+FILE = "curves.png"
+
 
 def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None:
     """Write ``run_dir/timeline/curves.png`` from ``epochs`` (``metrics.jsonl`` lines) and return
@@ -42,7 +46,7 @@ def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None
         axes.legend()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
-    path = run_dir / "timeline" / "curves.png"
+    path = directory(run_dir) / FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, buffer.getvalue())
     return path

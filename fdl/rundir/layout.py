@@ -14,21 +14,20 @@ a directory that holds nothing but what ``fdl run`` writes (:data:`RUN_ENTRIES`)
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
-from fdl.files import write_json_atomic
+from fdl.rundir import checkpoints, config, metrics, model, progress, summary, timeline
 
-# What fdl run and the engine write at the top of a run directory (fdl.engine.trainer,
-# fdl.engine.checkpoint.DIRNAME, fdl.engine.timeline, fdl.engine.progress and the default
-# directory of fdl.engine.tensorboard); fdl.files's temporary files beside the files are
-# ".<name>.<random>.tmp".
-RUN_ENTRIES = frozenset({"config.json", "logs", "metrics.jsonl", "summary.json", "model.pt",
-                         "checkpoints", "timeline", "progress.json", "tensorboard"})
+LOGS = "logs"
+TENSORBOARD = "tensorboard"  # the default directory of --tensorboard
+# What fdl run and the engine write at the top of a run directory, each name from the module
+# that owns the file; fdl.files's temporary files beside the files are ".<name>.<random>.tmp".
+RUN_ENTRIES = frozenset({config.FILE, LOGS, metrics.FILE, summary.FILE, model.FILE,
+                         checkpoints.DIRNAME, timeline.DIRNAME, progress.FILE, TENSORBOARD})
 
 
 def check_run_dir(run_dir: Path, *, use: str) -> None:
@@ -42,7 +41,7 @@ def check_run_dir(run_dir: Path, *, use: str) -> None:
     entries = _entries(run_dir)
     if not entries:
         return
-    if not _holds_a_run(run_dir):
+    if not config.holds_a_run(run_dir):
         raise UsageError(f"run directory {run_dir} is not empty and holds no fdl run",
                          hint="pass --run-dir DIR with a new or empty directory")
     if use == "new":
@@ -56,9 +55,11 @@ def check_run_dir(run_dir: Path, *, use: str) -> None:
                          hint="move them away, or pass another --run-dir")
 
 
-def prepare_run_dir(run_dir: Path, *, config: dict[str, Any], use: str = "new") -> Path:
+def prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version: str,
+                    use: str = "new") -> Path:
     """Create ``run_dir`` and ``run_dir/logs`` (after removing the earlier run when ``use`` is
-    ``"overwrite"``) and write ``config.json`` atomically. Call :func:`check_run_dir` first.
+    ``"overwrite"``) and write ``config.json`` (the launch ``spec``) atomically. Call
+    :func:`check_run_dir` first.
 
     A new run claims the directory by creating ``logs/``: of two ``fdl run`` started at once
     with the same directory, the second is refused instead of mixing its run into the first."""
@@ -68,8 +69,8 @@ def prepare_run_dir(run_dir: Path, *, config: dict[str, Any], use: str = "new") 
         run_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(run_dir, os.W_OK):
             raise PermissionError(f"{run_dir} is not writable")
-        (run_dir / "logs").mkdir(exist_ok=use == "resume")
-        write_json_atomic(run_dir / "config.json", config)
+        logs_dir(run_dir).mkdir(exist_ok=use == "resume")
+        config.write_config(run_dir, spec, fdl_version=fdl_version)
     except FileExistsError as exc:
         raise UsageError(f"run directory {run_dir} is being used by another fdl run",
                          hint="pass another --run-dir") from exc
@@ -85,15 +86,6 @@ def _entries(run_dir: Path) -> list[str]:
     except OSError as exc:
         raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
                          hint="pass --run-dir DIR with a writable directory") from exc
-
-
-def _holds_a_run(run_dir: Path) -> bool:
-    """``config.json`` as fdl run writes it (a JSON object with ``fdl_version``)."""
-    try:
-        config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and "fdl_version" in config
 
 
 def _is_run_entry(name: str) -> bool:
@@ -120,6 +112,26 @@ def _remove_run(run_dir: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def logs_dir(run_dir: Path) -> Path:
+    return run_dir / LOGS
+
+
+def log_path(logs: Path, rank: int | str, *, attempt: int | None = None) -> Path:
+    """``logs/rank<r>.log``: rank r's stdout and stderr; an earlier attempt's, after a restart,
+    is kept as ``rank<r>.attempt<k>.log``."""
+    return logs / (f"rank{rank}.log" if attempt is None else f"rank{rank}.attempt{attempt}.log")
+
+
+def error_file(logs: Path, rank: int | str) -> Path:
+    """Where torchelastic's ``@record`` writes rank r's error (TORCHELASTIC_ERROR_FILE)."""
+    return logs / f".rank{rank}.error.json"
+
+
+def tensorboard_dir(run_dir: Path | None) -> Path:
+    """``--tensorboard``'s default directory (``runs/tensorboard`` without a run directory)."""
+    return (run_dir if run_dir is not None else Path("runs")) / TENSORBOARD
 
 
 def tail_lines(path: Path, count: int = 20) -> list[str]:

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from fdl.launch.timeline_plot import write_curves_png
+from fdl.rundir.timeline_plot import write_curves_png
 
 EPOCHS = [{"epoch": e, "samples": 100 * e, "train_loss": 1.0 / e,
            "eval": {"accuracy": 0.5 + 0.1 * e, "loss": 1.2 / e}} for e in (1, 2, 3)]

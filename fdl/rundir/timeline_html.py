@@ -1,4 +1,4 @@
-"""``timeline/timeline.html``: a run's merged timeline (:mod:`fdl.launch.timeline_merge`) as one
+"""``timeline/timeline.html``: a run's merged timeline (:mod:`fdl.rundir.timeline_merge`) as one
 self-contained page — open it from disk, mail it, attach it to an issue; it loads nothing.
 
 The page (``templates/timeline.html.tmpl``: inline CSS and JavaScript drawing on canvas) shows a
@@ -35,7 +35,7 @@ _UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
 
 def render_html(doc: dict[str, Any], *, title: str) -> str:
     """The self-contained HTML page for a merged timeline document."""
-    template = (resources.files("fdl.launch") / "templates" / "timeline.html.tmpl").read_text(
+    template = (resources.files("fdl.rundir") / "templates" / "timeline.html.tmpl").read_text(
         encoding="utf-8")
     values = {"TITLE": html.escape(title), "DATA": embed_json(doc)}
     # One pass, so a title or a value in the data that happens to spell a token stays as it is.
@@ -52,7 +52,7 @@ def strict_json(value: Any) -> str:
     """Compact JSON that strict parsers (JavaScript's ``JSON.parse``) accept: NaN and the
     infinities, which Python writes but JSON has not (a diverged loss), become null.
 
-    It lives here, with the page that needs it, and :mod:`fdl.launch.timeline_merge` writes
+    It lives here, with the page that needs it, and :mod:`fdl.rundir.timeline_merge` writes
     ``timeline.json`` with it too, so the file and the embedded document are the same JSON."""
     try:
         return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)

@@ -1,4 +1,4 @@
-"""Rank 0's progress snapshots (fdl.engine.progress): when they are written, and what they say."""
+"""Rank 0's progress snapshots (fdl.rundir.progress): when they are written, and what they say."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fdl.engine.progress import WINDOW_S, ProgressFile
+from fdl.rundir.progress import WINDOW_S, ProgressFile
 
 
 def _writer(tmp_path: Path, **env: str) -> ProgressFile | None:

@@ -1,6 +1,7 @@
 """Rank 0's live progress: ``RUN_DIR/progress.json``, one small JSON document rewritten (atomically)
 at most every ``FDL_PROGRESS`` seconds while training, which ``fdl run`` shows on its terminal
-(fdl.launch.live). Written only when ``fdl run`` asks for it (a terminal, no ``--quiet``).
+(fdl.launch.live reads it with :func:`read_snapshot`). Written only when ``fdl run`` asks for it
+(a terminal, no ``--quiet``).
 
 The step loop asks :meth:`ProgressFile.due` after each step — a clock read — and builds and writes
 a snapshot only when it is due, a few times a second: nothing here touches the device. The loss it
@@ -18,6 +19,7 @@ the round from rank 0's own steps: the plan makes every rank finish a round toge
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -29,7 +31,9 @@ from typing import Any
 from fdl.files import write_json_atomic
 from fdl.settings import PROGRESS_ENV
 
+FILE = "progress.json"
 SCHEMA = 1
+MAX_BYTES = 64 * 1024  # a snapshot is some 400 bytes; anything much larger is not one
 WINDOW_S = 10.0  # the rate is measured over this much of the recent past
 MIN_INTERVAL_S = 0.05
 
@@ -57,7 +61,7 @@ class ProgressFile:
             return None
         if rank != 0 or run_dir is None or not interval > 0 or math.isinf(interval):
             return None
-        return cls(run_dir / "progress.json", max(MIN_INTERVAL_S, interval), epochs,
+        return cls(run_dir / FILE, max(MIN_INTERVAL_S, interval), epochs,
                    epoch_size, world_size)
 
     def due(self) -> bool:
@@ -94,3 +98,27 @@ class ProgressFile:
             "sync_overhead": sync_s / busy_s if busy_s > 0 else None,
             "anchor": anchor, "world_size": self.world_size,
         }
+
+
+def read_snapshot(run_dir: Path) -> dict[str, Any] | None:
+    """The snapshot in ``run_dir``, or None when there is none fit to show."""
+    try:
+        with open(run_dir / FILE, "rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > MAX_BYTES:
+        return None
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        return None
+    return document
+
+
+def clear_snapshot(run_dir: Path) -> None:
+    """Remove an earlier run's last snapshot (it is not this run's progress)."""
+    with contextlib.suppress(OSError):
+        (run_dir / FILE).unlink(missing_ok=True)

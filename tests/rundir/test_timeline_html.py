@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fdl.launch.timeline_html import embed_json, render_html
-from fdl.launch.timeline_merge import merge_timeline
+from fdl.rundir.timeline_html import embed_json, render_html
+from fdl.rundir.timeline_merge import merge_timeline
 
 CHECKER = Path(__file__).resolve().parents[2] / "scripts" / "check-timeline-html"
 HOSTILE = "</script><script>alert(1)</script> & \u2028 <!--"

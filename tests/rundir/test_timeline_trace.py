@@ -11,12 +11,12 @@ from pathlib import Path
 
 from trace_checks import check_against, check_format, load_strict
 
-from fdl.launch.timeline_merge import merge_timeline, write_timeline
-from fdl.launch.timeline_trace import SPAN_THREADS, build_trace, trace_note
+from fdl.rundir.timeline_merge import merge_timeline, write_timeline
+from fdl.rundir.timeline_trace import SPAN_THREADS, build_trace, trace_note
 from fdl.version import __version__
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
-# A merged document as fdl.launch.timeline_merge writes it: two ranks on cuda:0/cuda:1, rank 1
+# A merged document as fdl.rundir.timeline_merge writes it: two ranks on cuda:0/cuda:1, rank 1
 # restarted from a checkpoint; one node sampled twice (the second time NVML could not read).
 SPANS = [
     (0, "idle", 0.0, 0.25, None), (0, "data", 0.25, 0.5, 0), (0, "compute", 0.5, 1.0, 0),

@@ -8,7 +8,7 @@ import io
 import json
 from pathlib import Path
 
-from fdl.launch.timeline_merge import CSV_COLUMNS, merge_timeline, timeline_csv, write_timeline
+from fdl.rundir.timeline_merge import CSV_COLUMNS, merge_timeline, timeline_csv, write_timeline
 
 T0 = 1000.0
 # All times are binary fractions, so relative times come out exact.

@@ -1,0 +1,138 @@
+"""``fdl report RUN_DIR``: where the time of a run went, from its ``summary.json`` and the
+per-rank timelines (``timeline/rank<r>.jsonl``). Pure functions over those files' contents;
+torch is not needed.
+
+Per rank: samples, share of the work, samples/s, mean step time, and the wall time split into
+compute (steps, including emulated slowdown), waiting at sync (the averaging boundaries),
+epoch boundaries (loss reduction, checkpoints and bookkeeping between the last round of an
+epoch and the next one; evaluation itself is excluded from the run's wall time), data loading
+(fetching and collating batches between steps: the rounds' ``data_s``) and unexplained (what
+remains: Python and scheduling).
+
+Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
+rate (``batch_size / step time``, from the measured step times) — what the ranks would deliver
+if none of them ever waited.
+
+What is read back is checked, not trusted: ``summary.json`` and ``config.json`` by their own
+modules (fdl.rundir.summary, fdl.rundir.config), the timelines by fdl.rundir.timeline.
+Timelines are tolerated as far as they go: only each rank's last attempt counts (after its last
+``start`` event: ``summary.json`` covers the attempt that finished), records with missing or
+mistyped fields are left out, and a rank whose timeline is missing, unreadable, damaged or
+records other than the samples ``summary.json`` counts for it is listed under ``incomplete``
+with what its figures then cover.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fdl.rundir import config as run_config
+from fdl.rundir.summary import HINT, load_summary
+from fdl.rundir.timeline import RankTimeline, read_rank_timeline
+
+SCHEMA = 1
+
+
+def run_report(run_dir: Path) -> dict[str, Any]:
+    """``fdl report RUN_DIR``'s document (``--json`` prints it)."""
+    summary, timelines, config = load_run(run_dir)
+    return build_report(summary, timelines, batch_size=report_batch_size(config,
+                                                                          run_dir=run_dir))
+
+
+def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RankTimeline], dict[str, Any]]:
+    """summary.json (checked), every rank's timeline and config.json (empty if absent)."""
+    summary, config = load_summary_and_config(run_dir)
+    timelines = [read_rank_timeline(run_dir, rank=rank) for rank in range(summary["world_size"])]
+    return summary, timelines, config
+
+
+def load_summary_and_config(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """summary.json (checked) and config.json (empty if absent), without the timelines."""
+    summary = load_summary(run_dir)
+    return summary, run_config.read_config(run_dir, hint=HINT)
+
+
+def report_batch_size(config: dict[str, Any], *, run_dir: Path) -> int:
+    """The run's batch size from config.json's engine section; 1 when it has none."""
+    return run_config.batch_size(config, run_dir=run_dir, hint=HINT)
+
+
+def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
+                 *, batch_size: int) -> dict[str, Any]:
+    wall = float(summary["wall_s"])
+    ranks = [_rank(t.events, wall=wall, batch_size=batch_size) for t in timelines]
+    total = sum(r["samples"] for r in ranks) or 1
+    for row in ranks:
+        row["share"] = row["samples"] / total
+    ideal = sum(r["solo_samples_per_s"] for r in ranks if r["solo_samples_per_s"])
+    measured = summary["throughput"]["samples_per_s"]
+    return {
+        "schema": SCHEMA, "policy": summary["policy"], "backend": summary["backend"],
+        "world_size": summary["world_size"], "emulated_slowdown": summary["emulated_slowdown"],
+        "wall_s": wall, "samples_per_s": measured,
+        "ideal_samples_per_s": ideal or None,
+        "efficiency": measured / ideal if ideal and measured else None,
+        "ranks": ranks, "sync": summary["sync"],
+        "anchor_history": summary.get("anchor_history", []),
+        "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
+        "incomplete": _incomplete(summary, timelines, ranks),
+    }
+
+
+def _incomplete(summary: dict[str, Any], timelines: list[RankTimeline],
+                ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks whose figures do not cover their whole run, each with a one-line message."""
+    wall, rates = summary["wall_s"], summary["throughput"]["per_rank_samples_per_s"]
+    found = []
+    for timeline, row in zip(timelines, ranks, strict=True):
+        expected = round(rates[timeline.rank] * wall) if rates[timeline.rank] is not None \
+            else None
+        problems = list(timeline.problems)
+        if expected is not None and row["samples"] != expected:
+            problems.append(f"it records {row['samples']} of the {expected} samples "
+                            "summary.json counts for it")
+        if not problems:
+            continue
+        found.append({"rank": timeline.rank, "problems": problems,
+                      "recorded_samples": row["samples"], "summary_samples": expected,
+                      "message": f"rank {timeline.rank}'s timeline is incomplete: "
+                                 f"{'; '.join(problems)}. Its figures (samples/s, share, "
+                                 f"ms/step, time split, and so the ideal) cover only the "
+                                 f"{row['samples']} samples it records"})
+    return found
+
+
+def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict[str, Any]:
+    rounds = [e for e in events if e["kind"] == "round"]
+    syncs = [e for e in events if e["kind"] == "sync"]
+    steps = sum(e["steps"] for e in rounds)
+    data = sum(e.get("data_s", 0.0) for e in rounds)
+    compute = sum(e["compute_s"] for e in rounds) - data
+    waiting = sum(e["wait_s"] for e in syncs)
+    boundary = _epoch_boundaries(events)
+    step_s = compute / steps if steps else None
+    samples = sum(e["samples"] for e in rounds)
+    return {
+        "samples": samples, "steps": steps,
+        "samples_per_s": samples / wall if wall > 0 else None,
+        "step_ms": step_s * 1000 if step_s else None,
+        "solo_samples_per_s": batch_size / step_s if step_s else None,
+        "time_s": {"compute": compute, "sync_wait": waiting, "epoch_boundary": boundary,
+                   "data_loading": data,
+                   "unexplained": max(0.0, wall - compute - waiting - boundary - data)},
+        "idle_fraction": max(0.0, 1 - compute / wall) if wall > 0 else None,
+    }
+
+
+def _epoch_boundaries(events: list[dict[str, Any]]) -> float:
+    """Time from each epoch's end event to the next round's start (its end minus compute)."""
+    total, pending = 0.0, None
+    for event in events:
+        if event["kind"] == "epoch":
+            pending = event["t"]
+        elif event["kind"] == "round" and pending is not None:
+            total += max(0.0, (event["t"] - event["compute_s"]) - pending)
+            pending = None
+    return total

@@ -1,0 +1,137 @@
+"""``summary.json``: what a finished run did, for people and tools (``fdl report``, ``fdl bench``,
+``fdl compare``; docs/elche.md "Outputs" lists the fields). Rank 0 builds it at the end of a
+run (:func:`build_summary`) and writes it atomically; :func:`load_summary` reads it back,
+checked: a document that does not hold what fdl writes is a UsageError naming the file, the
+field, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fdl.errors import UsageError
+from fdl.files import write_json_atomic
+from fdl.rundir.fields import is_finite, is_int, is_number, show
+
+FILE = "summary.json"
+HINT = "summary.json and config.json are written by fdl run; restore them or re-run"
+
+
+def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
+                  samples: list[int], busy_s: list[float], comm_ms: list[float], syncs: int,
+                  eval_metrics: dict[str, float], final_loss: float | None,
+                  extra: dict[str, Any]) -> dict[str, Any]:
+    """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run."""
+    busy = busy_s
+    compute_s = max(busy) if busy else 0.0
+    return {
+        "policy": str(config.policy),
+        "backend": config.backend,
+        "world_size": world_size,
+        "devices": devices,
+        "emulated_slowdown": list(config.simulate_slowdown) if config.simulate_slowdown else None,
+        "epochs": config.epochs,
+        "samples": sum(samples),
+        "wall_s": wall_s,
+        "throughput": {
+            "samples_per_s": sum(samples) / wall_s if wall_s > 0 else None,
+            "per_rank_samples_per_s": [s / wall_s if wall_s > 0 else None for s in samples],
+        },
+        "sync": {
+            "rounds": syncs,
+            "mean_ms": sum(comm_ms) / len(comm_ms) if comm_ms else None,
+            "overhead": (sum(comm_ms) / 1000) / compute_s if comm_ms and compute_s > 0 else None,
+        },
+        "idle_fraction": [max(0.0, 1 - b / wall_s) if wall_s > 0 else None for b in busy],
+        "eval": eval_metrics,
+        "final_loss": final_loss,
+        **extra,
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    return write_json_atomic(run_dir / FILE, summary)
+
+
+def has_summary(run_dir: Path) -> bool:
+    """Whether the run finished with a summary (the script trained with fdl's engine)."""
+    return (run_dir / FILE).is_file()
+
+
+def load_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json, checked (see the module docstring)."""
+    path = run_dir / FILE
+    if not path.is_file():
+        raise UsageError(f"{run_dir} has no {FILE} (not a finished fdl run)",
+                         hint="pass a run directory, e.g. runs/<time>-train-async")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text (a JSON document was expected)",
+                         hint=HINT) from None
+    except ValueError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc})", hint=HINT) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", hint=HINT) from None
+    _check_summary(summary, path)
+    return summary
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """summary.json as an object, unchecked, or None when there is none that parses (the
+    merged timeline shows what it has)."""
+    try:
+        summary = json.loads((run_dir / FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+_NUMBER_OR_NULL = (lambda v: v is None or is_number(v), "a number or null")
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "policy": (lambda v: isinstance(v, str), "a string"),
+    "backend": (lambda v: isinstance(v, str), "a string"),
+    "world_size": (lambda v: is_int(v) and v >= 1, "a positive integer"),
+    "wall_s": (is_finite, "a number >= 0"),
+    "throughput": (lambda v: isinstance(v, dict), "an object"),
+    "throughput.samples_per_s": _NUMBER_OR_NULL,
+    "throughput.per_rank_samples_per_s": (
+        lambda v: isinstance(v, list) and all(x is None or is_finite(x) for x in v),
+        "a list of numbers >= 0 or nulls, one per rank"),
+    "sync": (lambda v: isinstance(v, dict), "an object"),
+    "sync.rounds": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    "sync.mean_ms": _NUMBER_OR_NULL,
+    "sync.overhead": _NUMBER_OR_NULL,
+    "emulated_slowdown": (lambda v: v is None or (isinstance(v, list)
+                                                  and all(is_number(x) for x in v)),
+                          "a list of numbers or null"),
+}
+_OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
+    "anchor_history": (lambda v: isinstance(v, list) and all(
+        isinstance(x, list) and len(x) == 3 for x in v), "a list of [round, anchor, reason]"),
+    "eval": (lambda v: isinstance(v, dict) and all(is_number(x) for x in v.values()),
+             "an object of numbers"),
+    "final_loss": _NUMBER_OR_NULL,
+}
+
+
+def _check_summary(summary: Any, path: Path) -> None:
+    """A UsageError naming the first field of ``summary`` a reader cannot use."""
+    if not isinstance(summary, dict):
+        raise UsageError(f"{path} holds {show(summary)}, not a JSON object", hint=HINT)
+    fields = {**_FIELDS, **{k: v for k, v in _OPTIONAL_FIELDS.items() if k in summary}}
+    for name, (valid, allowed) in fields.items():
+        parent, _, key = name.rpartition(".")
+        holder = summary[parent] if parent else summary
+        if key not in holder:
+            raise UsageError(f"{path} has no {name}", hint=HINT)
+        if not valid(holder[key]):
+            raise UsageError(f"{path}: {name} is {show(holder[key])}, expected {allowed}",
+                             hint=HINT)
+    rates = summary["throughput"]["per_rank_samples_per_s"]
+    if len(rates) != summary["world_size"]:
+        raise UsageError(f"{path}: world_size is {summary['world_size']} but "
+                         f"throughput.per_rank_samples_per_s has {len(rates)} entries",
+                         hint=HINT)
