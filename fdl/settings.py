@@ -10,7 +10,7 @@ allowed, help text, and the sources it may come from:
 * an argument of ``fdl.Trainer`` in the script (``script=True``).
 
 Precedence, highest first: flag > ``FDL_*`` > ``fdl.toml`` > script > default. ``fdl run``
-resolves the first three (:func:`resolve`) and hands every engine setting (``engine=True``) not
+resolves the first three (:func:`resolve_run_settings`) and hands every engine setting (``engine=True``) not
 left at its default to the workers as its ``FDL_*`` variable (:func:`worker_env`), with
 ``FDL_SOURCES`` saying where each came from; each worker's engine resolves ``FDL_*`` > script >
 default (``fdl.engine.config``). A **launch option** (:data:`LAUNCH_OPTIONS`) is a flag of ``fdl
@@ -376,7 +376,7 @@ def parse_from(spec: SettingSpec, value: Any, *, origin: str) -> Any:
         raise type(exc)(f"{origin}: {exc.message}", hint=exc.hint) from exc
 
 
-def resolve(*, flags: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
+def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
             file_path: Path | None) -> dict[str, Setting]:
     """Every setting resolved flag > env > file > default (fdl run). Flags of None are unset;
     ``file_values`` are already parsed (:func:`load_config_file`)."""
@@ -420,7 +420,7 @@ def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
     return sources if isinstance(sources, dict) else {}
 
 
-def resolve_engine(*, script: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Setting]:
+def resolve_engine_settings(*, script: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Setting]:
     """The engine's settings in a worker: ``FDL_*`` > the script's value > default. A script
     value equal to the default counts as default."""
     sources = launcher_sources(env)

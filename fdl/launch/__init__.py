@@ -32,7 +32,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
 
     from fdl.launch.config_file import load_config_file
     from fdl.launch.spec import build_launch_spec
-    from fdl.settings import resolve
+    from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey, probe_gpus
 
     env = os.environ if env is None else env
@@ -43,7 +43,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
         request = resume_request(request, cwd=cwd)
     _check_script(request, cwd=cwd)
     file_values, file_path = load_config_file(cwd)
-    settings = resolve(flags=request.flags, env=env, file_values=file_values,
+    settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
                        file_path=file_path)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)

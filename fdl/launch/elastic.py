@@ -41,8 +41,8 @@ from fdl.launch.rendezvous import (
     Rendezvous,
     bind_listener,
     join_endpoint,
+    lookup_host,
     parse_endpoint,
-    resolve,
 )
 from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
@@ -99,7 +99,7 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
     rdzv = spec.rendezvous
     host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
                                 min_port=0)
-    address = resolve(host, port)
+    address = lookup_host(host, port)
     return bind_listener(address, host=host) if rdzv.binds_locally else None
 
 
@@ -201,7 +201,7 @@ def _loopback_handler_class() -> type:
             return LOOPBACK_C10D
 
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
-            address = resolve(master_addr, master_port)
+            address = lookup_host(master_addr, master_port)
             return serve_store(bind_listener(address, host=master_addr), host=master_addr)
 
         def next_rendezvous(self) -> Any:

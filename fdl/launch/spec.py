@@ -17,7 +17,7 @@ from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
-from fdl.settings import RESUME_ENV, RUN_DIR_ENV, Setting, resolve, worker_env
+from fdl.settings import RESUME_ENV, RUN_DIR_ENV, Setting, resolve_run_settings, worker_env
 from fdl.system.gpus import GpuSurvey
 
 
@@ -71,7 +71,7 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
     ``taken`` says whether a default run directory name is in use)."""
     run_dir_use = _run_dir_use(request)
     script = _script_path(request, cwd)
-    settings = resolve(flags=request.flags, env=env, file_values=file_values,
+    settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
                        file_path=file_path)
     devices = plan_devices(survey=survey, devices=request.get("devices"),
                            nproc=settings["nproc_per_node"].value, logical_cores=logical_cores,

@@ -21,7 +21,7 @@ from fdl.settings import (
     parse_policy,
     parse_positive_int,
     parse_slowdown,
-    resolve,
+    resolve_run_settings,
     worker_env,
 )
 
@@ -280,7 +280,7 @@ def test_dangling_fdl_toml_link_is_a_config_error(tmp_path: Path) -> None:
 
 def test_resolve_takes_flag_then_env_then_file_then_default(tmp_path: Path) -> None:
     file_path = tmp_path / "fdl.toml"
-    settings = resolve(
+    settings = resolve_run_settings(
         flags={"policy": "async", "backend": None},
         env={"FDL_POLICY": "cadence", "FDL_BACKEND": "cpu", "FDL_EPOCHS": "4"},
         file_values={"policy": "sync", "backend": "nccl", "epochs": 2, "seed": 7},
@@ -298,7 +298,7 @@ def test_resolve_takes_flag_then_env_then_file_then_default(tmp_path: Path) -> N
 
 
 def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
-    settings = resolve(
+    settings = resolve_run_settings(
         flags={"simulate_slowdown": "1,2.5", "epochs": "3"},
         env={"FDL_SEED": "", "FDL_SLOWDOWN": "9"},
         file_values={},
@@ -310,14 +310,15 @@ def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
 
 
 def test_resolve_ignores_a_flag_value_for_an_env_only_setting() -> None:
-    settings = resolve(flags={"overhead_target": "0.2"}, env={}, file_values={}, file_path=None)
+    settings = resolve_run_settings(flags={"overhead_target": "0.2"}, env={}, file_values={},
+                                    file_path=None)
     assert settings["overhead_target"] == Setting(BY_NAME["overhead_target"].default, "default")
     assert BY_NAME["overhead_target"].default != 0.2
 
 
 def test_bad_flag_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="epochs must be a positive integer, got '0'"):
-        resolve(flags={"epochs": "0"}, env={}, file_values={}, file_path=None)
+        resolve_run_settings(flags={"epochs": "0"}, env={}, file_values={}, file_path=None)
 
 
 @pytest.mark.parametrize(
@@ -332,13 +333,13 @@ def test_bad_env_value_is_a_config_error_naming_the_variable(
     env: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ConfigError) as caught:
-        resolve(flags={}, env=env, file_values={}, file_path=None)
+        resolve_run_settings(flags={}, env=env, file_values={}, file_path=None)
     assert caught.value.message == message
     assert caught.value.exit_code == 2
 
 
 def test_bad_env_value_is_not_read_when_a_flag_wins() -> None:
-    settings = resolve(
+    settings = resolve_run_settings(
         flags={"policy": "sync"},
         env={"FDL_POLICY": "fast"},
         file_values={},
