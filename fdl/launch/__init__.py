@@ -44,11 +44,11 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     _check_script(request, cwd=cwd)
     file_values, file_path = load_config_file(cwd)
     settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
-                       file_path=file_path)
+                                    file_path=file_path)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
     return build_launch_spec(
-        request, survey=survey, env=env, file_values=file_values, file_path=file_path, cwd=cwd,
+        request, settings=settings, survey=survey, env=env, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
         logical_cores=os.cpu_count() or 1,  # psutil's count without its 10 ms import
         taken=Path.exists,

@@ -17,7 +17,7 @@ from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
-from fdl.settings import RESUME_ENV, RUN_DIR_ENV, Setting, resolve_run_settings, worker_env
+from fdl.settings import RESUME_ENV, RUN_DIR_ENV, Setting, worker_env
 from fdl.system.gpus import GpuSurvey
 
 
@@ -62,17 +62,16 @@ class LaunchSpec:
         }
 
 
-def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[str, str],
-                      file_values: Mapping[str, Any], file_path: Path | None, cwd: Path,
-                      now: datetime, run_id: str, logical_cores: int,
+def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
+                      survey: GpuSurvey, env: Mapping[str, str], cwd: Path, now: datetime,
+                      run_id: str, logical_cores: int,
                       taken: Callable[[Path], bool]) -> LaunchSpec:
-    """Resolve every flag against env, config file and defaults. Pure: all inputs are given
-    (``--resume`` is already resolved into ``request`` by :func:`fdl.launch.plan_run`;
-    ``taken`` says whether a default run directory name is in use)."""
+    """What will run, from the request and its ``settings`` (resolved flag > env > file >
+    default by :func:`fdl.launch.plan_run`, which also completes ``request`` from ``--resume``).
+    Pure: all inputs are given; ``env`` is the launcher's environment, ``taken`` says whether a
+    default run directory name is in use."""
     run_dir_use = _run_dir_use(request)
     script = _script_path(request, cwd)
-    settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
-                       file_path=file_path)
     devices = plan_devices(survey=survey, devices=request.get("devices"),
                            nproc=settings["nproc_per_node"].value, logical_cores=logical_cores,
                            env=env)
@@ -81,7 +80,7 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
-                      settings["max_restarts"].value, run_dir, settings,
+                      settings["max_restarts"].value, run_dir, dict(settings),
                       _worker_env(settings, devices, run_dir, env,
                                   resume=request.get("resume")),
                       request.get("quiet_ranks"), run_dir_use)
@@ -105,7 +104,7 @@ def _script_path(request: RunRequest, cwd: Path) -> Path:
     return (cwd / request.script).resolve()
 
 
-def _check_slowdown(settings: dict[str, Setting], world_size: int) -> None:
+def _check_slowdown(settings: Mapping[str, Setting], world_size: int) -> None:
     factors = settings["simulate_slowdown"].value
     if factors is not None and len(factors) != world_size:
         raise UsageError(
@@ -113,7 +112,7 @@ def _check_slowdown(settings: dict[str, Setting], world_size: int) -> None:
             hint="give one factor per worker, e.g. --simulate-slowdown 1,2.5 for 2 workers")
 
 
-def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: str,
+def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem: str,
              policy: str, taken: Callable[[Path], bool]) -> Path:
     explicit = settings["run_dir"].value
     if explicit:
@@ -127,7 +126,7 @@ def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: st
     return path
 
 
-def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path,
+def _worker_env(settings: Mapping[str, Setting], devices: DevicePlan, run_dir: Path,
                 parent: Mapping[str, str], *, resume: str | None = None) -> dict[str, str]:
     # A user's own OMP_NUM_THREADS wins, as with torchrun; else each worker's share of cores.
     threads = parent.get("OMP_NUM_THREADS") or str(devices.threads_per_worker)

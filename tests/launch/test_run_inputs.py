@@ -278,12 +278,15 @@ def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
 
     from fdl.launch.request import RunRequest
     from fdl.launch.spec import build_launch_spec
+    from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey
+
+    settings = resolve_run_settings(flags={}, env={}, file_values={}, file_path=None)
 
     def planned() -> Path:
         return build_launch_spec(
-            RunRequest("train.py"), survey=GpuSurvey("none", (), None, None), env={},
-            file_values={}, file_path=None, cwd=project,
+            RunRequest("train.py"), settings=settings, survey=GpuSurvey("none", (), None, None),
+            env={}, cwd=project,
             now=datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc), run_id="x",
             logical_cores=2, taken=Path.exists).run_dir
 
