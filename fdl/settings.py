@@ -10,10 +10,11 @@ allowed, help text, and the sources it may come from:
 * an argument of ``fdl.Trainer`` in the script (``script=True``).
 
 Precedence, highest first: flag > ``FDL_*`` > ``fdl.toml`` > script > default. ``fdl run``
-resolves the first three (:func:`resolve_run_settings`) and hands every engine setting (``engine=True``) not
-left at its default to the workers as its ``FDL_*`` variable (:func:`worker_env`), with
+resolves the first three (:func:`resolve_run_settings`) and hands every engine setting
+(``engine=True``) not left at its default to the workers as its ``FDL_*`` variable
+(:func:`engine_env`, part of the worker environment fdl.launch.worker_env makes), with
 ``FDL_SOURCES`` saying where each came from; each worker's engine resolves ``FDL_*`` > script >
-default (``fdl.engine.config``). A **launch option** (:data:`LAUNCH_OPTIONS`) is a flag of ``fdl
+default (:func:`resolve_engine_settings`, from ``fdl.engine.config``). A **launch option** (:data:`LAUNCH_OPTIONS`) is a flag of ``fdl
 run`` only (torchrun's rendezvous flags, ``--resume``, ``--dry-run`` ...).
 
 Adding a setting is one :class:`SettingSpec` here plus its line in docs/run.md: ``fdl run``'s
@@ -401,9 +402,11 @@ def _from_env(spec: SettingSpec, raw: str) -> Any:
         raise ConfigError(f"{spec.env}: {exc.message}", hint=exc.hint) from exc
 
 
-def worker_env(settings: Mapping[str, Setting]) -> dict[str, str]:
-    """``FDL_*`` variables for the workers: every engine setting not left at its default, and
-    ``FDL_SOURCES`` with the provenance of each."""
+def engine_env(settings: Mapping[str, Setting]) -> dict[str, str]:
+    """The engine settings as the ``FDL_*`` variables a worker's engine reads: every one not
+    left at its default, and ``FDL_SOURCES`` with the provenance of each
+    (:func:`resolve_engine_settings` reads them back; fdl.launch.worker_env adds the rest of a
+    worker's environment)."""
     engine = [spec for spec in SETTINGS if spec.engine and spec.name in settings]
     env = {spec.env: spec.encode(settings[spec.name].value) for spec in engine
            if settings[spec.name].source != "default"}
@@ -412,7 +415,7 @@ def worker_env(settings: Mapping[str, Setting]) -> dict[str, str]:
 
 
 def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
-    """``FDL_SOURCES`` as written by :func:`worker_env` ({} when absent or unreadable)."""
+    """``FDL_SOURCES`` as written by :func:`engine_env` ({} when absent or unreadable)."""
     try:
         sources = json.loads(env.get(SOURCES_ENV, "{}"))
     except json.JSONDecodeError:

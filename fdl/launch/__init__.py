@@ -23,8 +23,12 @@ if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep
 
 
 def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
-             cwd: Path | None = None) -> LaunchSpec:
-    """Everything ``fdl run`` decides before starting a process."""
+             cwd: Path | None = None, live: bool = False,
+             launcher_pid: int | None = None) -> LaunchSpec:
+    """Everything ``fdl run`` decides before starting a process. ``live``: the launcher will
+    show live progress; ``launcher_pid``: the process that will start the workers (None for a
+    plan that is only checked, as ``fdl compare`` checks its cells). Both go into the worker
+    environment (:mod:`fdl.launch.worker_env`)."""
     import os
     import uuid
     from datetime import datetime, timezone
@@ -51,7 +55,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
         request, settings=settings, survey=survey, env=env, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
         logical_cores=os.cpu_count() or 1,  # psutil's count without its 10 ms import
-        taken=Path.exists,
+        taken=Path.exists, live=live, launcher_pid=launcher_pid,
     )
 
 

@@ -4,9 +4,10 @@ home-made process manager.
 Each worker is ``python -u -m fdl.launch.worker SCRIPT ARGS`` with exactly torchrun's
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_RANK, ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*) plus the
-spec's additions (FDL_*, OMP_NUM_THREADS set to the worker's share of the cores, and on GPU
-hosts CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES) and FDL_LAUNCHER_PID, with which each worker
-ties its life to the launcher's (fdl.launch.worker): a launcher killed outright leaves no worker.
+spec's ``env``, all that fdl adds (:mod:`fdl.launch.worker_env` lists it and says why); nothing
+is added here. The agent copies the launcher's environment into every worker, so the spec's
+``env`` is set in it for the run's duration (the agent itself reads
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE from there).
 
 Before anything is written or started, :func:`preflight` checks what needs the outside world
 (torch, the ``-m`` module, the rendezvous host) and, for a one-node run, binds the rendezvous
@@ -47,7 +48,6 @@ from fdl.launch.rendezvous import (
 from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
 from fdl.launch.startup import no_join_stagger, torch_import_without_collections
-from fdl.settings import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
@@ -125,8 +125,7 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> Launch
     logs_dir = spec.run_dir / "logs"
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
-    env = {**_agent_env(spec), **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
-    with _environ(env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
+    with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
         try:
             launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
                          sys.executable, args)
@@ -209,16 +208,6 @@ def _loopback_handler_class() -> type:
                 return super().next_rendezvous()
 
     return LoopbackRendezvousHandler
-
-
-def _agent_env(spec: LaunchSpec) -> dict[str, str]:
-    """With restarts, the workers of each attempt get a store of their own. torch's c10d
-    rendezvous otherwise hands every attempt the agent's one shared store without a per-attempt
-    prefix, and a restarted worker can read the previous attempt's addresses and fail to
-    connect (pytorch/pytorch#135712, #167288: "Connection refused" in gloo or NCCL init)."""
-    if spec.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
-        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return {}
 
 
 def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: str) -> Any:

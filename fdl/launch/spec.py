@@ -17,7 +17,8 @@ from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
-from fdl.settings import RESUME_ENV, RUN_DIR_ENV, Setting, worker_env
+from fdl.launch.worker_env import build_worker_env
+from fdl.settings import Setting
 from fdl.system.gpus import GpuSurvey
 
 
@@ -31,7 +32,8 @@ class LaunchSpec:
     max_restarts: int
     run_dir: Path
     settings: dict[str, Setting]
-    env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
+    # All fdl adds to every worker's environment (fdl.launch.worker_env)
+    env: dict[str, str] = field(default_factory=dict)
     quiet_ranks: bool = False
     run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.launch.rundir.check_run_dir)
 
@@ -64,12 +66,13 @@ class LaunchSpec:
 
 def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
                       survey: GpuSurvey, env: Mapping[str, str], cwd: Path, now: datetime,
-                      run_id: str, logical_cores: int,
-                      taken: Callable[[Path], bool]) -> LaunchSpec:
+                      run_id: str, logical_cores: int, taken: Callable[[Path], bool],
+                      live: bool = False, launcher_pid: int | None = None) -> LaunchSpec:
     """What will run, from the request and its ``settings`` (resolved flag > env > file >
     default by :func:`fdl.launch.plan_run`, which also completes ``request`` from ``--resume``).
     Pure: all inputs are given; ``env`` is the launcher's environment, ``taken`` says whether a
-    default run directory name is in use."""
+    default run directory name is in use; ``live`` and ``launcher_pid`` go into the worker
+    environment (:func:`fdl.launch.worker_env.build_worker_env`)."""
     run_dir_use = _run_dir_use(request)
     script = _script_path(request, cwd)
     devices = plan_devices(survey=survey, devices=request.get("devices"),
@@ -81,8 +84,9 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
                       settings["max_restarts"].value, run_dir, dict(settings),
-                      _worker_env(settings, devices, run_dir, env,
-                                  resume=request.get("resume")),
+                      build_worker_env(settings, devices=devices, run_dir=run_dir, parent=env,
+                                       resume=request.get("resume") is not None, live=live,
+                                       launcher_pid=launcher_pid),
                       request.get("quiet_ranks"), run_dir_use)
 
 
@@ -124,16 +128,3 @@ def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem:
         count += 1
         path = path.with_name(f"{name}-{count}")
     return path
-
-
-def _worker_env(settings: Mapping[str, Setting], devices: DevicePlan, run_dir: Path,
-                parent: Mapping[str, str], *, resume: str | None = None) -> dict[str, str]:
-    # A user's own OMP_NUM_THREADS wins, as with torchrun; else each worker's share of cores.
-    threads = parent.get("OMP_NUM_THREADS") or str(devices.threads_per_worker)
-    env = {**worker_env(settings), RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": threads}
-    if resume is not None:
-        env[RESUME_ENV] = "1"
-    if devices.kind == "cuda":
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = devices.cuda_visible_devices or ""
-    return env

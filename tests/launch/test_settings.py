@@ -15,6 +15,7 @@ from fdl.settings import (
     SETTINGS,
     SOURCES_ENV,
     Setting,
+    engine_env,
     parse_backend,
     parse_non_negative_int,
     parse_nproc,
@@ -22,7 +23,6 @@ from fdl.settings import (
     parse_positive_int,
     parse_slowdown,
     resolve_run_settings,
-    worker_env,
 )
 
 # --- parsers ---------------------------------------------------------------------------------
@@ -348,10 +348,10 @@ def test_bad_env_value_is_not_read_when_a_flag_wins() -> None:
     assert settings["policy"] == Setting("sync", "flag")
 
 
-# --- worker environment ----------------------------------------------------------------------
+# --- engine settings in the worker environment -------------------------------------------------
 
 
-def test_worker_env_passes_only_non_default_engine_settings() -> None:
+def test_engine_env_passes_only_non_default_engine_settings() -> None:
     settings = {
         "policy": Setting("cadence", "flag"),
         "backend": Setting("auto", "default"),
@@ -361,7 +361,7 @@ def test_worker_env_passes_only_non_default_engine_settings() -> None:
         "run_dir": Setting("runs/x", "flag"),  # not an engine key: the launcher's business
         "nproc_per_node": Setting(2, "flag"),
     }
-    env = worker_env(settings)
+    env = engine_env(settings)
     assert {k: v for k, v in env.items() if k != SOURCES_ENV} == {
         "FDL_POLICY": "cadence",
         "FDL_EPOCHS": "3",
@@ -377,17 +377,17 @@ def test_worker_env_passes_only_non_default_engine_settings() -> None:
     }
 
 
-def test_worker_env_round_trips_through_the_parsers() -> None:
+def test_engine_env_round_trips_through_the_parsers() -> None:
     settings = {
         "simulate_slowdown": Setting((1.0, 2.5, 0.75), "env"),
         "batch_size": Setting(64, "flag"),
     }
-    env = worker_env(settings)
+    env = engine_env(settings)
     assert env["FDL_SLOWDOWN"] == "1,2.5,0.75"
     assert BY_NAME["simulate_slowdown"].parse(env["FDL_SLOWDOWN"]) == (1.0, 2.5, 0.75)
     assert BY_NAME["batch_size"].parse(env["FDL_BATCH_SIZE"]) == 64
 
 
-def test_worker_env_with_only_defaults_carries_just_the_sources() -> None:
-    env = worker_env({"policy": Setting("sync", "default")})
+def test_engine_env_with_only_defaults_carries_just_the_sources() -> None:
+    env = engine_env({"policy": Setting("sync", "default")})
     assert env == {SOURCES_ENV: json.dumps({"policy": "default"})}
