@@ -47,7 +47,7 @@ from fdl.launch.rendezvous import (
 )
 from fdl.launch.rundir import tail_lines
 from fdl.launch.spec import LaunchSpec
-from fdl.launch.startup import no_join_stagger, torch_import_without_collections
+from fdl.launch.startup import torch_import_without_collections
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
@@ -193,8 +193,13 @@ def _loopback_handler_class() -> type:
 
     class LoopbackRendezvousHandler(DynamicRendezvousHandler):
         """torch's c10d handler, except that the store it shares with the workers
-        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only, and that its one
-        node joins without torch's random stagger (fdl.launch.startup)."""
+        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only. A security property,
+        not a speed-up: torch's own store listens on every interface whatever address it is
+        given, and a TCPStore has no authentication: anyone on the network who reaches it can
+        read and write its keys, where the workers' process group meets. Overriding torch's
+        ``_create_tcp_store_server`` is the one way to bind it; if a torch release drops that
+        method, the store goes back to torch's binding, and tests/faults/test_launch_faults.py
+        (the loopback-only test) fails."""
 
         def get_backend(self) -> str:
             return LOOPBACK_C10D
@@ -202,10 +207,6 @@ def _loopback_handler_class() -> type:
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
             address = lookup_host(master_addr, master_port)
             return serve_store(bind_listener(address, host=master_addr), host=master_addr)
-
-        def next_rendezvous(self) -> Any:
-            with no_join_stagger():
-                return super().next_rendezvous()
 
     return LoopbackRendezvousHandler
 
