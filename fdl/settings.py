@@ -236,7 +236,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("seed", 42, parse_non_negative_int("seed"), "Seed for init and data order.",
             script=True),
     _engine("simulate_slowdown", None, parse_slowdown,
-            "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN", script=True),
+            "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN"),
     _engine("checkpoint_every", None, parse_checkpoint_every,
             "Checkpoint every N epochs, or a time: 10m, 90s, 2h.", script=True),
     # Tuning knobs of the engine, read from the environment only.
@@ -260,7 +260,6 @@ SETTINGS: tuple[SettingSpec, ...] = (
 BY_NAME: dict[str, SettingSpec] = {spec.name: spec for spec in SETTINGS}
 FILE_KEYS = tuple(spec.name for spec in SETTINGS if spec.file)
 ENGINE_DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS if s.engine}
-SCRIPT_KEYS = tuple(spec.name for spec in SETTINGS if spec.script)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "epochs": {"flag": "2", "env": "3", "file": 4, "script": 6},
     "batch_size": {"flag": "8", "env": "16", "file": 32, "script": 128},
     "seed": {"flag": "1", "env": "2", "file": 3, "script": 4},
-    "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4], "script": (1, 5)},
+    "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4]},  # no Trainer argument
     "checkpoint_every": {"flag": "2", "env": "10m", "file": "90s", "script": 3},
     "tensorboard": {"flag": "on", "env": "tb/env", "file": "tb/file", "script": "tb/script"},
     "divergence_threshold": {"env": "0.25"},
@@ -54,6 +54,18 @@ def test_every_setting_has_examples() -> None:
     assert set(EXAMPLES) == {spec.name for spec in SETTINGS}
     for spec in SETTINGS:
         assert set(EXAMPLES[spec.name]) == set(_sources(spec)), spec.name
+
+
+def test_the_script_settings_are_exactly_the_trainers_arguments() -> None:
+    """``script=True`` claims an ``fdl.Trainer`` argument: a setting a script cannot pass must
+    not say it can, and an argument named like an engine setting must be one."""
+    import inspect
+
+    from fdl.engine.trainer import Trainer
+
+    arguments = set(inspect.signature(Trainer).parameters)
+    engine = {spec.name for spec in SETTINGS if spec.engine}
+    assert {spec.name for spec in SETTINGS if spec.script} == arguments & engine
 
 
 def _toml(value: Any) -> str:
