@@ -14,8 +14,9 @@ resolves the first three (:func:`resolve_run_settings`) and hands every engine s
 (``engine=True``) not left at its default to the workers as its ``FDL_*`` variable
 (:func:`engine_env`, part of the worker environment fdl.launch.worker_env makes), with
 ``FDL_SOURCES`` saying where each came from; each worker's engine resolves ``FDL_*`` > script >
-default (:func:`resolve_engine_settings`, from ``fdl.engine.config``). A **launch option** (:data:`LAUNCH_OPTIONS`) is a flag of ``fdl
-run`` only (torchrun's rendezvous flags, ``--resume``, ``--dry-run`` ...).
+default (:func:`resolve_engine_settings`, from ``fdl.engine.config``). A **launch option**
+(:data:`LAUNCH_OPTIONS`) is a flag of ``fdl run`` only (torchrun's rendezvous flags,
+``--resume``, ``--dry-run`` ...).
 
 Adding a setting is one :class:`SettingSpec` here plus its line in docs/run.md: ``fdl run``'s
 options, the launch request, ``fdl.toml`` parsing, the engine's config, the bench's cell flags
@@ -376,10 +377,11 @@ def parse_from(spec: SettingSpec, value: Any, *, origin: str) -> Any:
         raise type(exc)(f"{origin}: {exc.message}", hint=exc.hint) from exc
 
 
-def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
-            file_path: Path | None) -> dict[str, Setting]:
+def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str],
+                         file_values: Mapping[str, Any],
+                         file_path: Path | None) -> dict[str, Setting]:
     """Every setting resolved flag > env > file > default (fdl run). Flags of None are unset;
-    ``file_values`` are already parsed (:func:`load_config_file`)."""
+    ``file_values`` are already parsed (:func:`fdl.launch.config_file.load_config_file`)."""
     resolved = {}
     for spec in SETTINGS:
         if spec.flag and flags.get(spec.name) is not None:
@@ -422,7 +424,8 @@ def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
     return sources if isinstance(sources, dict) else {}
 
 
-def resolve_engine_settings(*, script: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Setting]:
+def resolve_engine_settings(*, script: Mapping[str, Any],
+                            env: Mapping[str, str]) -> dict[str, Setting]:
     """The engine's settings in a worker: ``FDL_*`` > the script's value > default. A script
     value equal to the default counts as default."""
     sources = launcher_sources(env)

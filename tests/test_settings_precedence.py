@@ -126,8 +126,9 @@ def test_a_flag_reaches_the_engine_as_its_own_variable() -> None:
     launch = build_launch_spec(
         RunRequest("train.py", (), flags),
         settings=resolve_run_settings(flags=flags, env={}, file_values={}, file_path=None),
-        survey=GpuSurvey("none", (), None, None), env={}, cwd=Path("/nonexistent"), now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x",
-        logical_cores=2, taken=lambda path: False)
+        survey=GpuSurvey("none", (), None, None), env={}, cwd=Path("/nonexistent"),
+        now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=2,
+        taken=lambda path: False)
     assert launch.env["FDL_POLICY"] == "sync"
     assert launch.env["FDL_SLOWDOWN"] == "1,2.5"
     config = resolve_config(script={"policy": "async"}, env=launch.env)

@@ -5,9 +5,10 @@
     fdl run --dry-run train.py                      # print the launch spec, start nothing
     fdl run --nnodes 2 --rdzv-endpoint node0:29400 train.py   # on every node
 
-:func:`plan_run` turns a :class:`~fdl.launch.spec.RunRequest` into a
+:func:`plan_run` turns a :class:`~fdl.launch.request.RunRequest` into a
 :class:`~fdl.launch.spec.LaunchSpec` (reading the environment, ``fdl.toml`` and the GPU
-survey); :func:`fdl.launch.elastic.launch` runs it. docs/run.md is the manual.
+survey, and resolving the settings once); :func:`fdl.launch.elastic.launch` runs it.
+docs/run.md is the manual.
 """
 
 from __future__ import annotations

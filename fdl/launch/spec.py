@@ -1,6 +1,7 @@
-"""``fdl run`` as data: a :class:`~fdl.launch.request.RunRequest` (the flags) becomes a :class:`LaunchSpec` (what
-will run: devices, rendezvous, worker env, run directory, settings with provenance) before
-anything starts. ``fdl run --dry-run`` prints the spec; :mod:`fdl.launch.elastic` executes it.
+"""``fdl run`` as data: a :class:`~fdl.launch.request.RunRequest` (the flags) and its resolved
+settings become a :class:`LaunchSpec` (what will run: devices, rendezvous, the whole worker
+environment, run directory, settings with provenance) before anything starts. ``fdl run
+--dry-run`` prints the spec; :mod:`fdl.launch.elastic` executes it.
 
 Rendezvous rules: :mod:`fdl.launch.rendezvous`.
 """

@@ -1,4 +1,5 @@
-"""Run settings: value parsers, fdl.toml / [tool.fdl], flag > env > file > default, worker env."""
+"""Run settings: value parsers, fdl.toml / [tool.fdl], flag > env > file > default, and the engine
+settings as the workers' FDL_* variables."""
 
 from __future__ import annotations
 
