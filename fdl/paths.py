@@ -2,8 +2,8 @@
 
 * ``FLODL_HOME`` (default ``~/.flodl``): the libtorch store and other state shared with flodl;
   it must be a directory, or not exist yet.
-* cache and config directories: platformdirs' per-user locations for ``fdl``, overridable with
-  ``FDL_CACHE_DIR`` / ``FDL_CONFIG_DIR``.
+* the cache directory: platformdirs' per-user location for ``fdl``, overridable with
+  ``FDL_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -39,12 +39,3 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("fdl"))
-
-
-def config_dir() -> Path:
-    value = os.environ.get("FDL_CONFIG_DIR")
-    if value:
-        return Path(value).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_config_dir("fdl"))

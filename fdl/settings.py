@@ -10,11 +10,13 @@ allowed, help text, and the sources it may come from:
 * an argument of ``fdl.Trainer`` in the script (``script=True``).
 
 Precedence, highest first: flag > ``FDL_*`` > ``fdl.toml`` > script > default. ``fdl run``
-resolves the first three (:func:`resolve`) and hands every engine setting (``engine=True``) not
-left at its default to the workers as its ``FDL_*`` variable (:func:`worker_env`), with
+resolves the first three (:func:`resolve_run_settings`) and hands every engine setting
+(``engine=True``) not left at its default to the workers as its ``FDL_*`` variable
+(:func:`engine_env`, part of the worker environment fdl.launch.worker_env makes), with
 ``FDL_SOURCES`` saying where each came from; each worker's engine resolves ``FDL_*`` > script >
-default (``fdl.engine.config``). A **launch option** (:data:`LAUNCH_OPTIONS`) is a flag of ``fdl
-run`` only (torchrun's rendezvous flags, ``--resume``, ``--dry-run`` ...).
+default (:func:`resolve_engine_settings`, from ``fdl.engine.config``). A **launch option**
+(:data:`LAUNCH_OPTIONS`) is a flag of ``fdl run`` only (torchrun's rendezvous flags,
+``--resume``, ``--dry-run`` ...).
 
 Adding a setting is one :class:`SettingSpec` here plus its line in docs/run.md: ``fdl run``'s
 options, the launch request, ``fdl.toml`` parsing, the engine's config, the bench's cell flags
@@ -235,7 +237,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("seed", 42, parse_non_negative_int("seed"), "Seed for init and data order.",
             script=True),
     _engine("simulate_slowdown", None, parse_slowdown,
-            "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN", script=True),
+            "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN"),
     _engine("checkpoint_every", None, parse_checkpoint_every,
             "Checkpoint every N epochs, or a time: 10m, 90s, 2h.", script=True),
     # Tuning knobs of the engine, read from the environment only.
@@ -259,7 +261,6 @@ SETTINGS: tuple[SettingSpec, ...] = (
 BY_NAME: dict[str, SettingSpec] = {spec.name: spec for spec in SETTINGS}
 FILE_KEYS = tuple(spec.name for spec in SETTINGS if spec.file)
 ENGINE_DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS if s.engine}
-SCRIPT_KEYS = tuple(spec.name for spec in SETTINGS if spec.script)
 
 
 @dataclass(frozen=True)
@@ -376,10 +377,11 @@ def parse_from(spec: SettingSpec, value: Any, *, origin: str) -> Any:
         raise type(exc)(f"{origin}: {exc.message}", hint=exc.hint) from exc
 
 
-def resolve(*, flags: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
-            file_path: Path | None) -> dict[str, Setting]:
+def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str],
+                         file_values: Mapping[str, Any],
+                         file_path: Path | None) -> dict[str, Setting]:
     """Every setting resolved flag > env > file > default (fdl run). Flags of None are unset;
-    ``file_values`` are already parsed (:func:`load_config_file`)."""
+    ``file_values`` are already parsed (:func:`fdl.launch.config_file.load_config_file`)."""
     resolved = {}
     for spec in SETTINGS:
         if spec.flag and flags.get(spec.name) is not None:
@@ -401,9 +403,11 @@ def _from_env(spec: SettingSpec, raw: str) -> Any:
         raise ConfigError(f"{spec.env}: {exc.message}", hint=exc.hint) from exc
 
 
-def worker_env(settings: Mapping[str, Setting]) -> dict[str, str]:
-    """``FDL_*`` variables for the workers: every engine setting not left at its default, and
-    ``FDL_SOURCES`` with the provenance of each."""
+def engine_env(settings: Mapping[str, Setting]) -> dict[str, str]:
+    """The engine settings as the ``FDL_*`` variables a worker's engine reads: every one not
+    left at its default, and ``FDL_SOURCES`` with the provenance of each
+    (:func:`resolve_engine_settings` reads them back; fdl.launch.worker_env adds the rest of a
+    worker's environment)."""
     engine = [spec for spec in SETTINGS if spec.engine and spec.name in settings]
     env = {spec.env: spec.encode(settings[spec.name].value) for spec in engine
            if settings[spec.name].source != "default"}
@@ -412,7 +416,7 @@ def worker_env(settings: Mapping[str, Setting]) -> dict[str, str]:
 
 
 def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
-    """``FDL_SOURCES`` as written by :func:`worker_env` ({} when absent or unreadable)."""
+    """``FDL_SOURCES`` as written by :func:`engine_env` ({} when absent or unreadable)."""
     try:
         sources = json.loads(env.get(SOURCES_ENV, "{}"))
     except json.JSONDecodeError:
@@ -420,7 +424,8 @@ def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
     return sources if isinstance(sources, dict) else {}
 
 
-def resolve_engine(*, script: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Setting]:
+def resolve_engine_settings(*, script: Mapping[str, Any],
+                            env: Mapping[str, str]) -> dict[str, Setting]:
     """The engine's settings in a worker: ``FDL_*`` > the script's value > default. A script
     value equal to the default counts as default."""
     sources = launcher_sources(env)

@@ -72,8 +72,8 @@ def component_costs(count: int = 2000) -> tuple[float, float]:
     from rich.live import Live
     from rich.text import Text
 
-    from fdl.rundir.progress import ProgressFile
     from fdl.launch.live import format_status
+    from fdl.rundir.progress import ProgressFile
 
     with tempfile.TemporaryDirectory() as tmp:
         writer = ProgressFile(Path(tmp) / "progress.json", 0.25, 3, 16384, 2)

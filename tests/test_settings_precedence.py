@@ -1,8 +1,9 @@
 """Every setting of the contract (fdl.settings) through every source it has, along the real path:
 an ``fdl run`` flag as text, an ``FDL_*`` variable, a real ``fdl.toml``, the script's value —
-launch spec (fdl.launch.spec), the worker environment it makes, then the engine's resolution in
-the worker (fdl.engine.config). The winner must follow docs/run.md: flag > ``FDL_*`` > config
-file > script > default, with the source recorded.
+the launcher's resolution (fdl.settings), the launch spec (fdl.launch.spec) and the worker
+environment it makes, then the engine's resolution in the worker (fdl.engine.config). The winner
+must follow docs/run.md: flag > ``FDL_*`` > config file > script > default, with the source
+recorded.
 
 The example values below must cover every setting: adding one to the contract without an entry
 here fails :func:`test_every_setting_has_examples`.
@@ -21,7 +22,7 @@ from fdl.engine.config import resolve_config
 from fdl.launch.config_file import load_config_file
 from fdl.launch.request import RunRequest
 from fdl.launch.spec import build_launch_spec
-from fdl.settings import SETTINGS, SettingSpec
+from fdl.settings import SETTINGS, SettingSpec, resolve_run_settings
 from fdl.system.gpus import GpuSurvey
 
 # name -> {source: example}; flag and env values are text, file values TOML, script values
@@ -32,7 +33,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "epochs": {"flag": "2", "env": "3", "file": 4, "script": 6},
     "batch_size": {"flag": "8", "env": "16", "file": 32, "script": 128},
     "seed": {"flag": "1", "env": "2", "file": 3, "script": 4},
-    "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4], "script": (1, 5)},
+    "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4]},  # no Trainer argument
     "checkpoint_every": {"flag": "2", "env": "10m", "file": "90s", "script": 3},
     "tensorboard": {"flag": "on", "env": "tb/env", "file": "tb/file", "script": "tb/script"},
     "divergence_threshold": {"env": "0.25"},
@@ -55,6 +56,18 @@ def test_every_setting_has_examples() -> None:
         assert set(EXAMPLES[spec.name]) == set(_sources(spec)), spec.name
 
 
+def test_the_script_settings_are_exactly_the_trainers_arguments() -> None:
+    """``script=True`` claims an ``fdl.Trainer`` argument: a setting a script cannot pass must
+    not say it can, and an argument named like an engine setting must be one."""
+    import inspect
+
+    from fdl.engine.trainer import Trainer
+
+    arguments = set(inspect.signature(Trainer).parameters)
+    engine = {spec.name for spec in SETTINGS if spec.engine}
+    assert {spec.name for spec in SETTINGS if spec.script} == arguments & engine
+
+
 def _toml(value: Any) -> str:
     if isinstance(value, str):
         return f'"{value}"'
@@ -74,9 +87,11 @@ def _run(spec: SettingSpec, given: tuple[str, ...], tmp: Path) -> tuple[Any, str
     env = {spec.env: examples["env"]} if "env" in given else {}
     flags = {spec.name: examples["flag"]} if "flag" in given else {}
     file_values, file_path = load_config_file(project)
+    settings = resolve_run_settings(flags=flags, env=env, file_values=file_values,
+                                    file_path=file_path)
     launch = build_launch_spec(
-        RunRequest("train.py", (), flags), survey=GpuSurvey("none", (), None, None), env=env,
-        file_values=file_values, file_path=file_path, cwd=project,
+        RunRequest("train.py", (), flags), settings=settings,
+        survey=GpuSurvey("none", (), None, None), env=env, cwd=project,
         now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=8,
         taken=lambda path: False)
     if not spec.engine:
@@ -107,11 +122,13 @@ def test_each_source_wins_over_the_ones_below_it(spec: SettingSpec, tmp_path: Pa
 
 def test_a_flag_reaches_the_engine_as_its_own_variable() -> None:
     """The worker environment carries the flag's value and its provenance."""
+    flags = {"policy": "sync", "simulate_slowdown": "1,2.5"}
     launch = build_launch_spec(
-        RunRequest("train.py", (), {"policy": "sync", "simulate_slowdown": "1,2.5"}),
-        survey=GpuSurvey("none", (), None, None), env={}, file_values={}, file_path=None,
-        cwd=Path("/nonexistent"), now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x",
-        logical_cores=2, taken=lambda path: False)
+        RunRequest("train.py", (), flags),
+        settings=resolve_run_settings(flags=flags, env={}, file_values={}, file_path=None),
+        survey=GpuSurvey("none", (), None, None), env={}, cwd=Path("/nonexistent"),
+        now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=2,
+        taken=lambda path: False)
     assert launch.env["FDL_POLICY"] == "sync"
     assert launch.env["FDL_SLOWDOWN"] == "1,2.5"
     config = resolve_config(script={"policy": "async"}, env=launch.env)

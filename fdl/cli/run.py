@@ -27,6 +27,8 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
     fdl's options may come before or after SCRIPT; other arguments go to the script, and so
     does everything after `--`. Example: fdl run train.py --policy async -- --lr 0.1
     """
+    import os
+
     from fdl.launch import plan_run
     from fdl.launch.request import RunRequest, split_script_args
 
@@ -41,11 +43,12 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
         raise UsageError("--json only applies to --dry-run",
                          hint="fdl run --dry-run --json SCRIPT prints the launch spec as JSON")
     given = {key: value for key, value in flags.items() if not _unset(value)}
-    spec = plan_run(RunRequest(script, script_args, given))
+    live = not quiet and _live_terminal()
+    spec = plan_run(RunRequest(script, script_args, given), live=live, launcher_pid=os.getpid())
     if dry_run:
         _print_spec(spec, as_json=json_output)
         return
-    raise typer.Exit(_execute(spec, live=not quiet and _live_terminal()))
+    raise typer.Exit(_execute(spec, live=live))
 
 
 def _live_terminal() -> bool:
@@ -95,18 +98,14 @@ run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameter
 
 def _execute(spec: LaunchSpec, *, live: bool) -> int:
     """Check everything (nothing written, nothing started), then write the run directory, then
-    start the workers; ``live``: rank 0 reports its progress and the terminal shows it."""
-    import dataclasses
-
+    start the workers; ``live``: the terminal shows rank 0's progress (``spec`` was planned with
+    ``live``, so it asks rank 0 for it)."""
     from fdl import console
     from fdl.launch.elastic import launch, preflight
-    from fdl.launch.live import INTERVAL_S, live_progress
+    from fdl.launch.live import live_progress
     from fdl.rundir.layout import check_run_dir, prepare_run_dir
-    from fdl.settings import PROGRESS_ENV
     from fdl.version import __version__
 
-    if live:
-        spec = dataclasses.replace(spec, env={**spec.env, PROGRESS_ENV: f"{INTERVAL_S:g}"})
     check_run_dir(spec.run_dir, use=spec.run_dir_use)
     listener = preflight(spec)
     prepare_run_dir(spec.run_dir, spec=spec.to_dict(), fdl_version=__version__,

@@ -16,7 +16,7 @@ from typing import Any
 
 from fdl.engine.policies import Policy, policy_named
 from fdl.errors import UsageError
-from fdl.settings import RUN_DIR_ENV, resolve_engine
+from fdl.settings import RUN_DIR_ENV, resolve_engine_settings
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def resolve_config(*, script: Mapping[str, Any], env: Mapping[str, str] | None =
     """``script`` holds the Trainer's arguments (a value equal to the default counts as
     default). Raises UsageError for any value that cannot be used."""
     env = os.environ if env is None else env
-    settings = resolve_engine(script=script, env=env)
+    settings = resolve_engine_settings(script=script, env=env)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise UsageError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     run_dir = env.get(RUN_DIR_ENV)

@@ -5,9 +5,10 @@
     fdl run --dry-run train.py                      # print the launch spec, start nothing
     fdl run --nnodes 2 --rdzv-endpoint node0:29400 train.py   # on every node
 
-:func:`plan_run` turns a :class:`~fdl.launch.spec.RunRequest` into a
+:func:`plan_run` turns a :class:`~fdl.launch.request.RunRequest` into a
 :class:`~fdl.launch.spec.LaunchSpec` (reading the environment, ``fdl.toml`` and the GPU
-survey); :func:`fdl.launch.elastic.launch` runs it. docs/run.md is the manual.
+survey, and resolving the settings once); :func:`fdl.launch.elastic.launch` runs it.
+docs/run.md is the manual.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep
 
 
 def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
-             cwd: Path | None = None) -> LaunchSpec:
-    """Everything ``fdl run`` decides before starting a process."""
+             cwd: Path | None = None, live: bool = False,
+             launcher_pid: int | None = None) -> LaunchSpec:
+    """Everything ``fdl run`` decides before starting a process. ``live``: the launcher will
+    show live progress; ``launcher_pid``: the process that will start the workers (None for a
+    plan that is only checked, as ``fdl compare`` checks its cells). Both go into the worker
+    environment (:mod:`fdl.launch.worker_env`)."""
     import os
     import uuid
     from datetime import datetime, timezone
@@ -32,7 +37,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
 
     from fdl.launch.config_file import load_config_file
     from fdl.launch.spec import build_launch_spec
-    from fdl.settings import resolve
+    from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey, probe_gpus
 
     env = os.environ if env is None else env
@@ -43,15 +48,15 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
         request = resume_request(request, cwd=cwd)
     _check_script(request, cwd=cwd)
     file_values, file_path = load_config_file(cwd)
-    settings = resolve(flags=request.flags, env=env, file_values=file_values,
-                       file_path=file_path)
+    settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
+                                    file_path=file_path)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
     return build_launch_spec(
-        request, survey=survey, env=env, file_values=file_values, file_path=file_path, cwd=cwd,
+        request, settings=settings, survey=survey, env=env, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
         logical_cores=os.cpu_count() or 1,  # psutil's count without its 10 ms import
-        taken=Path.exists,
+        taken=Path.exists, live=live, launcher_pid=launcher_pid,
     )
 
 

@@ -4,9 +4,10 @@ home-made process manager.
 Each worker is ``python -u -m fdl.launch.worker SCRIPT ARGS`` with exactly torchrun's
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_RANK, ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*) plus the
-spec's additions (FDL_*, OMP_NUM_THREADS set to the worker's share of the cores, and on GPU
-hosts CUDA_DEVICE_ORDER / CUDA_VISIBLE_DEVICES) and FDL_LAUNCHER_PID, with which each worker
-ties its life to the launcher's (fdl.launch.worker): a launcher killed outright leaves no worker.
+spec's ``env``, all that fdl adds (:mod:`fdl.launch.worker_env` lists it and says why); nothing
+is added here. The agent copies the launcher's environment into every worker, so the spec's
+``env`` is set in it for the run's duration (the agent itself reads
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE from there).
 
 Before anything is written or started, :func:`preflight` checks what needs the outside world
 (torch, the ``-m`` module, the rendezvous host) and, for a one-node run, binds the rendezvous
@@ -41,13 +42,12 @@ from fdl.launch.rendezvous import (
     Rendezvous,
     bind_listener,
     join_endpoint,
+    lookup_host,
     parse_endpoint,
-    resolve,
 )
 from fdl.launch.spec import LaunchSpec
-from fdl.launch.startup import no_join_stagger, torch_import_without_collections
+from fdl.launch.startup import torch_import_without_collections
 from fdl.rundir import layout as run_layout
-from fdl.settings import LAUNCHER_PID_ENV
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
@@ -99,7 +99,7 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
     rdzv = spec.rendezvous
     host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
                                 min_port=0)
-    address = resolve(host, port)
+    address = lookup_host(host, port)
     return bind_listener(address, host=host) if rdzv.binds_locally else None
 
 
@@ -125,8 +125,7 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> Launch
     logs_dir = run_layout.logs_dir(spec.run_dir)
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
-    env = {**_agent_env(spec), **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
-    with _environ(env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
+    with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
         try:
             launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
                          sys.executable, args)
@@ -194,31 +193,22 @@ def _loopback_handler_class() -> type:
 
     class LoopbackRendezvousHandler(DynamicRendezvousHandler):
         """torch's c10d handler, except that the store it shares with the workers
-        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only, and that its one
-        node joins without torch's random stagger (fdl.launch.startup)."""
+        (TORCHELASTIC_USE_AGENT_STORE) listens on the node's address only. A security property,
+        not a speed-up: torch's own store listens on every interface whatever address it is
+        given, and a TCPStore has no authentication: anyone on the network who reaches it can
+        read and write its keys, where the workers' process group meets. Overriding torch's
+        ``_create_tcp_store_server`` is the one way to bind it; if a torch release drops that
+        method, the store goes back to torch's binding, and tests/faults/test_launch_faults.py
+        (the loopback-only test) fails."""
 
         def get_backend(self) -> str:
             return LOOPBACK_C10D
 
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
-            address = resolve(master_addr, master_port)
+            address = lookup_host(master_addr, master_port)
             return serve_store(bind_listener(address, host=master_addr), host=master_addr)
 
-        def next_rendezvous(self) -> Any:
-            with no_join_stagger():
-                return super().next_rendezvous()
-
     return LoopbackRendezvousHandler
-
-
-def _agent_env(spec: LaunchSpec) -> dict[str, str]:
-    """With restarts, the workers of each attempt get a store of their own. torch's c10d
-    rendezvous otherwise hands every attempt the agent's one shared store without a per-attempt
-    prefix, and a restarted worker can read the previous attempt's addresses and fail to
-    connect (pytorch/pytorch#135712, #167288: "Connection refused" in gloo or NCCL init)."""
-    if spec.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
-        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return {}
 
 
 def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: str) -> Any:

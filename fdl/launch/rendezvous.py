@@ -12,7 +12,7 @@ starts (:func:`plan_rendezvous`), with torchrun's rules as its users expect them
 
 Endpoints are ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) as torch reads them; a malformed one,
 a node rank outside the nodes or flags that contradict each other are usage errors. Before
-anything starts, the launcher resolves the host (:func:`resolve`: a name that does not resolve
+anything starts, the launcher resolves the host (:func:`lookup_host`: a name that does not resolve
 would otherwise be retried until the rendezvous times out) and, for one node, binds the port
 itself, to that address alone (:func:`bind_listener`).
 """
@@ -34,7 +34,7 @@ from fdl.launch.slurm import RDZV_PORT, SlurmJob, slurm_job
 if TYPE_CHECKING:
     from fdl.launch.request import RunRequest
 
-RESOLVE_TIMEOUT_S = 15
+LOOKUP_TIMEOUT_S = 15
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def _parse_nnodes(text: str) -> tuple[int, int]:
     return bounds
 
 
-def resolve(host: str, port: int, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> tuple[int, Any]:
+def lookup_host(host: str, port: int, *, timeout_s: float = LOOKUP_TIMEOUT_S) -> tuple[int, Any]:
     """``(family, sockaddr)`` of ``host``; a usage error, within ``timeout_s``, for a host that
     does not resolve (torch would otherwise retry it until the rendezvous times out)."""
     found: dict[str, Any] = {}
@@ -216,7 +216,7 @@ def resolve(host: str, port: int, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> tu
         except (OSError, UnicodeError) as exc:
             found["error"] = exc
 
-    worker = threading.Thread(target=lookup, name="fdl-resolve", daemon=True)
+    worker = threading.Thread(target=lookup, name="fdl-lookup-host", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if not found.get("infos"):

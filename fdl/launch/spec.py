@@ -1,6 +1,7 @@
-"""``fdl run`` as data: a :class:`~fdl.launch.request.RunRequest` (the flags) becomes a :class:`LaunchSpec` (what
-will run: devices, rendezvous, worker env, run directory, settings with provenance) before
-anything starts. ``fdl run --dry-run`` prints the spec; :mod:`fdl.launch.elastic` executes it.
+"""``fdl run`` as data: a :class:`~fdl.launch.request.RunRequest` (the flags) and its resolved
+settings become a :class:`LaunchSpec` (what will run: devices, rendezvous, the whole worker
+environment, run directory, settings with provenance) before anything starts. ``fdl run
+--dry-run`` prints the spec; :mod:`fdl.launch.elastic` executes it.
 
 Rendezvous rules: :mod:`fdl.launch.rendezvous`.
 """
@@ -17,7 +18,8 @@ from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
-from fdl.settings import RESUME_ENV, RUN_DIR_ENV, Setting, resolve, worker_env
+from fdl.launch.worker_env import build_worker_env
+from fdl.settings import Setting
 from fdl.system.gpus import GpuSurvey
 
 
@@ -31,7 +33,8 @@ class LaunchSpec:
     max_restarts: int
     run_dir: Path
     settings: dict[str, Setting]
-    env: dict[str, str] = field(default_factory=dict)  # added to every worker's environment
+    # All fdl adds to every worker's environment (fdl.launch.worker_env)
+    env: dict[str, str] = field(default_factory=dict)
     quiet_ranks: bool = False
     run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.rundir.layout.check_run_dir)
 
@@ -62,17 +65,17 @@ class LaunchSpec:
         }
 
 
-def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[str, str],
-                      file_values: Mapping[str, Any], file_path: Path | None, cwd: Path,
-                      now: datetime, run_id: str, logical_cores: int,
-                      taken: Callable[[Path], bool]) -> LaunchSpec:
-    """Resolve every flag against env, config file and defaults. Pure: all inputs are given
-    (``--resume`` is already resolved into ``request`` by :func:`fdl.launch.plan_run`;
-    ``taken`` says whether a default run directory name is in use)."""
+def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
+                      survey: GpuSurvey, env: Mapping[str, str], cwd: Path, now: datetime,
+                      run_id: str, logical_cores: int, taken: Callable[[Path], bool],
+                      live: bool = False, launcher_pid: int | None = None) -> LaunchSpec:
+    """What will run, from the request and its ``settings`` (resolved flag > env > file >
+    default by :func:`fdl.launch.plan_run`, which also completes ``request`` from ``--resume``).
+    Pure: all inputs are given; ``env`` is the launcher's environment, ``taken`` says whether a
+    default run directory name is in use; ``live`` and ``launcher_pid`` go into the worker
+    environment (:func:`fdl.launch.worker_env.build_worker_env`)."""
     run_dir_use = _run_dir_use(request)
     script = _script_path(request, cwd)
-    settings = resolve(flags=request.flags, env=env, file_values=file_values,
-                       file_path=file_path)
     devices = plan_devices(survey=survey, devices=request.get("devices"),
                            nproc=settings["nproc_per_node"].value, logical_cores=logical_cores,
                            env=env)
@@ -81,9 +84,10 @@ def build_launch_spec(request: RunRequest, *, survey: GpuSurvey, env: Mapping[st
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
-                      settings["max_restarts"].value, run_dir, settings,
-                      _worker_env(settings, devices, run_dir, env,
-                                  resume=request.get("resume")),
+                      settings["max_restarts"].value, run_dir, dict(settings),
+                      build_worker_env(settings, devices=devices, run_dir=run_dir, parent=env,
+                                       resume=request.get("resume") is not None, live=live,
+                                       launcher_pid=launcher_pid),
                       request.get("quiet_ranks"), run_dir_use)
 
 
@@ -105,7 +109,7 @@ def _script_path(request: RunRequest, cwd: Path) -> Path:
     return (cwd / request.script).resolve()
 
 
-def _check_slowdown(settings: dict[str, Setting], world_size: int) -> None:
+def _check_slowdown(settings: Mapping[str, Setting], world_size: int) -> None:
     factors = settings["simulate_slowdown"].value
     if factors is not None and len(factors) != world_size:
         raise UsageError(
@@ -113,7 +117,7 @@ def _check_slowdown(settings: dict[str, Setting], world_size: int) -> None:
             hint="give one factor per worker, e.g. --simulate-slowdown 1,2.5 for 2 workers")
 
 
-def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: str,
+def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem: str,
              policy: str, taken: Callable[[Path], bool]) -> Path:
     explicit = settings["run_dir"].value
     if explicit:
@@ -125,16 +129,3 @@ def _run_dir(settings: dict[str, Setting], *, cwd: Path, now: datetime, stem: st
         count += 1
         path = path.with_name(f"{name}-{count}")
     return path
-
-
-def _worker_env(settings: dict[str, Setting], devices: DevicePlan, run_dir: Path,
-                parent: Mapping[str, str], *, resume: str | None = None) -> dict[str, str]:
-    # A user's own OMP_NUM_THREADS wins, as with torchrun; else each worker's share of cores.
-    threads = parent.get("OMP_NUM_THREADS") or str(devices.threads_per_worker)
-    env = {**worker_env(settings), RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": threads}
-    if resume is not None:
-        env[RESUME_ENV] = "1"
-    if devices.kind == "cuda":
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = devices.cuda_visible_devices or ""
-    return env

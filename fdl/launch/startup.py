@@ -1,9 +1,9 @@
-"""What ``fdl run`` skips to start its workers sooner than torchrun does.
-
-Both are pauses torch.distributed.elastic takes that do nothing for the launcher: full garbage
-collections while torch is imported, and, on one node, the random wait before the first
-rendezvous. docs/run.md "Launch latency" has the measurements; ``scripts/bench-launch`` the
-comparison with torchrun.
+"""What ``fdl run`` skips to start its workers sooner than torchrun does: the full garbage
+collections set off while torch is imported, which do nothing for the launcher. Only public
+APIs (``gc.disable``, ``gc.freeze``): torch's own pauses, such as the random stagger before a
+node first joins the rendezvous, are left alone, since skipping them meant patching torch's
+private internals, which an upgrade breaks silently. docs/run.md "Launch latency" has the
+measurements; ``scripts/bench-launch`` the comparison with torchrun.
 """
 
 from __future__ import annotations
@@ -31,27 +31,3 @@ def torch_import_without_collections() -> Iterator[None]:
     finally:
         gc.freeze()
         gc.enable()
-
-
-@contextmanager
-def no_join_stagger() -> Iterator[None]:
-    """Without torch's random pause of 0 to 0.3 s before a node first joins: it staggers the
-    nodes' joins so that they do not all hit the store at once, and the loopback handler serves
-    one node, which has nobody to stagger against: 0.15 s of every one-node launch on average
-    (docs/run.md "Launch latency"). Other pauses are kept."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    delay = getattr(dynamic_rendezvous, "_delay", None)
-    if delay is None:  # a torch without it: nothing to skip
-        yield
-        return
-
-    def delay_unless_stagger(seconds: float | tuple[float, float]) -> None:
-        if not isinstance(seconds, tuple):  # the stagger is the only (low, high) pause
-            delay(seconds)
-
-    dynamic_rendezvous._delay = delay_unless_stagger
-    try:
-        yield
-    finally:
-        dynamic_rendezvous._delay = delay

@@ -12,9 +12,10 @@ Before the script runs, the worker
 
 * ties its life to the launcher's. torch's agent starts workers in sessions of their own, so a
   launcher killed with SIGKILL (which gives it no chance to stop them) would leave them training
-  as orphans. ``fdl run`` passes its pid in ``FDL_LAUNCHER_PID``; on Linux the worker asks the
-  kernel for a SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``) and exits at once if
-  the launcher is already gone; elsewhere a watchdog thread polls its parent every second.
+  as orphans. ``fdl run`` passes its pid in ``FDL_LAUNCHER_PID`` (fdl.launch.worker_env); on
+  Linux the worker asks the kernel for a SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``)
+  and exits at once if the launcher is already gone; elsewhere a watchdog thread polls its
+  parent every second.
   PR_SET_PDEATHSIG fires when the *thread* that started the worker ends: torch's agent starts
   workers from the launcher's main thread, which lives as long as the launcher;
 * hosts the workers' store on loopback. With a store per attempt

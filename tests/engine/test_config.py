@@ -38,10 +38,17 @@ def test_env_beats_script_beats_default():
 
 
 def test_script_values_are_parsed():
-    config = resolve_config(script={"policy": " SYNC ", "simulate_slowdown": [1, 2]}, env={})
+    config = resolve_config(script={"policy": " SYNC ", "checkpoint_every": "10M"}, env={})
     assert config.policy.name == "sync"
-    assert config.simulate_slowdown == (1.0, 2.0)
-    assert config.sources["simulate_slowdown"] == "script"
+    assert config.checkpoint_every == "600s"
+    assert config.sources["checkpoint_every"] == "script"
+
+
+def test_the_slowdown_is_not_a_script_setting():
+    """fdl.Trainer has no simulate_slowdown argument: only fdl run's sources set it."""
+    config = resolve_config(script={"simulate_slowdown": [1, 2]}, env={})
+    assert config.simulate_slowdown is None
+    assert config.sources["simulate_slowdown"] == "default"
 
 
 def test_an_empty_env_value_is_unset():
@@ -96,7 +103,7 @@ def test_a_bad_env_value_is_a_usage_error_naming_the_variable(name, value):
     ({"policy": "turbo"}, "policy"),
     ({"batch_size": 0}, "batch_size"),
     ({"epochs": 0}, "epochs"),
-    ({"simulate_slowdown": [1, 0]}, "simulate_slowdown"),
+    ({"checkpoint_every": "0"}, "checkpoint_every"),
 ])
 def test_a_bad_script_value_is_a_usage_error_naming_the_argument(script, key):
     with pytest.raises(UsageError) as caught:

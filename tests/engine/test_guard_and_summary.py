@@ -207,8 +207,8 @@ def test_a_guard_restored_from_a_checkpoint_goes_on_where_it_stopped():
 
 def summary(**overrides) -> dict:
     values = {
-        "config": resolve_config(script={"policy": "async", "epochs": 2,
-                                         "simulate_slowdown": "1,2.5"}, env={}),
+        "config": resolve_config(script={"policy": "async", "epochs": 2},
+                                 env={"FDL_SLOWDOWN": "1,2.5"}),
         "world_size": 2, "devices": ["cpu (4 threads)", "cpu (4 threads)"], "wall_s": 10.0,
         "samples": [600, 400], "busy_s": [8.0, 9.0],
         "comm_ms": [20.0, 40.0, 30.0], "syncs": 3, "eval_metrics": {"accuracy": 0.9},

@@ -2,9 +2,9 @@
 rendezvous listens, what happens to the workers when the launcher or a worker is killed, and a
 run directory given twice.
 
-Worker scripts write `pid-<rank>` (their pid and MASTER_PORT, as JSON) when they start and then
-wait for a `release` file; every wait here is on a file or a process, with a deadline only as a
-guard."""
+Worker scripts write `pid-<rank>` (their pid, MASTER_PORT and environment, as JSON) when they
+start and then wait for a `release` file; every wait here is on a file or a process, with a
+deadline only as a guard."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ if "--process-group" in sys.argv:
     import torch.distributed as dist
     dist.init_process_group("gloo")
 with open(os.path.join(out, f"pid-{os.environ['RANK']}.tmp"), "w") as fh:
-    json.dump({"pid": os.getpid(), "master_port": int(os.environ["MASTER_PORT"])}, fh)
+    json.dump({"pid": os.getpid(), "master_port": int(os.environ["MASTER_PORT"]),
+               "env": dict(os.environ)}, fh)
 os.replace(os.path.join(out, f"pid-{os.environ['RANK']}.tmp"),
            os.path.join(out, f"pid-{os.environ['RANK']}"))
 deadline = time.monotonic() + 120  # so that a test that fails leaves no worker for long
@@ -104,6 +105,14 @@ def test_single_node_rendezvous_listens_on_loopback_only(tmp_path, blocking, res
         master = [(ip, port) for ip, port in launcher | rank0 if port == workers[0]["master_port"]]
         assert master, "someone listens on MASTER_PORT"
         assert {ip for ip, _ in master} == {"127.0.0.1"}, master
+        # What the workers got is what the spec planned: the launcher's pid, and with restarts
+        # a store per attempt (the reason rank 0 hosts a store above).
+        planned = json.loads((tmp_path / "run" / "config.json").read_text())["env"]
+        assert planned["FDL_LAUNCHER_PID"] == str(proc.pid)
+        assert planned.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == ("1" if restarts == "1"
+                                                                     else None)
+        for worker in workers:
+            assert {k: worker["env"].get(k) for k in planned} == planned
     assert proc.returncode == 0, proc.stdout
 
 

@@ -67,6 +67,8 @@ def test_live_progress_on_a_terminal_and_tensorboard_scalars_match_metrics(tmp_p
     assert "epoch 1/3 " in text and "left" in text  # the first line: epoch, bar, time left
     for epoch in (1, 2, 3):  # the per-epoch lines stay
         assert f"epoch {epoch}/3  loss " in text
+    # Planned into the spec, so config.json records what made rank 0 write its snapshots.
+    assert json.loads((run_dir / "config.json").read_text())["env"]["FDL_PROGRESS"] == "0.25"
     snapshot = json.loads((run_dir / "progress.json").read_text())
     assert snapshot["schema"] == 1 and snapshot["world_size"] == 2
     assert snapshot["total_samples"] == 3 * 512 and 0 < snapshot["samples"] <= 3 * 512

@@ -46,12 +46,15 @@ def test_ddp_script_matches_torchrun_bit_for_bit(tmp_path):
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), name
-    # Worker environment: exactly torchrun's variables, plus FDL_* ones.
+    # Worker environment: exactly torchrun's variables, plus what the planned spec adds
+    # (recorded in config.json, shown by --dry-run), with the spec's values.
+    added = json.loads((tmp_path / "run" / "config.json").read_text())["env"]
+    assert {k for k in added if not k.startswith("FDL_")} == {"OMP_NUM_THREADS"}
     for rank in (0, 1):
         env_ours = json.loads((ours / f"rank{rank}.json").read_text())
         env_theirs = json.loads((theirs / f"rank{rank}.json").read_text())
-        extra = {k for k in env_ours.keys() - env_theirs.keys() if not k.startswith("FDL_")}
-        assert extra == set()
+        assert env_ours.keys() - env_theirs.keys() == added.keys() - env_theirs.keys()
+        assert {k: env_ours[k] for k in added} == added
         assert env_theirs.keys() - env_ours.keys() == set()
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                     "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, assert_one_error, free_port, run_fdl
+from helpers import GPU_FIXTURES, assert_one_error, clean_env, free_port, run_fdl
 
 from fdl.errors import UsageError
 
@@ -181,6 +183,29 @@ def test_users_omp_num_threads_wins(project):
     assert dry_run(project, env={"OMP_NUM_THREADS": "3"})["env"]["OMP_NUM_THREADS"] == "3"
 
 
+def test_dry_run_shows_all_that_fdl_adds_to_a_worker_environment(project):
+    """The launcher pid and the live-progress interval are planned, not added after the spec."""
+    terminal = {"TTY_COMPATIBLE": "1", "TERM": "xterm"}  # rich takes stderr for a terminal
+    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", "--dry-run", "--json",
+                             "train.py"], cwd=project, env=clean_env(terminal),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    env = json.loads(out)["env"]
+    assert env["FDL_PROGRESS"] == "0.25"
+    assert env["FDL_LAUNCHER_PID"] == str(proc.pid)  # the process that would start the workers
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env  # no restarts
+    assert "FDL_PROGRESS" not in dry_run(project, "--quiet", env=terminal)["env"]
+    assert "FDL_PROGRESS" not in dry_run(project)["env"]  # stderr is a pipe: nothing live
+
+
+def test_restarts_give_each_attempt_its_own_store_unless_the_user_decided(project):
+    restarts = ("--max-restarts", "1")
+    assert dry_run(project, *restarts)["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    own = dry_run(project, *restarts, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in own["env"]  # the user's own value stays
+
+
 def test_fdl_options_after_the_script_are_fdls(project):
     proc = fdl_run(project, "train.py", "--dry-run", "--json", "--policy", "async", "--lr",
                    "0.1", "--epochs=3", "--nproc-per-node", "1", "--", "--seed", "9")
@@ -278,12 +303,15 @@ def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
 
     from fdl.launch.request import RunRequest
     from fdl.launch.spec import build_launch_spec
+    from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey
+
+    settings = resolve_run_settings(flags={}, env={}, file_values={}, file_path=None)
 
     def planned() -> Path:
         return build_launch_spec(
-            RunRequest("train.py"), survey=GpuSurvey("none", (), None, None), env={},
-            file_values={}, file_path=None, cwd=project,
+            RunRequest("train.py"), settings=settings, survey=GpuSurvey("none", (), None, None),
+            env={}, cwd=project,
             now=datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc), run_id="x",
             logical_cores=2, taken=Path.exists).run_dir
 

@@ -1,4 +1,5 @@
-"""Run settings: value parsers, fdl.toml / [tool.fdl], flag > env > file > default, worker env."""
+"""Run settings: value parsers, fdl.toml / [tool.fdl], flag > env > file > default, and the engine
+settings as the workers' FDL_* variables."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from fdl.settings import (
     SETTINGS,
     SOURCES_ENV,
     Setting,
+    engine_env,
     parse_backend,
     parse_non_negative_int,
     parse_nproc,
     parse_policy,
     parse_positive_int,
     parse_slowdown,
-    resolve,
-    worker_env,
+    resolve_run_settings,
 )
 
 # --- parsers ---------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ def test_dangling_fdl_toml_link_is_a_config_error(tmp_path: Path) -> None:
 
 def test_resolve_takes_flag_then_env_then_file_then_default(tmp_path: Path) -> None:
     file_path = tmp_path / "fdl.toml"
-    settings = resolve(
+    settings = resolve_run_settings(
         flags={"policy": "async", "backend": None},
         env={"FDL_POLICY": "cadence", "FDL_BACKEND": "cpu", "FDL_EPOCHS": "4"},
         file_values={"policy": "sync", "backend": "nccl", "epochs": 2, "seed": 7},
@@ -298,7 +299,7 @@ def test_resolve_takes_flag_then_env_then_file_then_default(tmp_path: Path) -> N
 
 
 def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
-    settings = resolve(
+    settings = resolve_run_settings(
         flags={"simulate_slowdown": "1,2.5", "epochs": "3"},
         env={"FDL_SEED": "", "FDL_SLOWDOWN": "9"},
         file_values={},
@@ -310,14 +311,15 @@ def test_resolve_parses_flags_and_ignores_empty_env_values() -> None:
 
 
 def test_resolve_ignores_a_flag_value_for_an_env_only_setting() -> None:
-    settings = resolve(flags={"overhead_target": "0.2"}, env={}, file_values={}, file_path=None)
+    settings = resolve_run_settings(flags={"overhead_target": "0.2"}, env={}, file_values={},
+                                    file_path=None)
     assert settings["overhead_target"] == Setting(BY_NAME["overhead_target"].default, "default")
     assert BY_NAME["overhead_target"].default != 0.2
 
 
 def test_bad_flag_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="epochs must be a positive integer, got '0'"):
-        resolve(flags={"epochs": "0"}, env={}, file_values={}, file_path=None)
+        resolve_run_settings(flags={"epochs": "0"}, env={}, file_values={}, file_path=None)
 
 
 @pytest.mark.parametrize(
@@ -332,13 +334,13 @@ def test_bad_env_value_is_a_config_error_naming_the_variable(
     env: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ConfigError) as caught:
-        resolve(flags={}, env=env, file_values={}, file_path=None)
+        resolve_run_settings(flags={}, env=env, file_values={}, file_path=None)
     assert caught.value.message == message
     assert caught.value.exit_code == 2
 
 
 def test_bad_env_value_is_not_read_when_a_flag_wins() -> None:
-    settings = resolve(
+    settings = resolve_run_settings(
         flags={"policy": "sync"},
         env={"FDL_POLICY": "fast"},
         file_values={},
@@ -347,10 +349,10 @@ def test_bad_env_value_is_not_read_when_a_flag_wins() -> None:
     assert settings["policy"] == Setting("sync", "flag")
 
 
-# --- worker environment ----------------------------------------------------------------------
+# --- engine settings in the worker environment -------------------------------------------------
 
 
-def test_worker_env_passes_only_non_default_engine_settings() -> None:
+def test_engine_env_passes_only_non_default_engine_settings() -> None:
     settings = {
         "policy": Setting("cadence", "flag"),
         "backend": Setting("auto", "default"),
@@ -360,7 +362,7 @@ def test_worker_env_passes_only_non_default_engine_settings() -> None:
         "run_dir": Setting("runs/x", "flag"),  # not an engine key: the launcher's business
         "nproc_per_node": Setting(2, "flag"),
     }
-    env = worker_env(settings)
+    env = engine_env(settings)
     assert {k: v for k, v in env.items() if k != SOURCES_ENV} == {
         "FDL_POLICY": "cadence",
         "FDL_EPOCHS": "3",
@@ -376,17 +378,17 @@ def test_worker_env_passes_only_non_default_engine_settings() -> None:
     }
 
 
-def test_worker_env_round_trips_through_the_parsers() -> None:
+def test_engine_env_round_trips_through_the_parsers() -> None:
     settings = {
         "simulate_slowdown": Setting((1.0, 2.5, 0.75), "env"),
         "batch_size": Setting(64, "flag"),
     }
-    env = worker_env(settings)
+    env = engine_env(settings)
     assert env["FDL_SLOWDOWN"] == "1,2.5,0.75"
     assert BY_NAME["simulate_slowdown"].parse(env["FDL_SLOWDOWN"]) == (1.0, 2.5, 0.75)
     assert BY_NAME["batch_size"].parse(env["FDL_BATCH_SIZE"]) == 64
 
 
-def test_worker_env_with_only_defaults_carries_just_the_sources() -> None:
-    env = worker_env({"policy": Setting("sync", "default")})
+def test_engine_env_with_only_defaults_carries_just_the_sources() -> None:
+    env = engine_env({"policy": Setting("sync", "default")})
     assert env == {SOURCES_ENV: json.dumps({"policy": "default"})}
