@@ -20,7 +20,6 @@ sweep goes on. Rerunning the same sweep skips every cell whose key is in results
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from fdl.bench.cells import Cell, Mode, format_factor
-from fdl.bench.child import log_tail, run_logged
 from fdl.bench.datasets import dataset_status
 from fdl.bench.models import MODELS, BenchModel, get_model
 from fdl.bench.records import (
@@ -40,6 +38,7 @@ from fdl.bench.records import (
     write_sweep_json,
 )
 from fdl.errors import FdlError, UsageError
+from fdl.launch.child import log_tail, run_from_scratch
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
 from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
 
@@ -238,20 +237,19 @@ def run_sweep(cells: Sequence[Cell], *, out_dir: Path, data_dir: Path, args: dic
 
 
 def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict[str, Any]:
-    """Train one cell under ``fdl run``; append its record to results.jsonl and return it.
-    Raises CellFailed (after appending to failures.jsonl) if the run fails."""
+    """Train one cell under ``fdl run`` (from scratch: :func:`fdl.launch.child.run_from_scratch`);
+    append its record to results.jsonl and return it. Raises CellFailed (after appending to
+    failures.jsonl) if the run fails, and UsageError, starting nothing, if its run directory
+    holds something other than an earlier attempt of a run."""
     from fdl.bench.datasets import default_data_dir
 
     out_dir = out_dir.resolve()
-    run_dir = out_dir / "runs" / cell.key
+    run_dir = out_dir / "runs" / cell.key  # one left by an interrupted sweep is started anew
     log = out_dir / "runs" / f"{cell.key}.log"
-    if run_dir.exists():  # left by an interrupted sweep: never mix two attempts
-        shutil.rmtree(run_dir)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = cell_argv(cell, run_dir=run_dir, data_dir=(data_dir or default_data_dir()).resolve())
     started = time.time()
     # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
-    code = run_logged(argv, log=log, cwd=out_dir, env=cell_env(cell))
+    code = run_from_scratch(argv, run_dir=run_dir, log=log, cwd=out_dir, env=cell_env(cell))
     if code == 0 and (run_dir / "summary.json").is_file():
         record = build_record(cell, run_dir=run_dir, out_dir=out_dir)
         append_record(out_dir / "results.jsonl", record)
