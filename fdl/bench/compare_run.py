@@ -130,7 +130,7 @@ def write_compare(plan: ComparePlan, *, outcomes: list[CellOutcome],
                   machine: Mapping[str, Any] | None = None) -> CompareReport:
     """compare.json, compare.md and (with matplotlib) compare.png in the compare directory."""
     if machine is None:
-        from fdl.bench.records import machine_facts
+        from fdl.system.facts import machine_facts
 
         machine = machine_facts()
     policies = list(dict.fromkeys(cell.policy for cell in plan.cells))

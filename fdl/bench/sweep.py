@@ -34,13 +34,13 @@ from fdl.bench.records import (
     append_record,
     build_record,
     done_keys,
-    machine_facts,
     write_sweep_json,
 )
 from fdl.errors import FdlError, UsageError
 from fdl.launch.child import log_tail, run_from_scratch
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
 from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
+from fdl.system.facts import machine_facts
 
 __all__ = ["Cell", "Mode"]  # re-exported: callers plan cells here
 QUICK_MODELS = ("mlp", "lenet5")

@@ -96,7 +96,7 @@ class _Request:
                  epochs: int | None, seeds: int, slowdown: tuple[float, ...], quick: bool,
                  out: Path, data_dir: Path | None, download: bool):
         from fdl.bench.datasets import default_data_dir
-        from fdl.bench.records import count_gpus
+        from fdl.system.facts import count_gpus
 
         self.models, self.modes, self.epochs, self.quick = models, modes, epochs, quick
         self.seeds = list(range(seeds))
