@@ -30,14 +30,15 @@ from typing import Any
 from fdl.bench.cells import Cell, Mode, format_factor
 from fdl.bench.datasets import dataset_status
 from fdl.bench.models import MODELS, BenchModel, get_model
-from fdl.bench.records import (
+from fdl.bench.results import (
     append_record,
     build_record,
     done_keys,
+    failure_record,
     write_sweep_json,
 )
 from fdl.errors import FdlError, UsageError
-from fdl.launch.child import log_tail, run_from_scratch
+from fdl.launch.child import run_from_scratch
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
 from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
 from fdl.system.facts import machine_facts
@@ -255,10 +256,8 @@ def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict
         append_record(out_dir / "results.jsonl", record)
         return record
     failure = CellFailed(cell, code or 1, log)
-    append_record(out_dir / "failures.jsonl", {
-        "key": cell.key, **asdict(cell), "exit_code": code, "started": started,
-        "wall_s": time.time() - started, "log": str(log.relative_to(out_dir)),
-        "log_tail": log_tail(log)})
+    append_record(out_dir / "failures.jsonl", failure_record(
+        cell, exit_code=code, started=started, log=log, out_dir=out_dir))
     raise failure
 
 
