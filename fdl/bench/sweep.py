@@ -10,7 +10,7 @@ A **cell** is one model on one dataset in one **mode** with one seed. Modes:
 * ``<policy>-<backend>``: one worker per slowdown factor (or per GPU) with El Che's ``sync``,
   ``cadence`` or ``async`` policy; backend ``cpu`` always, ``nccl`` only with two or more GPUs.
 
-Every cell runs ``python -m fdl run ... -m fdl.bench.worker`` in its own run directory
+Every cell runs ``python -m fdl run ... -m fdl.bench.train_cell`` in its own run directory
 ``<out>/runs/<key>`` (output in ``<out>/runs/<key>.log``). A finished cell appends one line to
 ``<out>/results.jsonl`` (flushed and fsynced: a killed sweep loses at most the cell it was
 running); a failed one appends its exit code and log tail to ``<out>/failures.jsonl`` and the
@@ -273,7 +273,7 @@ def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:
         "simulate_slowdown": cell.slowdown}), "--quiet-ranks"]
     if cell.devices is not None:
         argv += ["--devices", ",".join(str(i) for i in cell.devices)]
-    return [*argv, "-m", "fdl.bench.worker", "--", "--model", cell.model,
+    return [*argv, "-m", "fdl.bench.train_cell", "--", "--model", cell.model,
             "--dataset", cell.dataset, "--data-dir", str(data_dir)]
 
 

@@ -233,7 +233,7 @@ def test_cell_argv_passes_every_engine_setting_as_a_flag(tmp_path):
     assert flags["--epochs"] == "4" and flags["--seed"] == "3"
     assert flags["--batch-size"] == str(MODELS["mlp"].batch_size)
     assert flags["--run-dir"] == str(tmp_path / "r")
-    assert argv[argv.index("fdl.bench.worker") + 1:] == [
+    assert argv[argv.index("fdl.bench.train_cell") + 1:] == [
         "--", "--model", "mlp", "--dataset", "digits", "--data-dir", str(tmp_path / "d")]
 
 
