@@ -37,6 +37,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engine": ("fdl.engine",),
     "launch": ("fdl.launch",),
     "bench": ("fdl.bench",),
+    "compare": ("fdl.compare",),
     "cli": ("fdl.cli",),
     "top": ("fdl", "fdl.__main__"),
 }
@@ -48,8 +49,10 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "engine": ("base",),
     "launch": ("engine", "system", "base"),
     "bench": ("launch", "engine", "libtorch", "system", "base"),
-    "cli": ("bench", "launch", "engine", "scaffold", "libtorch", "system", "base"),
-    "top": ("cli", "bench", "launch", "engine", "scaffold", "libtorch", "system", "base"),
+    "compare": ("launch", "system", "base"),
+    "cli": ("compare", "bench", "launch", "engine", "scaffold", "libtorch", "system", "base"),
+    "top": ("cli", "compare", "bench", "launch", "engine", "scaffold", "libtorch", "system",
+            "base"),
 }
 """The layer table, ``LAYERS`` and ``MAY_IMPORT``: which modules form each layer (a package name
 covers its whole package), and which layers each layer may import besides its own. This is the
@@ -64,7 +67,10 @@ must be placed here (test_every_module_has_a_layer).
 * scaffold: ``fdl init``'s project templates.
 * engine: the El Che training engine that every worker runs; it never imports the launcher.
 * launch: ``fdl run``, which plans and starts workers running the engine.
-* bench: ``fdl bench``, sweeps of ``fdl run`` cells.
+* bench: ``fdl bench``, sweeps of ``fdl run`` cells of a zoo of models.
+* compare: ``fdl compare``, a user's own script as ``fdl run`` cells, one per policy and seed,
+  without torch in its own process; beside bench, not above it: the two share only launch's
+  cell runner (``fdl.launch.child``) and system's facts, neither imports the other.
 * cli: the Typer commands, adapters over everything below.
 * top: ``fdl/__init__.py`` (the lazy ``fdl.Trainer``) and ``fdl/__main__.py``.
 
@@ -309,6 +315,12 @@ def test_graph_sees_lazy_type_checking_relative_and_dynamic_imports(tmp_path):
     ("fdl.libtorch.coverage", "fdl.system.gpus", True),
     ("fdl.cli.run", "fdl.launch", True),
     ("fdl.__main__", "fdl.cli.main", True),
+    ("fdl.compare.run", "fdl.launch.child", True),
+    ("fdl.compare.run", "fdl.system.facts", True),
+    ("fdl.cli.compare", "fdl.compare.plan", True),
+    ("fdl.compare.run", "fdl.bench.results", False),
+    ("fdl.bench.sweep", "fdl.compare.run", False),
+    ("fdl.system.facts", "fdl.launch.report", False),
 ])
 def test_layer_rule_tells_down_from_up(source, target, allowed):
     edge = Import(source, target, Path("x.py"), 1, "module level")

@@ -1,4 +1,4 @@
-"""Running an ``fdl compare`` plan (:mod:`fdl.bench.compare`) and writing what it found.
+"""Running an ``fdl compare`` plan (:mod:`fdl.compare.plan`) and writing what it found.
 
 :func:`check_out_dir` refuses, before anything is written, a compare directory that holds
 another compare's plan or anything but a compare. :func:`run_compare` writes ``plan.json``,
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.bench.compare import CompareCell, ComparePlan
-from fdl.bench.compare_recommend import recommend
-from fdl.bench.compare_render import PLOT_FILE, render_markdown, render_png
-from fdl.bench.compare_report import build_document, build_rows, epochs_of
-from fdl.bench.compare_results import CellOutcome, RunResult, RunUnusable, load_run_result
+from fdl.compare.figures import build_document, build_rows, epochs_of
+from fdl.compare.plan import CompareCell, ComparePlan
+from fdl.compare.recommend import recommend
+from fdl.compare.render import PLOT_FILE, render_markdown, render_png
+from fdl.compare.results import CellOutcome, RunResult, RunUnusable, load_run_result
 from fdl.errors import UsageError
 from fdl.files import write_atomic, write_json_atomic
 from fdl.launch.child import run_from_scratch

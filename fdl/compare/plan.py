@@ -16,7 +16,7 @@ Resuming: ``OUT/plan.json`` names the compare (the script and its SHA-256, its a
 run's options).
 Running it again with the same ``--out`` skips every finished cell — its run directory holds a
 summary.json and metrics.jsonl that fdl can read and a config.json matching the cell's plan
-(:mod:`fdl.bench.compare_results`) — and reruns the others from scratch (more seeds or another
+(:mod:`fdl.compare.results`) — and reruns the others from scratch (more seeds or another
 policy add cells). A directory holding another compare's plan, or anything but a compare, is
 refused. Each cell's output goes to ``OUT/<P>-seed<S>.log`` as well as to the caller.
 """
@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fdl.bench.compare_results import expected_config
+from fdl.compare.results import expected_config
 from fdl.errors import UsageError
 from fdl.launch.request import flags_argv
 from fdl.settings import BY_NAME, OPTIONS_BY_NAME, POLICIES, parse_from

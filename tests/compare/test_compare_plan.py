@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fdl.bench.compare import CompareRequest, canonical_flags, parse_policies, plan_compare
-from fdl.bench.compare_results import RunUnusable, config_matches, load_run_result
-from fdl.bench.compare_run import check_out_dir
+from fdl.compare.plan import CompareRequest, canonical_flags, parse_policies, plan_compare
+from fdl.compare.results import RunUnusable, config_matches, load_run_result
+from fdl.compare.run import check_out_dir
 from fdl.errors import UsageError
 
 NOW = datetime(2026, 11, 21, 14, 30, 5, tzinfo=timezone.utc)
