@@ -20,6 +20,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from fdl.errors import UsageError
 from fdl.launch.rundir import check_run_dir
 
 STOP_GRACE_S = 30  # how long fdl run gets to stop its workers after our SIGINT
@@ -34,7 +35,11 @@ def run_from_scratch(argv: Sequence[str], *, run_dir: Path, log: Path, cwd: Path
     but a directory that is not a run fdl wrote is a UsageError and nothing starts. ``log``,
     ``cwd``, ``env`` and ``echo`` as for :func:`run_logged`."""
     if run_dir.exists():
-        check_run_dir(run_dir, use="overwrite")
+        try:
+            check_run_dir(run_dir, use="overwrite")
+        except UsageError as exc:  # its hint names fdl run's --run-dir, which no caller has
+            raise UsageError(exc.message, hint="move what is there away, or pass another "
+                                                "--out") from exc
         shutil.rmtree(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     return run_logged(argv, log=log, cwd=cwd, env=env, echo=echo)

@@ -282,8 +282,9 @@ def test_a_cell_directory_that_is_not_a_run_is_kept_and_nothing_starts(tmp_path)
     run_dir = out / "runs" / cell.key
     run_dir.mkdir(parents=True)
     (run_dir / "notes.txt").write_text("mine\n")
-    with pytest.raises(UsageError, match="is not empty and holds no fdl run"):
+    with pytest.raises(UsageError, match="is not empty and holds no fdl run") as caught:
         sweep.run_cell(cell, out_dir=out, data_dir=tmp_path)
+    assert caught.value.hint == "move what is there away, or pass another --out"
     assert (run_dir / "notes.txt").read_text() == "mine\n"
     assert sorted(p.name for p in (out / "runs").iterdir()) == [cell.key]  # no log: no child
     assert not (out / "failures.jsonl").exists()
