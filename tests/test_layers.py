@@ -326,6 +326,17 @@ def test_graph_sees_lazy_type_checking_relative_and_dynamic_imports(tmp_path):
     ("fdl.download.fetch", "fdl.libtorch.store", False),
     ("fdl.download.ranged", "fdl.files", True),
     ("fdl.bench.fetch", "fdl.download.fetch", True),
+    ("fdl.compare.run", "fdl.launch.child", True),
+    ("fdl.compare.run", "fdl.system.facts", True),
+    ("fdl.cli.compare", "fdl.compare.plan", True),
+    ("fdl.compare.run", "fdl.bench.results", False),
+    ("fdl.bench.sweep", "fdl.compare.run", False),
+    ("fdl.system.facts", "fdl.launch.child", False),
+    ("fdl.engine.fit", "fdl.rundir.summary", True),
+    ("fdl.rundir.report", "fdl.engine.state", False),
+    ("fdl.rundir.config", "fdl.settings", True),
+    ("fdl.launch.spec", "fdl.rundir.layout", True),
+    ("fdl.rundir.timeline", "fdl.system.gpus", False),
 ])
 def test_layer_rule_tells_down_from_up(source, target, allowed):
     edge = Import(source, target, Path("x.py"), 1, "module level")

@@ -1,1 +1,2 @@
-"""fdl bench: the benchmark suite (models, datasets, sweeps, reports)."""
+"""fdl bench: the benchmark suite (models, datasets, sweeps, their files and report); fdl compare
+is fdl/compare."""

@@ -1,6 +1,6 @@
 """The units of a benchmark sweep: a :class:`Mode` (how a cell trains) and a :class:`Cell` (one
 model on one dataset in one mode with one seed), shared by the planner
-(:mod:`fdl.bench.sweep`) and the records (:mod:`fdl.bench.records`)."""
+(:mod:`fdl.bench.sweep`) and the records (:mod:`fdl.bench.results`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,114 @@
-"""Reading back what an ``fdl bench`` sweep wrote: the cell records of ``results.jsonl`` and
-the sweep's ``sweep.json``, checked against the types docs/bench.md gives them.
+"""The files of an ``fdl bench`` sweep, written and read back here only: ``results.jsonl`` (one
+line per finished cell, built from the run's summary.json, metrics.jsonl and timelines),
+``failures.jsonl`` (one line per failed cell) and ``sweep.json`` (machine facts, arguments,
+each session); and the set of cells already done that a resumed sweep skips.
 
-Either may have been edited, torn by a killed sweep or replaced by something else entirely: a
-torn last line is a cell cut off mid-write and is skipped; anything else that is not what fdl
-bench writes is one :class:`~fdl.errors.FdlError` naming the file, the line and the field,
-rather than a failure deep inside the report's aggregation (lines parsed by fdl.files).
+``results.jsonl`` is a contract for tools (docs/bench.md lists its fields); each line is
+flushed and fsynced before the next cell starts, so a killed sweep loses at most the cell it
+was running, and a torn last line counts as not done.
+
+Reading back (:func:`load_results`), the files may have been edited, torn by a killed sweep or
+replaced by something else entirely: a torn last line is a cell cut off mid-write and is
+skipped; anything else that is not what fdl bench writes is one :class:`~fdl.errors.FdlError`
+naming the file, the line and the field, rather than a failure deep inside the report's
+aggregation (lines parsed by fdl.files).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fdl.errors import FdlError
-from fdl.files import parse_jsonl
+from fdl.files import append_jsonl, parse_jsonl, read_jsonl, write_json_atomic
+from fdl.launch.child import log_tail
 
+if TYPE_CHECKING:
+    from fdl.bench.cells import Cell
+
+SCHEMA = 1
+
+
+def build_record(cell: Cell, *, run_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """The results.jsonl line of a finished cell, from its summary.json, metrics.jsonl and the
+    per-rank timelines (``fdl.rundir.report.build_report``: the ideal and idle time)."""
+    from fdl.bench.models import get_model  # imports torch: not for fdl bench report's sake
+    from fdl.rundir.metrics import read_epochs
+    from fdl.rundir.report import build_report, load_run
+
+    model = get_model(cell.model)
+    summary, timelines, _ = load_run(run_dir)
+    report = build_report(summary, timelines, batch_size=model.batch_size)
+    solo = cell.policy == "solo"
+    idle = [r["idle_fraction"] for r in report["ranks"] if r["idle_fraction"] is not None]
+    reference = model.references.get(cell.dataset)
+    history = [{"epoch": row["epoch"], "train_loss": row["train_loss"],
+                "eval": row["eval"].get(model.metric)}
+               for row in read_epochs(run_dir)]
+    return {
+        "model": cell.model, "dataset": cell.dataset, "mode": cell.mode,
+        "policy": cell.policy, "backend": cell.backend, "seed": cell.seed,
+        "world_size": summary["world_size"],
+        "slowdown": list(cell.slowdown) if cell.slowdown is not None else None,
+        "metric": model.metric, "higher_is_better": model.higher_is_better,
+        "eval": summary["eval"].get(model.metric),
+        "reference": reference[0] if reference else None,
+        "reference_source": reference[1] if reference else None,
+        "wall_s": summary["wall_s"], "samples": summary["samples"],
+        "samples_per_s": summary["throughput"]["samples_per_s"],
+        "syncs": None if solo else summary["sync"]["rounds"],
+        "sync_overhead": None if solo else summary["sync"]["overhead"],
+        "idle_fraction": None if solo or not idle else sum(idle) / len(idle),
+        "ideal_samples_per_s": None if solo else report["ideal_samples_per_s"],
+        "history": history, "emulated": cell.emulated,
+        "run_dir": run_dir.relative_to(out_dir).as_posix(),
+    }
+
+
+def failure_record(cell: Cell, *, exit_code: int, started: float, log: Path,
+                   out_dir: Path) -> dict[str, Any]:
+    """The failures.jsonl line of a failed cell: its key and fields, the exit code, when it
+    started and how long it took, its log (relative to ``out_dir``) and the log's last lines."""
+    return {"key": cell.key, **asdict(cell), "exit_code": exit_code, "started": started,
+            "wall_s": time.time() - started, "log": str(log.relative_to(out_dir)),
+            "log_tail": log_tail(log)}
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line, on a line of its own and fsynced before returning: the line is the
+    cell's commit."""
+    append_jsonl(path, record, durable=True)
+
+
+def done_keys(out_dir: Path) -> set[str]:
+    """Keys of the cells recorded in results.jsonl (a record's run_dir ends with its key). A
+    torn last line — the sweep killed while writing it — counts as not done."""
+    return {Path(row["run_dir"]).name for row in read_jsonl(out_dir / "results.jsonl")
+            if isinstance(row.get("run_dir"), str)}
+
+
+def write_sweep_json(out_dir: Path, *, machine: dict[str, Any], args: dict[str, Any],
+                     num_cells: int, num_skipped: int) -> None:
+    """sweep.json: the machine, the arguments and when this sweep (and each resume) started."""
+    path = out_dir / "sweep.json"
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent, not UTF-8 or not JSON: start the file anew
+        previous = {}
+    if not isinstance(previous, dict) or not isinstance(previous.get("sessions", []), list):
+        previous = {}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    sessions = [*previous.get("sessions", []),
+                {"started": now, "cells": num_cells, "skipped": num_skipped}]
+    write_json_atomic(path, {"schema": SCHEMA, "started": previous.get("started", now),
+                             "machine": machine, "args": args, "sessions": sessions})
+
+
+# --- reading back -----------------------------------------------------------------------
 
 def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The cell records of ``results.jsonl`` and the sweep's ``sweep.json`` ({} if absent).

@@ -10,7 +10,7 @@ A **cell** is one model on one dataset in one **mode** with one seed. Modes:
 * ``<policy>-<backend>``: one worker per slowdown factor (or per GPU) with El Che's ``sync``,
   ``cadence`` or ``async`` policy; backend ``cpu`` always, ``nccl`` only with two or more GPUs.
 
-Every cell runs ``python -m fdl run ... -m fdl.bench.worker`` in its own run directory
+Every cell runs ``python -m fdl run ... -m fdl.bench.train_cell`` in its own run directory
 ``<out>/runs/<key>`` (output in ``<out>/runs/<key>.log``). A finished cell appends one line to
 ``<out>/results.jsonl`` (flushed and fsynced: a killed sweep loses at most the cell it was
 running); a failed one appends its exit code and log tail to ``<out>/failures.jsonl`` and the
@@ -20,7 +20,6 @@ sweep goes on. Rerunning the same sweep skips every cell whose key is in results
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,19 +28,21 @@ from pathlib import Path
 from typing import Any
 
 from fdl.bench.cells import Cell, Mode, format_factor
-from fdl.bench.child import log_tail, run_logged
 from fdl.bench.datasets import dataset_status
 from fdl.bench.models import MODELS, BenchModel, get_model
-from fdl.bench.records import (
+from fdl.bench.results import (
     append_record,
     build_record,
     done_keys,
-    machine_facts,
+    failure_record,
     write_sweep_json,
 )
 from fdl.errors import FdlError, UsageError
+from fdl.launch.child import run_from_scratch
+from fdl.rundir.summary import has_summary
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
 from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
+from fdl.system.facts import machine_facts
 
 __all__ = ["Cell", "Mode"]  # re-exported: callers plan cells here
 QUICK_MODELS = ("mlp", "lenet5")
@@ -238,29 +239,26 @@ def run_sweep(cells: Sequence[Cell], *, out_dir: Path, data_dir: Path, args: dic
 
 
 def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict[str, Any]:
-    """Train one cell under ``fdl run``; append its record to results.jsonl and return it.
-    Raises CellFailed (after appending to failures.jsonl) if the run fails."""
+    """Train one cell under ``fdl run`` (from scratch: :func:`fdl.launch.child.run_from_scratch`);
+    append its record to results.jsonl and return it. Raises CellFailed (after appending to
+    failures.jsonl) if the run fails, and UsageError, starting nothing, if its run directory
+    holds something other than an earlier attempt of a run."""
     from fdl.bench.datasets import default_data_dir
 
     out_dir = out_dir.resolve()
-    run_dir = out_dir / "runs" / cell.key
+    run_dir = out_dir / "runs" / cell.key  # one left by an interrupted sweep is started anew
     log = out_dir / "runs" / f"{cell.key}.log"
-    if run_dir.exists():  # left by an interrupted sweep: never mix two attempts
-        shutil.rmtree(run_dir)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = cell_argv(cell, run_dir=run_dir, data_dir=(data_dir or default_data_dir()).resolve())
     started = time.time()
     # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
-    code = run_logged(argv, log=log, cwd=out_dir, env=cell_env(cell))
-    if code == 0 and (run_dir / "summary.json").is_file():
+    code = run_from_scratch(argv, run_dir=run_dir, log=log, cwd=out_dir, env=cell_env(cell))
+    if code == 0 and has_summary(run_dir):
         record = build_record(cell, run_dir=run_dir, out_dir=out_dir)
         append_record(out_dir / "results.jsonl", record)
         return record
     failure = CellFailed(cell, code or 1, log)
-    append_record(out_dir / "failures.jsonl", {
-        "key": cell.key, **asdict(cell), "exit_code": code, "started": started,
-        "wall_s": time.time() - started, "log": str(log.relative_to(out_dir)),
-        "log_tail": log_tail(log)})
+    append_record(out_dir / "failures.jsonl", failure_record(
+        cell, exit_code=code, started=started, log=log, out_dir=out_dir))
     raise failure
 
 
@@ -276,7 +274,7 @@ def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:
         "simulate_slowdown": cell.slowdown}), "--quiet-ranks"]
     if cell.devices is not None:
         argv += ["--devices", ",".join(str(i) for i in cell.devices)]
-    return [*argv, "-m", "fdl.bench.worker", "--", "--model", cell.model,
+    return [*argv, "-m", "fdl.bench.train_cell", "--", "--model", cell.model,
             "--dataset", cell.dataset, "--data-dir", str(data_dir)]
 
 

@@ -83,7 +83,7 @@ def report(
 ) -> None:
     """Rebuild report.md, report.json and the plots from DIR/results.jsonl."""
     from fdl import console
-    from fdl.bench.report import write_report
+    from fdl.bench.sweep_report import write_report
 
     for path in write_report(directory):
         console.out(str(path))
@@ -96,7 +96,7 @@ class _Request:
                  epochs: int | None, seeds: int, slowdown: tuple[float, ...], quick: bool,
                  out: Path, data_dir: Path | None, download: bool):
         from fdl.bench.datasets import default_data_dir
-        from fdl.bench.records import count_gpus
+        from fdl.system.facts import count_gpus
 
         self.models, self.modes, self.epochs, self.quick = models, modes, epochs, quick
         self.seeds = list(range(seeds))
@@ -128,8 +128,8 @@ class _Request:
 
 def _execute(cells: list[Cell], notes: list[str], request: _Request) -> int:
     from fdl import console
-    from fdl.bench.report import write_report
     from fdl.bench.sweep import run_sweep, split_done
+    from fdl.bench.sweep_report import write_report
 
     _check_out_dir(request.out)
     for note in notes:
@@ -194,8 +194,8 @@ def _prepare(todo: list[Cell], request: _Request) -> None:
 
 def _print_summary(out: Path) -> None:
     from fdl import console
-    from fdl.bench.report import build_report
     from fdl.bench.results import load_results
+    from fdl.bench.sweep_report import build_report
 
     try:
         records, _ = load_results(out)

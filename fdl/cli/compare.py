@@ -26,7 +26,7 @@ from fdl.errors import UsageError
 from fdl.settings import POLICIES
 
 if TYPE_CHECKING:
-    from fdl.bench.compare import ComparePlan
+    from fdl.compare.plan import ComparePlan
 
 COMPARE_CONTEXT = {"allow_interspersed_args": False}  # after SCRIPT: fdl run's and the script's
 # fdl compare's own options that take a value (the others are on/off flags)
@@ -90,8 +90,8 @@ def compare(
     everything after `--`.
     Example: fdl compare train.py --epochs 3 --seeds 3 --simulate-slowdown 1,2.5
     """
-    from fdl.bench.compare import CompareRequest, parse_policies, prepare_compare
-    from fdl.bench.compare_run import check_out_dir
+    from fdl.compare.plan import CompareRequest, parse_policies, prepare_compare
+    from fdl.compare.run import check_out_dir
     from fdl.launch.request import split_script_args
 
     given = {"policies": policies, "epochs": epochs, "seeds": seeds, "out": out,
@@ -147,8 +147,8 @@ def _is_default(ctx: typer.Context, name: str) -> bool:
 
 def _execute(plan: ComparePlan, *, as_json: bool) -> int:
     from fdl import console
-    from fdl.bench.compare_render import NO_MATPLOTLIB, tables
-    from fdl.bench.compare_run import run_compare, write_compare
+    from fdl.compare.render import NO_MATPLOTLIB, tables
+    from fdl.compare.run import run_compare, write_compare
 
     total = len(plan.cells)
     console.info(f"fdl compare: {total} run(s) in {plan.out}")
@@ -186,7 +186,7 @@ def _print_plan(plan: ComparePlan, *, as_json: bool) -> None:
     import shlex
 
     from fdl import console
-    from fdl.bench.compare_run import SCHEMA, finished_result
+    from fdl.compare.run import SCHEMA, finished_result
 
     done = {cell.name: finished_result(cell) is not None for cell in plan.cells}
     if as_json:

@@ -136,10 +136,11 @@ def _register() -> None:
     app.command("setup")(setup.setup)
     app.command("report")(report.report)
 
-    from fdl.cli import libtorch, libtorch_build, libtorch_download
+    from fdl.cli import libtorch
+    from fdl.cli.libtorch import build, download
 
-    libtorch.libtorch_app.command("download")(libtorch_download.download)
-    libtorch.libtorch_app.command("build")(libtorch_build.build)
+    libtorch.libtorch_app.command("download")(download.download)
+    libtorch.libtorch_app.command("build")(build.build)
     app.add_typer(libtorch.libtorch_app, name="libtorch")
 
     from fdl.cli import bench, compare

@@ -156,7 +156,7 @@ def _confirm() -> bool:
 def _execute(plan: SetupPlan, store: Store, request: ArchiveRequest | None, *,
              install_torch: bool, allow_http: bool) -> None:
     if request is not None:
-        from fdl.cli.libtorch_download import install_request_with_progress
+        from fdl.cli.libtorch.download import install_request_with_progress
 
         install_request_with_progress(store, request, activate=True, allow_http=allow_http)
     elif plan.action == "link":

@@ -98,3 +98,27 @@ def launch_settings(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if not isinstance(settings, dict):
         return {}
     return {name: entry for name, entry in settings.items() if isinstance(entry, dict)}
+
+
+# What makes a run the run of one launch: the fields of the spec a rerun must find unchanged.
+_IDENTITY = ("script", "args", "module", "nproc_per_node")
+
+
+def launch_identity(spec: dict[str, Any]) -> dict[str, Any]:
+    """What config.json must hold for a run to be this launch's (``spec``: a launch spec's
+    ``to_dict()``): script, arguments, workers and every setting's value, as read back from
+    JSON (tuples become lists)."""
+    wanted = {key: spec[key] for key in _IDENTITY}
+    wanted["settings"] = {name: entry["value"] for name, entry in spec["settings"].items()}
+    return json.loads(json.dumps(wanted))
+
+
+def matches_launch(config: dict[str, Any], *, identity: dict[str, Any]) -> bool:
+    """Whether config.json (``config``) is the run of the launch ``identity`` describes."""
+    settings = config.get("settings")
+    if not isinstance(settings, dict):
+        return False
+    found = {key: config.get(key) for key in _IDENTITY}
+    found["settings"] = {name: settings[name].get("value") if isinstance(settings.get(name), dict)
+                         else None for name in identity["settings"]}
+    return found == dict(identity)

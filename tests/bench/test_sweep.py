@@ -233,7 +233,7 @@ def test_cell_argv_passes_every_engine_setting_as_a_flag(tmp_path):
     assert flags["--epochs"] == "4" and flags["--seed"] == "3"
     assert flags["--batch-size"] == str(MODELS["mlp"].batch_size)
     assert flags["--run-dir"] == str(tmp_path / "r")
-    assert argv[argv.index("fdl.bench.worker") + 1:] == [
+    assert argv[argv.index("fdl.bench.train_cell") + 1:] == [
         "--", "--model", "mlp", "--dataset", "digits", "--data-dir", str(tmp_path / "d")]
 
 
@@ -272,3 +272,19 @@ def test_a_fully_recorded_sweep_runs_nothing(tmp_path):
     sweep_json = json.loads((out / "sweep.json").read_text())
     assert sweep_json["args"] == {"x": 1}
     assert sweep_json["sessions"][-1]["skipped"] == len(cells)
+
+
+def test_a_cell_directory_that_is_not_a_run_is_kept_and_nothing_starts(tmp_path):
+    """The cell's run directory is removed only when it holds an earlier attempt of a run
+    (fdl.launch.child.run_from_scratch): a user's files there stop the sweep instead."""
+    cell = plan(tmp_path, models=["logreg"], dataset="synthetic", epochs=1)[0]
+    out = tmp_path / "out"
+    run_dir = out / "runs" / cell.key
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("mine\n")
+    with pytest.raises(UsageError, match="is not empty and holds no fdl run") as caught:
+        sweep.run_cell(cell, out_dir=out, data_dir=tmp_path)
+    assert caught.value.hint == "move what is there away, or pass another --out"
+    assert (run_dir / "notes.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [cell.key]  # no log: no child
+    assert not (out / "failures.jsonl").exists()

@@ -8,8 +8,7 @@ import json
 import pytest
 from helpers import assert_one_error, run_fdl
 
-from fdl.bench.records import write_sweep_json
-from fdl.bench.results import check_record, load_results
+from fdl.bench.results import check_record, load_results, write_sweep_json
 from fdl.errors import FdlError
 
 GOOD = {"model": "mlp", "mode": "solo@1x", "policy": "solo", "backend": "cpu", "seed": 0,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_error, run_fdl
 
-from fdl.bench.records import append_record
+from fdl.bench.results import append_record
 from fdl.engine.sampler import Sampler
 from fdl.errors import UsageError
 from fdl.files import read_jsonl

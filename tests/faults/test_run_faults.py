@@ -211,7 +211,7 @@ def test_overwrite_replaces_the_live_snapshot_and_tensorboard_events_too(tmp_pat
     (run_dir / "tensorboard").mkdir()
     (run_dir / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"\0")
     check_run_dir(run_dir, use="overwrite")
-    prepare_run_dir(run_dir, config={"fdl_version": "1"}, use="overwrite")
+    prepare_run_dir(run_dir, spec={}, fdl_version="1", use="overwrite")
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]
 
 
@@ -220,5 +220,5 @@ def test_overwrite_of_a_run_dir_that_does_not_exist_yet_creates_it(tmp_path):
 
     run_dir = tmp_path / "runs" / "first"  # neither it nor its parent exists (a fresh clone)
     check_run_dir(run_dir, use="overwrite")
-    prepare_run_dir(run_dir, config={"fdl_version": "1"}, use="overwrite")
+    prepare_run_dir(run_dir, spec={}, fdl_version="1", use="overwrite")
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]

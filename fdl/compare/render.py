@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fdl.bench.compare_report import format_seconds
+from fdl.compare.figures import format_seconds
 
 PLOT_FILE = "compare.png"
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'fdl[report]')"

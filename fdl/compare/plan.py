@@ -16,7 +16,7 @@ Resuming: ``OUT/plan.json`` names the compare (the script and its SHA-256, its a
 run's options).
 Running it again with the same ``--out`` skips every finished cell — its run directory holds a
 summary.json and metrics.jsonl that fdl can read and a config.json matching the cell's plan
-(:mod:`fdl.bench.compare_results`) — and reruns the others from scratch (more seeds or another
+(:mod:`fdl.compare.results`) — and reruns the others from scratch (more seeds or another
 policy add cells). A directory holding another compare's plan, or anything but a compare, is
 refused. Each cell's output goes to ``OUT/<P>-seed<S>.log`` as well as to the caller.
 """
@@ -32,9 +32,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fdl.bench.compare_results import expected_config
 from fdl.errors import UsageError
 from fdl.launch.request import flags_argv
+from fdl.rundir.config import launch_identity
 from fdl.settings import BY_NAME, OPTIONS_BY_NAME, POLICIES, parse_from
 
 # fdl run options that fdl compare sets per cell itself, or that have no meaning per cell.
@@ -160,7 +160,7 @@ def prepare_compare(request: CompareRequest, *, cwd: Path | None = None,
     base_seed = int(options.get("seed", first.settings["seed"].value))
     plan = plan_compare(request, cwd=cwd, now=datetime.now(timezone.utc), base_seed=base_seed,
                         script_sha256=sha256_file(first.script))
-    cells = tuple(replace(cell, expected=expected_config(plan_run(
+    cells = tuple(replace(cell, expected=launch_identity(plan_run(
         RunRequest(request.script, request.script_args, cell.flags), env=env, cwd=cwd).to_dict()))
         for cell in plan.cells)
     return replace(plan, cells=cells)

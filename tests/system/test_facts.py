@@ -1,4 +1,4 @@
-"""fdl.bench.records.torch_build / machine_facts: torch's version and CUDA version without
+"""fdl.system.facts.torch_build / machine_facts: torch's version and CUDA version without
 importing torch (``fdl compare`` asks once its runs are done; the import costs about a second),
 in real child interpreters: this venv's wheel, a stand-in CUDA wheel, and a broken one."""
 
@@ -13,7 +13,7 @@ import pytest
 
 PROBE = textwrap.dedent("""
     import json, sys
-    from fdl.bench.records import machine_facts, torch_build
+    from fdl.system.facts import machine_facts, torch_build
     facts = machine_facts()
     print(json.dumps({"build": torch_build(), "machine": [facts["torch"], facts["cuda"]],
                       "imported": "torch" in sys.modules}))

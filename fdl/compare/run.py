@@ -1,4 +1,4 @@
-"""Running an ``fdl compare`` plan (:mod:`fdl.bench.compare`) and writing what it found.
+"""Running an ``fdl compare`` plan (:mod:`fdl.compare.plan`) and writing what it found.
 
 :func:`check_out_dir` refuses, before anything is written, a compare directory that holds
 another compare's plan or anything but a compare. :func:`run_compare` writes ``plan.json``,
@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fdl.bench.child import run_logged
-from fdl.bench.compare import CompareCell, ComparePlan
-from fdl.bench.compare_recommend import recommend
-from fdl.bench.compare_render import PLOT_FILE, render_markdown, render_png
-from fdl.bench.compare_report import build_document, build_rows, epochs_of
-from fdl.bench.compare_results import CellOutcome, RunResult, RunUnusable, load_run_result
+from fdl.compare.figures import build_document, build_rows, epochs_of
+from fdl.compare.plan import CompareCell, ComparePlan
+from fdl.compare.recommend import recommend
+from fdl.compare.render import PLOT_FILE, render_markdown, render_png
+from fdl.compare.results import CellOutcome, RunResult, RunUnusable, load_run_result
 from fdl.errors import UsageError
 from fdl.files import write_atomic, write_json_atomic
+from fdl.launch.child import run_from_scratch
 
 PLAN_FILE = "plan.json"
 SCHEMA = 1
@@ -99,14 +98,11 @@ def run_compare(plan: ComparePlan, *, env: Mapping[str, str] | None = None,
 
 def run_cell(cell: CompareCell, *, cwd: Path, env: Mapping[str, str],
              echo: Callable[[str], None] | None = None) -> CellOutcome:
-    """Run one cell from scratch (an earlier attempt's run directory is removed first, only if
-    it holds nothing but what fdl run writes) and read back what it left."""
-    from fdl.rundir.layout import check_run_dir
-
-    if cell.run_dir.exists():
-        check_run_dir(cell.run_dir, use="overwrite")
-        shutil.rmtree(cell.run_dir)
-    code = run_logged(cell.argv, log=cell.log, cwd=cwd, env=env, echo=echo)
+    """Run one cell from scratch (:func:`fdl.launch.child.run_from_scratch`: an earlier
+    attempt's run directory is removed first, only if it holds nothing but what fdl run writes)
+    and read back what it left."""
+    code = run_from_scratch(cell.argv, run_dir=cell.run_dir, log=cell.log, cwd=cwd, env=env,
+                            echo=echo)
     try:
         result = load_run_result(cell.run_dir, expected=cell.expected)
     except RunUnusable as exc:
@@ -134,7 +130,7 @@ def write_compare(plan: ComparePlan, *, outcomes: list[CellOutcome],
                   machine: Mapping[str, Any] | None = None) -> CompareReport:
     """compare.json, compare.md and (with matplotlib) compare.png in the compare directory."""
     if machine is None:
-        from fdl.bench.records import machine_facts
+        from fdl.system.facts import machine_facts
 
         machine = machine_facts()
     policies = list(dict.fromkeys(cell.policy for cell in plan.cells))

@@ -2,7 +2,7 @@
 ``fdl.Trainer`` in every worker that ``fdl run`` starts::
 
     fdl run --nproc-per-node 2 --policy cadence --backend cpu --simulate-slowdown 1,2.5 \\
-        --epochs 1 --seed 0 -m fdl.bench.worker -- --model mlp --dataset digits \\
+        --epochs 1 --seed 0 -m fdl.bench.train_cell -- --model mlp --dataset digits \\
         --data-dir ~/.flodl/datasets
 
 Epochs, seed, batch size, policy, backend and slowdown are ``fdl run``'s flags (they override
@@ -25,7 +25,7 @@ from fdl.engine.trainer import Trainer
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="fdl.bench.worker",
+    parser = argparse.ArgumentParser(prog="fdl.bench.train_cell",
                                      description="Train one fdl bench cell (run under fdl run).")
     parser.add_argument("--model", required=True)
     parser.add_argument("--dataset", required=True)

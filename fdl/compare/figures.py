@@ -1,4 +1,5 @@
-"""The figures of ``fdl compare``: pure functions of the cells' results (:class:`CellOutcome`).
+"""The figures of ``fdl compare`` and the document of ``compare.json`` (:func:`build_document`):
+pure functions of the cells' results (:class:`CellOutcome`).
 
 Per policy, over its seeds (median, and min-max when there are several):
 
@@ -14,7 +15,8 @@ Per policy, over its seeds (median, and min-max when there are several):
 * **final train loss** (the last epoch's), **every eval metric** (summary.json ``eval``),
   **idle fraction** (mean over ranks) and **sync overhead** (sync time over compute time).
 
-The recommendation (:func:`recommend`) is a rule over those rows, spelled out in its text.
+The recommendation (:func:`fdl.compare.recommend.recommend`) is a rule over those rows, spelled
+out in its text.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fdl.bench.compare_results import CellOutcome, EpochPoint, RunResult
+from fdl.compare.results import CellOutcome, RunResult
+from fdl.rundir.metrics import CurvePoint
 
 SCHEMA = 1
 REFERENCE = "sync"
@@ -64,7 +67,7 @@ def spread(values: Sequence[float | None]) -> Spread | None:
     return Spread(statistics.median(numbers), min(numbers), max(numbers), len(numbers))
 
 
-def time_to_loss(curve: Sequence[EpochPoint], *, target: float) -> float | None:
+def time_to_loss(curve: Sequence[CurvePoint], *, target: float) -> float | None:
     """The training seconds at which the train loss first reached ``target``, interpolated
     linearly between the two epochs around it; the first epoch's time when that epoch already
     did (nothing is known before it); None when no epoch did."""

@@ -8,6 +8,10 @@
                                         #   eval "$(fdl libtorch env)"
     fdl libtorch link-python            # use the libtorch inside this environment's torch wheel
 
+The two long commands have modules of their own, registered on :data:`libtorch_app` by
+``fdl/cli/main.py``: ``fdl libtorch download`` (:mod:`fdl.cli.libtorch.download`) and ``fdl
+libtorch build`` (:mod:`fdl.cli.libtorch.build`).
+
 ``--json`` prints one document. ``list``::
 
     {"schema": 1, "active": "precompiled/2.13.0-cu130" | null,

@@ -3,11 +3,11 @@
 The quality guard: a policy's final eval metric (the first accuracy-like one, else the first
 loss-like one; the final train loss when the script evaluates nothing) must not be worse than
 the reference's by more than the noise — the wider of the two seed ranges, or 0.5 % of the
-reference's value, whichever is larger (:func:`fdl.bench.compare_report.is_close`).
+reference's value, whichever is larger (:func:`fdl.compare.figures.is_close`).
 
 * **sync finished**: of sync and the policies that pass the guard, the one that got to sync's
   quality in the fewest training seconds (medians over seeds). A policy that reached sync's
-  final train loss (give or take its noise, :class:`fdl.bench.compare_report.SyncTarget`) in at
+  final train loss (give or take its noise, :class:`fdl.compare.figures.SyncTarget`) in at
   least half of its seeds counts the time it took; one that did not, but whose final eval
   metric passes the guard, counts its whole training time (the same samples, trained sooner,
   to an eval metric as good: what people train for; without an eval metric it does not
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fdl.bench.compare_report import (
+from fdl.compare.figures import (
     REFERENCE,
     TIMING_TOLERANCE,
     PolicyRow,

@@ -1,4 +1,4 @@
-"""fdl bench's report: aggregation over seeds, speedup and efficiency, Markdown, files."""
+"""fdl bench's sweep report: aggregation over seeds, speedup and efficiency, Markdown, files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fdl.bench.report import build_report, loss_curve, render_markdown, write_report
 from fdl.bench.results import load_results
+from fdl.bench.sweep_report import build_report, loss_curve, render_markdown, write_report
 from fdl.errors import FdlError
 
 ROW_KEYS = ["model", "mode", "policy", "backend", "seeds", "eval", "eval_std", "reference",
@@ -244,7 +244,7 @@ def test_write_report_without_matplotlib(tmp_path, monkeypatch):
 def test_report_module_is_pure():
     import subprocess
 
-    code = ("import sys, fdl.bench.report; "
+    code = ("import sys, fdl.bench.sweep_report; "
             "print(any(m in sys.modules for m in ('torch', 'matplotlib', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""The ``fdl bench`` report: results.jsonl -> report.json, report.md and PNG charts.
+"""The ``fdl bench`` sweep report: results.jsonl -> report.json, report.md and PNG charts.
 
 The sweep appends one JSON record per finished cell (model x mode x seed) to
 ``<dir>/results.jsonl`` and writes ``<dir>/sweep.json`` (machine facts, start time, arguments).

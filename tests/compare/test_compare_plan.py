@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fdl.bench.compare import CompareRequest, canonical_flags, parse_policies, plan_compare
-from fdl.bench.compare_results import RunUnusable, config_matches, load_run_result
-from fdl.bench.compare_run import check_out_dir
+from fdl.compare.plan import CompareRequest, canonical_flags, parse_policies, plan_compare
+from fdl.compare.results import RunUnusable, load_run_result
+from fdl.compare.run import check_out_dir
 from fdl.errors import UsageError
+from fdl.rundir.config import matches_launch
 
 NOW = datetime(2026, 11, 21, 14, 30, 5, tzinfo=timezone.utc)
 
@@ -174,7 +175,7 @@ def test_a_run_without_summary_is_unusable(tmp_path):
 def test_config_matches_every_planned_value():
     config = {"script": "/x/train.py", "args": [], "module": False, "nproc_per_node": 2,
               "settings": {k: {"value": v} for k, v in EXPECTED["settings"].items()}}
-    assert config_matches(config, expected=EXPECTED)
-    assert not config_matches({**config, "args": ["--lr", "1"]}, expected=EXPECTED)
-    assert not config_matches({**config, "settings": {}}, expected=EXPECTED)
-    assert not config_matches({**config, "settings": "x"}, expected=EXPECTED)
+    assert matches_launch(config, identity=EXPECTED)
+    assert not matches_launch({**config, "args": ["--lr", "1"]}, identity=EXPECTED)
+    assert not matches_launch({**config, "settings": {}}, identity=EXPECTED)
+    assert not matches_launch({**config, "settings": "x"}, identity=EXPECTED)

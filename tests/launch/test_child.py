@@ -1,5 +1,6 @@
 """The child-process helper `fdl bench` and `fdl compare` run their cells with: output into the
-log (and line by line to a callback), the exit code, and Ctrl-C handed on to the child."""
+log (and line by line to a callback), the exit code, Ctrl-C handed on to the child, and an
+earlier attempt's run directory removed first, but never a directory that is not a run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import pytest
 from helpers import clean_env
 
-from fdl.bench.child import log_tail, run_logged
+from fdl.errors import UsageError
+from fdl.launch.child import log_tail, run_from_scratch, run_logged
 
 CHILD = """
 import signal, sys, time
@@ -52,3 +54,36 @@ def test_ctrl_c_stops_the_child_first(tmp_path):
     # the child got its own SIGINT and had exited by the time KeyboardInterrupt reached us
     assert (tmp_path / "marker").read_text() == "stopped by SIGINT"
     assert log_tail(tmp_path / "missing.log") == []
+
+
+def earlier_run(run_dir):
+    """What an interrupted fdl run leaves: config.json as fdl run writes it, logs, a metric."""
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.json").write_text('{"fdl_version": "0.1.0"}')
+    (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n')
+
+
+def test_from_scratch_removes_an_earlier_attempt_then_runs(tmp_path):
+    run_dir = tmp_path / "out" / "runs" / "cell"
+    earlier_run(run_dir)
+    code = run_from_scratch([sys.executable, "-c", "print('ran')"], run_dir=run_dir,
+                            log=tmp_path / "out" / "logs" / "cell.log", cwd=tmp_path,
+                            env=clean_env())
+    assert code == 0 and not run_dir.exists()
+    assert (tmp_path / "out" / "logs" / "cell.log").read_text() == "ran\n"
+
+
+@pytest.mark.parametrize("foreign", ["notes.txt", None], ids=["beside a run", "no run"])
+def test_from_scratch_keeps_a_directory_that_is_not_a_run_and_starts_nothing(tmp_path, foreign):
+    run_dir = tmp_path / "cell"
+    if foreign:
+        earlier_run(run_dir)
+        (run_dir / foreign).write_text("mine\n")
+    else:
+        run_dir.mkdir()
+        (run_dir / "mine.txt").write_text("mine\n")
+    with pytest.raises(UsageError):
+        run_from_scratch([sys.executable, "-c", "raise SystemExit(5)"], run_dir=run_dir,
+                         log=tmp_path / "cell.log", cwd=tmp_path, env=clean_env())
+    assert "mine\n" in [p.read_text() for p in run_dir.iterdir() if p.is_file()]
+    assert not (tmp_path / "cell.log").exists()

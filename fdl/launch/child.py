@@ -1,19 +1,48 @@
-"""One ``fdl run`` as a child process of ``fdl bench`` or ``fdl compare``: its output into a log
-file (and, when asked, line by line to a callback, to show it as it comes), and Ctrl-C handed on
-to it so that it stops its workers before the caller stops.
+"""One ``fdl run`` as a child process — a cell of ``fdl bench`` or ``fdl compare``: started from
+scratch in its run directory, its output into a log file (and, when asked, line by line to a
+callback, to show it as it comes), and Ctrl-C handed on to it so that it stops its workers
+before the caller stops.
 
-Standard library only: ``fdl compare`` runs its cells without importing torch.
+:func:`run_from_scratch` is the one way both commands run a cell: an earlier attempt's run
+directory is removed first, but only when it holds nothing but what ``fdl run`` writes
+(:func:`fdl.rundir.layout.check_run_dir`), so a mistyped output directory never costs a user
+their files; then :func:`run_logged`.
+
+Standard library and :mod:`fdl.rundir.layout` only: ``fdl compare`` runs its cells without
+importing torch.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from fdl.errors import UsageError
+from fdl.rundir.layout import check_run_dir
+
 STOP_GRACE_S = 30  # how long fdl run gets to stop its workers after our SIGINT
 LOG_TAIL_LINES = 30
+
+
+def run_from_scratch(argv: Sequence[str], *, run_dir: Path, log: Path, cwd: Path,
+                     env: Mapping[str, str],
+                     echo: Callable[[str], None] | None = None) -> int:
+    """Run the ``fdl run`` of ``argv``, whose run directory is ``run_dir``, from scratch; return
+    its exit code. An earlier attempt's ``run_dir`` is removed first (never mix two attempts),
+    but a directory that is not a run fdl wrote is a UsageError and nothing starts. ``log``,
+    ``cwd``, ``env`` and ``echo`` as for :func:`run_logged`."""
+    if run_dir.exists():
+        try:
+            check_run_dir(run_dir, use="overwrite")
+        except UsageError as exc:  # its hint names fdl run's --run-dir, which no caller has
+            raise UsageError(exc.message, hint="move what is there away, or pass another "
+                                                "--out") from exc
+        shutil.rmtree(run_dir)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return run_logged(argv, log=log, cwd=cwd, env=env, echo=echo)
 
 
 def run_logged(argv: Sequence[str], *, log: Path, cwd: Path, env: Mapping[str, str],

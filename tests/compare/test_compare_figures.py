@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdl.bench.compare_recommend import recommend
-from fdl.bench.compare_render import compare_figure, render_markdown, render_png, tables
-from fdl.bench.compare_report import (
+from fdl.compare.figures import (
     build_document,
     build_rows,
     epochs_of,
@@ -19,7 +17,10 @@ from fdl.bench.compare_report import (
     sync_target,
     time_to_loss,
 )
-from fdl.bench.compare_results import CellOutcome, EpochPoint, RunResult
+from fdl.compare.recommend import recommend
+from fdl.compare.render import compare_figure, render_markdown, render_png, tables
+from fdl.compare.results import CellOutcome, RunResult
+from fdl.rundir.metrics import CurvePoint as EpochPoint
 
 
 def curve(*points: tuple[float, float], metric: str | None = "accuracy",
