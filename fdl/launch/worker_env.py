@@ -23,6 +23,9 @@ Besides those, a worker gets from fdl:
   wins, as with torchrun;
 * on GPU hosts, ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES`` listing the
   chosen GPUs in local-rank order, so local rank r trains on ``cuda:r`` even when they differ;
+* with CPU workers (``--nproc-per-node cpu``, or no GPU found), ``CUDA_VISIBLE_DEVICES=`` (empty):
+  the plan says CPU, and a worker that could still see a GPU would train there (every worker on
+  the one GPU of a 32-thread box) while ``--dry-run`` and ``config.json`` say ``cpu``;
 * with ``--max-restarts`` above 0, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the user set
   it: each attempt's workers get a store of their own. torch's c10d rendezvous otherwise hands
   every attempt the agent's one shared store without a per-attempt prefix, and a restarted
@@ -68,6 +71,8 @@ def build_worker_env(settings: Mapping[str, Setting], *, devices: DevicePlan, ru
     if devices.kind == "cuda":
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = devices.cuda_visible_devices or ""
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if settings["max_restarts"].value > 0 and OWN_STORE_PER_ATTEMPT_ENV not in parent:
         env[OWN_STORE_PER_ATTEMPT_ENV] = "1"
     return env

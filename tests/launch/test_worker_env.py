@@ -32,7 +32,7 @@ def planned(settings: dict[str, Setting] | None = None, *, devices: DevicePlan =
 
 def test_a_plain_plan_gives_the_run_dir_sources_and_threads_only():
     env = planned()
-    assert set(env) == {"FDL_SOURCES", "FDL_RUN_DIR", "OMP_NUM_THREADS"}
+    assert set(env) == {"FDL_SOURCES", "FDL_RUN_DIR", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}
     assert env["FDL_RUN_DIR"] == str(RUN_DIR)
     assert env["OMP_NUM_THREADS"] == "3"  # the worker's share of the cores
     assert set(json.loads(env["FDL_SOURCES"])) == {s.name for s in SETTINGS if s.engine}
@@ -57,6 +57,14 @@ def test_a_users_own_store_sharing_choice_is_left_to_stand(value):
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env  # the parent's reaches the workers
 
 
+@pytest.mark.parametrize("parent", [{}, {"CUDA_VISIBLE_DEVICES": "0"}])
+def test_cpu_workers_see_no_gpu_even_on_a_gpu_host(parent):
+    """A CPU plan on a box with a GPU: the workers must not train on it while the plan, the
+    dry run and config.json say cpu (a user's own CUDA_VISIBLE_DEVICES included)."""
+    cpu_on_gpu_host = DevicePlan("cpu", 32, (), 1, None, "--nproc-per-node cpu: 32 CPU workers")
+    assert planned(devices=cpu_on_gpu_host, parent=parent)["CUDA_VISIBLE_DEVICES"] == ""
+
+
 def test_a_users_own_omp_num_threads_wins():
     assert planned(parent={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
     assert planned(parent={"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "3"  # empty: unset
@@ -68,4 +76,4 @@ def test_gpu_workers_see_exactly_their_gpus_in_bus_order():
     env = planned(devices=devices)
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-1,GPU-0"
-    assert "CUDA_VISIBLE_DEVICES" not in planned()  # CPU workers: the variable is left alone
+    assert planned()["CUDA_VISIBLE_DEVICES"] == ""  # CPU workers see none

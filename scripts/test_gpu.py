@@ -1,0 +1,269 @@
+"""scripts/test-gpu's driver: every ``gpu`` test, then real ``fdl run`` trainings on the GPU, and one
+table of what ran, how it ended and its key figure.
+
+1. ``pytest -m gpu tests``: CUDA-event step timing against wall time, the timer never
+   synchronizing the device, NCCL training per policy, a CUDA checkpoint resumed, and with two
+   GPUs replicas identical and async's reduce overlapping the next round (skipped, saying so,
+   with one GPU).
+2. The GPU box + CUDA-less laptop job on one machine: a CUDA worker and a CPU worker (CUDA hidden
+   from it) as two nodes of one ``fdl run`` meeting on 127.0.0.1, each policy, after each alone;
+   the pair's throughput against the ideal (the sum of the two solo rates), and the backend the
+   mixed group agreed on (``cpu``: host averaging over gloo).
+3. With two GPUs or more: each policy on two GPUs over NCCL.
+
+``--rehearse`` runs parts 2 and 3's plumbing on a machine without a GPU (the "GPU" worker is a
+CPU worker, the CPU one is emulated 4x slower), to check the script itself before a GPU is lent;
+its figures mean nothing.
+
+    python scripts/test_gpu.py [--out DIR] [--rehearse]
+
+Exit status: 0 when every check passed (skips allowed), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAIR_SCRIPT = ROOT / "scripts" / "gpu_pair_train.py"
+CPU_THREADS = 8  # the CPU worker's threads, alone and in the pair alike
+POLICIES = ("sync", "cadence", "async")
+BUDGET_S = 8 * 60
+TESTS_TIMEOUT_S = 330
+RUN_TIMEOUT_S = 150
+# Samples per epoch: the CPU worker alone, and under sync (lock-step at the CPU's pace), gets
+# fewer so that every run takes seconds; rates are per second either way.
+SAMPLES = {"fast": 100_000, "slow": 3_000}
+REHEARSAL_SAMPLES = {"fast": 2_048, "slow": 512}  # every worker on this CPU: keep it short
+REHEARSAL_SLOWDOWN = 4.0
+
+
+@dataclass
+class Row:
+    check: str
+    result: str  # "pass", "FAIL" or "skip"
+    figure: str
+
+
+@dataclass
+class Run:
+    exit_code: int
+    summary: dict | None
+    log: Path
+
+    @property
+    def rate(self) -> float | None:
+        return (self.summary or {}).get("throughput", {}).get("samples_per_s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="where logs and test-gpu.json go")
+    parser.add_argument("--rehearse", action="store_true", help="no GPU: check the plumbing")
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="fdl-test-gpu-"))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    facts = machine(rehearse=args.rehearse)
+    print(f"test-gpu: {facts['gpus']} GPU(s) {', '.join(facts['names']) or ''}; torch "
+          f"{facts['torch']}; logs in {out}", flush=True)
+    rows = [] if args.rehearse else gpu_tests(out)
+    rows += pair_runs(out, rehearse=args.rehearse)
+    if facts["gpus"] >= 2:
+        rows += nccl_runs(out)
+    elapsed = time.monotonic() - started
+    print_table(rows)
+    failed = [r for r in rows if r.result == "FAIL"]
+    print(f"\ntest-gpu: {len(rows) - len(failed)} of {len(rows)} passed or skipped, "
+          f"{len(failed)} failed, {elapsed:.0f} s (budget {BUDGET_S} s)")
+    (out / "test-gpu.json").write_text(json.dumps(
+        {"machine": facts, "elapsed_s": round(elapsed, 1), "rows": [asdict(r) for r in rows]},
+        indent=2) + "\n")
+    return 1 if failed or not rows else 0
+
+
+def machine(*, rehearse: bool) -> dict:
+    import torch
+
+    count = 0 if rehearse else torch.cuda.device_count()
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": count,
+            "names": [torch.cuda.get_device_name(i) for i in range(count)],
+            "date": time.strftime("%Y-%m-%d")}
+
+
+# --- 1. the gpu tests -------------------------------------------------------------------------
+
+def gpu_tests(out: Path) -> list[Row]:
+    report = out / "gpu-tests.xml"
+    log = out / "gpu-tests.log"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rA",
+               f"--junitxml={report}", "tests"]
+    with log.open("w") as handle:
+        try:
+            subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                           timeout=TESTS_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            return [Row("gpu tests", "FAIL", f"over {TESTS_TIMEOUT_S} s (see {log.name})")]
+    if not report.is_file():
+        return [Row("gpu tests", "FAIL", f"no report (see {log.name})")]
+    return [test_row(case) for case in ET.parse(report).getroot().iter("testcase")]
+
+
+def test_row(case: ET.Element) -> Row:
+    name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+    for tag, result in (("failure", "FAIL"), ("error", "FAIL"), ("skipped", "skip")):
+        found = case.find(tag)
+        if found is not None:
+            message = (found.get("message") or found.text or "").strip().splitlines()
+            return Row(name, result, (message[0] if message else tag)[:90])
+    return Row(name, "pass", f"{float(case.get('time', 0)):.1f} s")
+
+
+# --- 2. one CUDA worker beside one CPU worker -------------------------------------------------
+
+def pair_runs(out: Path, *, rehearse: bool) -> list[Row]:
+    sizes = REHEARSAL_SAMPLES if rehearse else SAMPLES
+    fast = solo(out / "solo-cuda", node="fast", samples=sizes["fast"], rehearse=rehearse)
+    slow = solo(out / "solo-cpu", node="slow", samples=sizes["slow"], rehearse=rehearse)
+    rows = [solo_row("CUDA worker alone", fast), solo_row("CPU worker alone", slow)]
+    if fast.rate is None or slow.rate is None:
+        return rows
+    ideal = fast.rate + slow.rate
+    rows.append(Row("gap", "pass", f"the CUDA worker is {fast.rate / slow.rate:.1f}x the CPU "
+                                   "worker"))
+    for policy in POLICIES:
+        samples = sizes["slow"] * 2 if policy == "sync" else sizes["fast"]
+        run = pair(out / f"pair-{policy}", policy=policy, samples=samples, rehearse=rehearse)
+        rows.append(pair_row(policy, run, ideal=ideal, rehearse=rehearse))
+    return rows
+
+
+def solo(directory: Path, *, node: str, samples: int, rehearse: bool) -> Run:
+    flags = ["--nproc-per-node", "1"]
+    if rehearse and node == "slow":
+        flags += ["--simulate-slowdown", f"{REHEARSAL_SLOWDOWN:g}"]
+    proc = start_fdl(directory, flags, samples=samples, env=node_env(node, rehearse=rehearse))
+    return finish([proc], [directory])
+
+
+def pair(directory: Path, *, policy: str, samples: int, rehearse: bool) -> Run:
+    port = free_port()
+    procs, dirs = [], []
+    for node in ("fast", "slow"):
+        flags = ["--nnodes", "2", "--nproc-per-node", "1", "--policy", policy,
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"pair-{policy}"]
+        if rehearse:
+            flags += ["--simulate-slowdown", f"1,{REHEARSAL_SLOWDOWN:g}"]
+        dirs.append(directory / node)
+        procs.append(start_fdl(dirs[-1], flags, samples=samples,
+                               env=node_env(node, rehearse=rehearse)))
+    return finish(procs, dirs)
+
+
+def node_env(node: str, *, rehearse: bool) -> dict[str, str]:
+    """This environment without any run setting, CUDA hidden from the CPU worker (from both in a
+    rehearsal), the CPU worker's threads fixed."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FDL_", "TORCHELASTIC_")) and k != "OMP_NUM_THREADS"}
+    if node == "slow" or rehearse:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["OMP_NUM_THREADS"] = str(1 if rehearse else CPU_THREADS)
+    return env
+
+
+def start_fdl(run_dir: Path, flags: list[str], *, samples: int,
+              env: dict[str, str]) -> subprocess.Popen:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process)
+    command = [sys.executable, "-m", "fdl", "run", *flags, "--quiet", "--quiet-ranks",
+               "--run-dir", str(run_dir), str(PAIR_SCRIPT), "--samples", str(samples)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def finish(procs: list[subprocess.Popen], dirs: list[Path]) -> Run:
+    """Wait for every process (the group ends together); the run's summary from whichever
+    node held rank 0."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            codes.append(124)
+        proc.log.close()  # type: ignore[attr-defined]
+    summary = next((json.loads((d / "summary.json").read_text()) for d in dirs
+                    if (d / "summary.json").is_file()), None)
+    return Run(max(codes, key=abs), summary, dirs[0].with_suffix(".log"))
+
+
+def solo_row(name: str, run: Run) -> Row:
+    if run.exit_code != 0 or run.rate is None:
+        return Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name})")
+    device = (run.summary or {}).get("devices", ["?"])[0]
+    return Row(name, "pass", f"{run.rate:,.0f} samples/s on {device}")
+
+
+def pair_row(policy: str, run: Run, *, ideal: float, rehearse: bool) -> Row:
+    name = f"CUDA + CPU, {policy}"
+    if run.exit_code != 0 or run.rate is None:
+        return Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name})")
+    summary = run.summary or {}
+    devices = " + ".join(d.split(" ")[0] for d in summary.get("devices", []))
+    mixed = rehearse or sorted(d.split(":")[0].split(" ")[0]
+                               for d in summary.get("devices", [])) == ["cpu", "cuda"]
+    if not mixed or summary.get("backend") != "cpu":
+        return Row(name, "FAIL", f"devices {devices}, backend {summary.get('backend')} (a "
+                                 "CUDA and a CPU worker averaging over cpu expected)")
+    return Row(name, "pass", f"{run.rate / ideal:.2f} of the ideal ({run.rate:,.0f} of "
+                             f"{ideal:,.0f} samples/s), {devices}, backend cpu")
+
+
+# --- 3. two GPUs over NCCL --------------------------------------------------------------------
+
+def nccl_runs(out: Path) -> list[Row]:
+    rows = []
+    for policy in POLICIES:
+        directory = out / f"nccl-{policy}"
+        proc = start_fdl(directory, ["--nproc-per-node", "2", "--backend", "nccl", "--policy",
+                                     policy], samples=SAMPLES["fast"],
+                         env=node_env("fast", rehearse=False))
+        run = finish([proc], [directory])
+        name = f"2 GPUs, {policy}, nccl"
+        if run.exit_code != 0 or run.rate is None:
+            rows.append(Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name})"))
+        else:
+            rows.append(Row(name, "pass", f"{run.rate:,.0f} samples/s, backend "
+                                          f"{(run.summary or {}).get('backend')}"))
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def print_table(rows: list[Row]) -> None:
+    width = max([len("test / run"), *(len(r.check) for r in rows)])
+    print(f"\n{'test / run':<{width}}  result  key figure")
+    for row in rows:
+        print(f"{row.check:<{width}}  {row.result:<6}  {row.figure}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
