@@ -241,7 +241,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("checkpoint_every", None, parse_checkpoint_every,
             "Checkpoint every N epochs, or a time: 10m, 90s, 2h.", script=True),
     # Tuning knobs of the engine, read from the environment only.
-    _engine("divergence_threshold", 4.0, parse_fraction("divergence_threshold", positive=True),
+    _engine("divergence_threshold", 16.0, parse_fraction("divergence_threshold", positive=True),
             "How many times its usual level the replicas' drift (per LR and step) may reach "
             "before a round counts as diverging.", flag=False, file=False),
     _engine("overhead_target", 0.02, parse_fraction("overhead_target", positive=True),

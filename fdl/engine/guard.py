@@ -4,13 +4,25 @@ them, fewer local steps per round (a halved anchor) pull them back together.
 At each average every rank reports ``||snapshot_r - average|| / ||average||``. Normal local
 training makes that distance grow with the learning rate and the steps between averages, so
 the guard judges ``x = distance / (lr_scale * steps)`` (``lr_scale`` the schedule's multiplier,
-``steps`` the slowest rank's batches in the round) against the run's own level: the mean of
-``x`` over its first :data:`BASELINE_ROUNDS` measured averages. A round with ``x`` above
-``threshold`` times that level (or a NaN / infinite distance: a replica blew up) extends a
+``steps`` the slowest rank's batches in the round) against the run's own usual level: the mean
+of ``x`` over its first :data:`BASELINE_ROUNDS` measured averages, then following every calm
+round (at most half the threshold) with weight :data:`BASELINE_ALPHA`, except while a halving
+is held (then it stays the level from before the drift, so a lasting divergence is never
+learnt as usual). A round with ``x``
+above ``threshold`` times that level (or a NaN / infinite distance: a replica blew up) extends a
 streak; the third in a row halves the anchor and sets the plan's ceiling to it, so the anchor
 tuner cannot grow it back (flodl's guard never acted; v1's threshold of 0.5 was never reached,
 and its tuner undid a halving within a round). The ceiling is lifted after
 :data:`RELEASE_ROUNDS` averages in a row below ``threshold / 2`` times the level.
+
+Why the level follows normal rounds, and why the default threshold is 16: the drift per step
+is not a constant of a run. On a GPU beside a CPU worker (scripts/test-gpu, 2026-11-26: a CNN,
+SGD with momentum, a 6x speed gap), it rose 3.4x in one round when the model left its
+plateau and started learning, to 8-10x the level of the first rounds, and a guard that judged
+against those first rounds with a threshold of 4 halved the anchor down to 1 and held it
+there (drift is sublinear in steps, so every halving raised ``x``): 102 averages instead of
+~15, at the accuracy of the run alone. A blow-up is another order: the loss scaled 100x
+(tests/engine/test_divergence_run.py) shows 30-100x the level.
 
 Every rank sees the same reports, so every rank decides alike. Pure: the state is a
 :class:`~fdl.engine.state.GuardState` that checkpoints carry.
@@ -25,6 +37,7 @@ from fdl.engine.plan import PlanState, halve_anchor, with_ceiling
 from fdl.engine.state import GuardState
 
 BASELINE_ROUNDS = 5
+BASELINE_ALPHA = 0.2  # how much a normal round moves the usual level once it is learnt
 STREAK = 3
 RELEASE_ROUNDS = 20
 
@@ -50,6 +63,11 @@ def observe(guard: GuardState, state: PlanState, *, distance: float, lr_scale: f
     baseline = guard.baseline_sum / max(guard.baseline_rounds, 1)
     level = x / baseline if baseline > 0 else (math.inf if x > 0 else 0.0)
     guard.streak = guard.streak + 1 if level > threshold else 0
+    if level <= threshold / 2 and state.ceiling is None:
+        # A calm round while nothing is held down: the usual level follows it (the sum stays
+        # BASELINE_ROUNDS times the level, so checkpoints keep the same two numbers). While
+        # the guard holds a halved anchor, the level stays what it was before the drift.
+        guard.baseline_sum += BASELINE_ALPHA * (x - baseline) * guard.baseline_rounds
     if guard.streak >= STREAK:
         guard.streak, guard.calm = 0, 0
         reason = f"divergence guard: replica drift {level:.3g}x its usual level for {STREAK} rounds"

@@ -11,11 +11,19 @@ import pytest
 import torch
 
 from fdl.engine.config import resolve_config
-from fdl.engine.guard import BASELINE_ROUNDS, RELEASE_ROUNDS, STREAK, Verdict, observe
+from fdl.engine.guard import (
+    BASELINE_ALPHA,
+    BASELINE_ROUNDS,
+    RELEASE_ROUNDS,
+    STREAK,
+    Verdict,
+    observe,
+)
 from fdl.engine.plan import PlanConfig, PlanState, RoundStats, advance, initial_state, next_round
 from fdl.engine.state import GuardState, RankState
 from fdl.rundir.summary import build_summary
 from fdl.rundir.timeline import EVENTS, Timeline, read_events
+from fdl.settings import ENGINE_DEFAULTS
 
 # ---------------------------------------------------------------------------------------------
 # The divergence guard (fdl.engine.guard.observe)
@@ -40,10 +48,15 @@ def learnt(guard: GuardState | None = None) -> GuardState:
     return guard
 
 
+def usual(guard: GuardState) -> float:
+    """The guard's usual level of drift per LR and step, as it stands."""
+    return guard.baseline_sum / guard.baseline_rounds
+
+
 def at_level(guard: GuardState, state: PlanState, level: float, *, lr_scale: float = 1.0,
              steps: int = 4) -> tuple[PlanState, Verdict]:
-    """Observe an average whose drift is ``level`` times the baseline."""
-    return observe(guard, state, distance=level * BASE_X * lr_scale * steps,
+    """Observe an average whose drift is ``level`` times the usual level as it stands."""
+    return observe(guard, state, distance=level * usual(guard) * lr_scale * steps,
                    lr_scale=lr_scale, steps=steps, threshold=THRESHOLD)
 
 
@@ -61,7 +74,46 @@ def test_the_baseline_is_learnt_over_the_first_rounds_without_acting():
     _, verdict = observe(guard, state, distance=0.006 * 4, lr_scale=1.0, steps=4,
                          threshold=THRESHOLD)
     assert verdict.level == pytest.approx(0.006 / (sum(xs) / len(xs)))
-    assert guard.baseline_rounds == BASELINE_ROUNDS  # learnt once, then fixed
+    assert guard.baseline_rounds == BASELINE_ROUNDS  # learnt once; then it follows (below)
+
+
+def test_the_usual_level_follows_calm_rounds_only_and_not_while_a_halving_is_held():
+    guard, state = learnt(), plan_state()
+    at_level(guard, state, THRESHOLD / 2)  # calm: the level moves up
+    assert usual(guard) == pytest.approx(BASE_X * (1 + BASELINE_ALPHA * (THRESHOLD / 2 - 1)))
+    before = usual(guard)
+    _, verdict = at_level(guard, state, 0.75 * THRESHOLD)  # not calm: it teaches nothing
+    assert verdict.streak == 0 and usual(guard) == pytest.approx(before)
+    _, verdict = at_level(guard, state, 20.0)  # diverging: nothing either
+    assert verdict.streak == 1 and usual(guard) == pytest.approx(before)
+    held = replace(state, ceiling=8)
+    at_level(guard, held, 1.5)  # calm, but the guard holds the anchor down
+    assert usual(guard) == pytest.approx(before)
+
+
+def test_a_model_that_leaves_its_plateau_is_not_taken_for_a_diverging_one():
+    """What the first GPU run recorded (scripts/test-gpu, a CUDA worker beside a CPU one): the
+    drift per step stayed near its first level, then rose 3.4x in one round as the model began
+    to learn and stayed there. At the default threshold the guard lets it be; a guard judging
+    against the first rounds alone with a threshold of 4 halved the anchor (what happened)."""
+    field = [(0.0125, 4), (0.0103, 8), (0.0172, 8), (0.0178, 7), (0.0150, 7),  # the baseline
+             (0.0134, 10), (0.0233, 10), (0.0514, 9), (0.1732, 9), (0.1691, 8), (0.1643, 7),
+             (0.1509, 10), (0.1189, 10), (0.1082, 10)]
+    guard, state = GuardState(), plan_state(anchor=10)
+    for distance, steps in field:
+        state, verdict = observe(guard, state, distance=distance, lr_scale=1.0, steps=steps,
+                                 threshold=ENGINE_DEFAULTS["divergence_threshold"])
+        assert not verdict.halved, (distance, steps, verdict)
+    assert state.anchor == 10 and state.ceiling is None
+
+
+def test_a_blow_up_of_the_loss_is_caught_at_the_default_threshold():
+    """What the divergence run records (the loss scaled 100x half-way): 30-100x the level."""
+    guard, state = learnt(), plan_state(anchor=4)
+    for level in (100.0, 47.0, 31.0):
+        state, verdict = observe(guard, state, distance=level * usual(guard) * 4, lr_scale=1.0,
+                                 steps=4, threshold=ENGINE_DEFAULTS["divergence_threshold"])
+    assert verdict.halved and state.anchor == 2
 
 
 def test_three_rounds_above_the_threshold_halve_the_anchor_and_set_the_ceiling():
