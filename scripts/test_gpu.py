@@ -37,7 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIR_SCRIPT = ROOT / "scripts" / "gpu_pair_train.py"
-CPU_THREADS = 8  # the CPU worker's threads, alone and in the pair alike
+# Threads of each worker, alone and in the pair alike, so the two leave cores free for each
+# other on one machine (in the field they are two machines): the CPU worker computes with its
+# threads, the CUDA worker needs a few to collate batches and feed the GPU.
+THREADS = {"fast": 4, "slow": 8}
 POLICIES = ("sync", "cadence", "async")
 BUDGET_S = 8 * 60
 TESTS_TIMEOUT_S = 330
@@ -178,7 +181,7 @@ def node_env(node: str, *, rehearse: bool) -> dict[str, str]:
            if not k.startswith(("FDL_", "TORCHELASTIC_")) and k != "OMP_NUM_THREADS"}
     if node == "slow" or rehearse:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    env["OMP_NUM_THREADS"] = str(1 if rehearse else CPU_THREADS)
+    env["OMP_NUM_THREADS"] = str(1 if rehearse else THREADS[node])
     return env
 
 
@@ -229,8 +232,9 @@ def pair_row(policy: str, run: Run, *, ideal: float, rehearse: bool) -> Row:
     if not mixed or summary.get("backend") != "cpu":
         return Row(name, "FAIL", f"devices {devices}, backend {summary.get('backend')} (a "
                                  "CUDA and a CPU worker averaging over cpu expected)")
+    averages = summary.get("sync", {}).get("rounds")
     return Row(name, "pass", f"{run.rate / ideal:.2f} of the ideal ({run.rate:,.0f} of "
-                             f"{ideal:,.0f} samples/s), {devices}, backend cpu")
+                             f"{ideal:,.0f} samples/s), {averages} averages, {devices}")
 
 
 # --- 3. two GPUs over NCCL --------------------------------------------------------------------

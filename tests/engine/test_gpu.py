@@ -194,10 +194,11 @@ def check_overlap(result: dict) -> None:
     """Round k's reduce, launched at the boundary through the engine's Averager, ends after
     round k+1 began and before its compute ends, and round k+1's first step takes what a first
     step takes alone."""
-    assert result["calibrated"], f"no model averaged slowly enough to tell: {result}"
-    assert result["compute_start_to_reduce_end_ms"] > 0, result
-    assert result["reduce_end_to_compute_end_ms"] > 0, result
-    assert result["first_ms"] <= 3 * result["solo_first_ms"] + 0.5, result
+    shown = json.dumps(result)  # whole, where pytest would cut a dict short
+    assert result["calibrated"], f"no model averaged slowly enough to tell: {shown}"
+    assert result["compute_start_to_reduce_end_ms"] > 0, shown
+    assert result["reduce_end_to_compute_end_ms"] > 0, shown
+    assert result["first_ms"] <= 3 * result["solo_first_ms"] + 0.5, shown
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -25,7 +25,6 @@ import json
 import math
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -108,46 +107,44 @@ def calibrate(matrix: torch.Tensor, backend: str, rank: int) -> tuple[dict, Aver
             "calibrated": measured.item() >= MIN_RATIO * solo_step_ms}, averager
 
 
-def reduce_end_marker(work, side: torch.cuda.Stream, backend: str) -> tuple[torch.cuda.Event,
-                                                                           threading.Thread | None]:
-    """An event that completes when the reduce has: on the side stream behind NCCL's work, or
-    recorded on the idle side stream by a thread as soon as gloo's work is done."""
-    ended = event()
-    if backend == "nccl":
-        with torch.cuda.stream(side):
-            work.wait()  # the side stream waits for NCCL's; the host goes on
-            ended.record(side)
-        return ended, None
-
-    def mark() -> None:
-        work.wait()
-        ended.record(side)
-
-    thread = threading.Thread(target=mark)
-    thread.start()
-    return ended, thread
-
-
 def overlapped(matrix: torch.Tensor, averager: Averager, backend: str, steps: int) -> dict:
+    """Round k, the boundary as async does it (pack, the reduce in the background), round k+1
+    timed as the round loop times it, then the average collected and applied. The reduce's end
+    is marked on a side stream: behind NCCL's work (the side stream waits for it), or for gloo
+    the moment a poll between steps finds the work done (an event on an idle stream completes
+    when it is recorded), from this thread, as the round loop would see it."""
     device = matrix.device
     side = torch.cuda.Stream(device)
     settle(device)
     run_round(matrix, 4)  # round k
     boundary = event()
     boundary.record()
-    averager.pack(weight=0.5, stats=STATS, keep_snapshot=True)  # the boundary, as async does it
+    averager.pack(weight=0.5, stats=STATS, keep_snapshot=True)
     work = averager.all_reduce(async_op=True)
-    ended, thread = reduce_end_marker(work, side, backend)
+    ended = event()
+    if backend == "nccl":
+        with torch.cuda.stream(side):
+            work.wait()  # the side stream waits for NCCL's; the host goes on
+            ended.record(side)
+    marked = backend == "nccl"
     compute_start = event()
     compute_start.record()
-    timer = run_round(matrix, steps)  # round k+1
+    timer = StepTimer(device=device)  # round k+1
+    for _ in range(steps):
+        timer.start()
+        torch.mm(matrix, matrix)
+        timer.stop()
+        if not marked and work.is_completed():
+            ended.record(side)
+            marked = True
+    timer.finish()
     compute_end = event()
     compute_end.record()
-    compute_end.synchronize()
-    if thread is not None:
-        thread.join()
     work.wait()  # the next boundary collects the average ...
+    if not marked:
+        ended.record(side)
     averager.apply_delta()  # ... and applies it
+    compute_end.synchronize()
     ended.synchronize()
     return {"first_ms": timer.step_times_s[0] * 1000, "steps": steps,
             "round_ms": timer.busy_s * 1000,
