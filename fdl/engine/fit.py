@@ -8,6 +8,7 @@ The public API is :mod:`fdl.engine.trainer`; this module is its body.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from dataclasses import dataclass, replace
@@ -136,8 +137,10 @@ def _replica(script: Script, config: EngineConfig, membership: Membership, *,
     # From here on each rank draws its own random streams (dropout, augmentation): the same
     # masks on every rank would waste the extra replicas.
     torch.manual_seed(rank_seed(config.seed, rank))
-    optimizer = script.optimizer(model.parameters())
+    optimizer = build_optimizer(script.optimizer, model)
     policy = config.policy
+    if distributed and policy.local_steps:
+        refuse_collectives_in_steps(model, optimizer, policy=policy.name)
     step_model: nn.Module = model
     if distributed and policy.wraps_ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -151,7 +154,8 @@ def _replica(script: Script, config: EngineConfig, membership: Membership, *,
     run_dir = config.run_dir
     return Replica(
         rank=rank, world_size=world_size, device=device, model=model, step_model=step_model,
-        optimizer=optimizer, train_step=script.train_step, dataset=script.train_data,
+        optimizer=optimizer, base_lrs=[group["lr"] for group in optimizer.param_groups],
+        train_step=script.train_step, dataset=script.train_data,
         config=config, schedule=script.schedule, timeline=Timeline(run_dir, rank=rank),
         averager=averager, on_epoch_end=epochs_log.epoch_end,
         slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
@@ -160,6 +164,43 @@ def _replica(script: Script, config: EngineConfig, membership: Membership, *,
                                        epoch_size=len(script.train_data),
                                        world_size=world_size),
     )
+
+
+def build_optimizer(factory: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``factory`` makes for ``model``. A factory whose one parameter is named
+    ``model`` gets the model itself (recipes that group parameters by module type:
+    ``optimizer=lambda model: ...``); any other gets the model's parameters as a list, which it
+    may walk more than once (nanoGPT's ``configure_optimizers`` walks them twice, decay for
+    matrices and none for the rest: given a one-shot generator, its second group came out
+    empty and those parameters never trained, silently)."""
+    try:
+        names = list(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: parameters, as before
+        names = []
+    return factory(model if names[:1] == ["model"] else list(model.parameters()))
+
+
+def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                                policy: str) -> None:
+    """Under cadence and async ranks run different numbers of steps between averages, so a
+    collective inside a step (SyncBatchNorm's statistics, a sharded optimizer's broadcasts)
+    waits for a peer that is not there and hangs the run. Refuse what fdl can see, before any
+    step: every rank runs this on the same model and stops alike."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sync_bn = next((name for name, module in model.named_modules()
+                    if isinstance(module, nn.SyncBatchNorm)), None)
+    if sync_bn is not None:
+        raise UsageError(f"the model's {sync_bn or 'top module'} is a SyncBatchNorm, whose "
+                         f"collective in every step hangs under --policy {policy} (ranks run "
+                         "different numbers of steps)",
+                         hint="use nn.BatchNorm (fdl averages its statistics with the model) "
+                              "or --policy sync")
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise UsageError(f"ZeroRedundancyOptimizer's collectives in every step hang under "
+                         f"--policy {policy} (ranks run different numbers of steps)",
+                         hint="use a plain optimizer (fdl averages the replicas) or "
+                              "--policy sync")
 
 
 def _start(script: Script, replica: Replica, plan_config: PlanConfig, config: EngineConfig,

@@ -116,6 +116,8 @@ class Replica:
     verify: bool = False
     rank_state: RankState = field(default_factory=RankState)
     totals: Totals = field(default_factory=Totals)
+    # Each param group's LR as the optimizer factory made it: the schedule scales these. Taken
+    # before a checkpoint is loaded (whose optimizer state holds the LR already scaled).
     base_lrs: list[float] = field(default_factory=list)
     lr_scale: float = 1.0
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -134,7 +136,6 @@ class Replica:
 
 def train(replica: Replica, state: PlanState) -> PlanState:
     """Run every round of the plan; returns the finished state."""
-    replica.base_lrs = [group["lr"] for group in replica.optimizer.param_groups]
     policy, pending, last_reports = replica.policy, None, []
     while not state.finished:
         plan = next_round(state)

@@ -39,6 +39,25 @@ class TrainResult:
 
 @dataclass(kw_only=True)
 class Trainer:
+    """Data-parallel training of ``model()`` on ``train_data`` (a map-style dataset).
+
+    * ``optimizer``: a factory. Given a function of one parameter named ``model``, fdl passes
+      the model (``optimizer=lambda model: AdamW(groups_of(model))``); any other gets the
+      model's parameters as a list, which it may walk more than once
+      (``optimizer=lambda params: torch.optim.SGD(params, lr=0.1)``).
+    * ``train_step(model, batch) -> loss``: a scalar tensor that requires grad; fdl runs
+      backward, clipping (``max_grad_norm``) and the optimizer step. Under ``cadence`` and
+      ``async`` the ranks run different numbers of steps between averages, so nothing in a
+      step may wait for the other ranks: no collective in ``train_step``, no ``SyncBatchNorm``
+      in the model, no ``ZeroRedundancyOptimizer`` (fdl refuses the last two before training;
+      ``sync`` allows them, as plain DDP does).
+    * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
+      fraction done (equal on every rank).
+
+    ``fit()`` trains and returns a :class:`TrainResult`; settings from ``fdl run`` flags,
+    ``FDL_*`` and fdl.toml win over the values given here (docs/run.md).
+    """
+
     model: Callable[[], nn.Module]
     optimizer: Callable[[Any], torch.optim.Optimizer]
     train_step: Callable[[nn.Module, Any], torch.Tensor]

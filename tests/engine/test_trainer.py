@@ -1,4 +1,5 @@
-"""fdl.Trainer in-process: solo training, configuration errors before training, schedules."""
+"""fdl.Trainer in-process: solo training, configuration errors before training, schedules, the
+optimizer factory; and one real 2-worker run refusing a collective inside a step."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_fdl
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from common import build_model, build_optimizer, evaluate, make_data, train_step
 
 import fdl
 from fdl.errors import UsageError
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def trainer(**overrides) -> fdl.Trainer:
@@ -112,3 +116,65 @@ def test_schedule_is_indexed_by_global_samples():
     # step k of the run (batch 32 of 1024 samples) sees progress k * 32 / 1024
     assert seen == pytest.approx([k * 32 / 1024 for k in range(steps)])
     assert result.history[-1]["train_loss"] is not None
+
+
+# --- the optimizer factory ------------------------------------------------------------------
+
+
+def two_groups(params):
+    """nanoGPT's configure_optimizers: it walks the parameters twice, decay for matrices."""
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    made.append(torch.optim.SGD([{"params": decay, "weight_decay": 0.01},
+                                 {"params": rest, "weight_decay": 0.0}], lr=0.1))
+    return made[-1]
+
+
+made: list[torch.optim.Optimizer] = []
+
+
+def test_a_factory_that_walks_the_parameters_twice_gets_every_one():
+    made.clear()
+    initial = {name: p.detach().clone() for name, p in build_model().named_parameters()}
+    result = trainer(optimizer=two_groups, epochs=1).fit()
+    sizes = [len(group["params"]) for group in made[-1].param_groups]
+    assert sizes == [2, 2]  # two weight matrices, two biases: none left out
+    for name, value in result.model.named_parameters():  # every one trained
+        assert not torch.equal(value.detach(), initial[name]), name
+
+
+def test_a_factory_taking_the_model_gets_the_model():
+    seen: list[torch.nn.Module] = []
+
+    def by_module(model):
+        seen.append(model)
+        linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        return torch.optim.SGD(linear, lr=0.1)
+
+    trainer(optimizer=by_module, epochs=1).fit()
+    assert len(seen) == 1 and isinstance(seen[0], torch.nn.Module)
+
+
+# --- no collective inside a step under cadence and async ------------------------------------
+
+
+def test_sync_batch_norm_and_a_sharded_optimizer_are_refused_before_any_step():
+    from fdl.engine.fit import refuse_collectives_in_steps
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SyncBatchNorm(8))
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match=r"model's 1 is a SyncBatchNorm.*--policy cadence"):
+        refuse_collectives_in_steps(model, plain, policy="cadence")
+    plain_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    refuse_collectives_in_steps(plain_model, plain, policy="async")  # nothing to refuse
+
+
+def test_a_sharded_optimizer_under_cadence_stops_every_worker_with_one_line(tmp_path):
+    proc = run_fdl("run", "--nproc-per-node", "2", "--policy", "cadence", "--quiet-ranks",
+                   "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "zero_in_step.py"),
+                   cwd=tmp_path, timeout=180)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "error: ZeroRedundancyOptimizer's collectives in every step hang under --policy " \
+           "cadence" in log
+    assert "Traceback" not in log
