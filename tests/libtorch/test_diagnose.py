@@ -148,3 +148,13 @@ def test_json_document_shape():
     assert doc["compatibility"]["source_build"] == {
         "torch_cuda_arch_list": "6.1;12.0", "cuda_min": "12.8", "cuda_max": "12.9"}
     assert doc["verdict"]["level"] == "error"
+
+
+def test_a_cuda_host_is_told_that_backend_cpu_averages_through_the_host():
+    """--backend cpu is how GPU workers average (gloo, host memory), not a CPU run: CPU
+    workers are --nproc-per-node cpu, which hides the GPUs from them."""
+    result = report("rtx4090", cuda_torch(CU126))
+    texts = [finding.message for finding in result.findings]
+    advice = next(t for t in texts if t.startswith("torch sees CUDA"))
+    assert "a CPU run (fdl run --backend cpu)" not in advice
+    assert "--nproc-per-node cpu" in advice and "--backend cpu is how GPU workers average" in advice
