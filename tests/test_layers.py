@@ -138,7 +138,7 @@ def _imports(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
                 inner = "function level"
             elif isinstance(child, ast.If) and where == "module level" and _is_type_checking(child):
                 inner = "TYPE_CHECKING"
-            if isinstance(child, (ast.Import, ast.ImportFrom)) or _is_import_call(child):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) or is_import_call(child):
                 yield child, where
             yield from walk(child, inner)
 
@@ -151,7 +151,8 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _is_import_call(node: ast.AST) -> bool:
+def is_import_call(node: ast.AST) -> bool:
+    """An ``import_module("...")`` or ``__import__("...")`` call with a literal name."""
     if not isinstance(node, ast.Call) or not node.args:
         return False
     func = node.func

@@ -14,7 +14,7 @@ from typing import Any
 
 from fdl.errors import UsageError
 from fdl.files import write_json_atomic
-from fdl.rundir.fields import is_int, show
+from fdl.rundir.fields import is_int, read_json, show
 
 FILE = "config.json"
 VERSION_KEY = "fdl_version"  # what marks a directory as holding an fdl run
@@ -47,15 +47,7 @@ def read_config(run_dir: Path, *, hint: str, missing_ok: bool = True) -> dict[st
     path = run_dir / FILE
     if missing_ok and not path.exists():
         return {}
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text (a JSON document was expected)",
-                         hint=hint) from None
-    except ValueError as exc:
-        raise UsageError(f"{path} is not valid JSON ({exc})", hint=hint) from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", hint=hint) from None
+    document = read_json(path, hint=hint)
     if not isinstance(document, dict):
         raise UsageError(f"{path} holds {show(document)}, not a JSON object", hint=hint)
     return document

@@ -13,7 +13,7 @@ from typing import Any
 
 from fdl.errors import UsageError
 from fdl.files import write_json_atomic
-from fdl.rundir.fields import is_finite, is_int, is_number, show
+from fdl.rundir.fields import is_finite, is_int, is_number, read_json, show
 
 FILE = "summary.json"
 HINT = "summary.json and config.json are written by fdl run; restore them or re-run"
@@ -66,15 +66,7 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{run_dir} has no {FILE} (not a finished fdl run)",
                          hint="pass a run directory, e.g. runs/<time>-train-async")
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text (a JSON document was expected)",
-                         hint=HINT) from None
-    except ValueError as exc:
-        raise UsageError(f"{path} is not valid JSON ({exc})", hint=HINT) from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", hint=HINT) from None
+    summary = read_json(path, hint=HINT)
     _check_summary(summary, path)
     return summary
 

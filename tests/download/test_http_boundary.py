@@ -14,6 +14,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+from test_layers import is_import_call
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "fdl"
 HTTP_HOME = "fdl/download"  # the one folder that may speak HTTP
@@ -31,18 +33,8 @@ def imported_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             yield node.lineno, node.module
             yield from ((node.lineno, f"{node.module}.{alias.name}") for alias in node.names)
-        elif _is_literal_import_call(node):
+        elif is_import_call(node):
             yield node.lineno, node.args[0].value  # type: ignore[attr-defined]
-
-
-def _is_literal_import_call(node: ast.AST) -> bool:
-    if not isinstance(node, ast.Call) or not node.args:
-        return False
-    func = node.func
-    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    first = node.args[0]
-    return name in ("import_module", "__import__") and isinstance(first, ast.Constant) \
-        and isinstance(first.value, str)
 
 
 def imports_of(modules: tuple[str, ...], files: list[Path], *, root: Path) -> list[str]:
