@@ -8,6 +8,7 @@
 
 NAME is a folder to create (a path works: its last part is the project's name: letters,
 digits, '-' and '_', starting with a letter). Nothing is written unless every file is.
+The project installs the fdl that wrote it, packed into wheels/fdl-<version>-py3-none-any.whl.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def init(
     console.out(f"  files: {', '.join(written.files)}")
     if written.replaced:
         console.out(f"  replaced: {', '.join(written.replaced)}")
+    console.out(f"  fdl: {project.fdl.path}, this fdl {project.fdl.version} packed from "
+                f"{project.fdl.source} (`make install` installs it)")
     if project.image is not None:
         image = project.image
         console.out(f"  Dockerfile: torch {image.torch_version}+{image.variant} on "

@@ -6,13 +6,15 @@
 
 A project holds ``train.py`` (model, optimizer, data and ``fdl.Trainer(...).fit()``; runs solo
 with ``python train.py``), ``fdl.toml`` (the run defaults), ``pyproject.toml``, ``README.md``,
-``Makefile`` (train, compare — ``fdl compare`` — test, docker-build), ``tests/test_train.py``
-(a smoke test of the training loop), ``.gitignore`` and, unless ``docker=False``, a ``Dockerfile``
-whose torch wheel is the one ``fdl setup`` would pick for this host's GPUs (see
+``Makefile`` (install, train, compare — ``fdl compare`` — test, docker-build),
+``tests/test_train.py`` (a smoke test of the training loop), ``.gitignore``,
+``wheels/fdl-<version>-py3-none-any.whl`` (the running fdl, which the project installs: no
+index has fdl; see :mod:`fdl.scaffold.fdl_wheel`) and, unless ``docker=False``, a
+``Dockerfile`` whose torch wheel is the one ``fdl setup`` would pick for this host's GPUs (see
 :mod:`fdl.scaffold.docker`).
 
-:func:`create_project` validates the name, checks the target, renders every file
-(:mod:`fdl.scaffold.render`) and writes them all or none (:mod:`fdl.scaffold.write`).
+:func:`create_project` validates the name, checks the target, packs the fdl wheel, renders every
+file (:mod:`fdl.scaffold.render`) and writes them all or none (:mod:`fdl.scaffold.write`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fdl.scaffold.docker import TorchImage, probe_torch_image
+from fdl.scaffold.fdl_wheel import FdlWheel, build_fdl_wheel
 from fdl.scaffold.render import TEMPLATES, parse_template, render_project, validate_name
 from fdl.scaffold.write import WriteResult, check_target, write_project
 
@@ -35,6 +38,7 @@ class Project:
     template: str
     written: WriteResult
     image: TorchImage | None  # what the Dockerfile installs; None without one
+    fdl: FdlWheel  # the fdl the project installs, written at fdl.path
 
 
 def create_project(path: str | os.PathLike[str], *, template: str = "mlp", docker: bool = True,
@@ -42,7 +46,8 @@ def create_project(path: str | os.PathLike[str], *, template: str = "mlp", docke
     """Create the project at ``path``; its last component is the project's name.
 
     UsageError (exit 2) for a bad name or template, a non-empty target without ``force``, or a
-    path under a file; FdlError (exit 1) when writing fails, in which case nothing is left.
+    path under a file; FdlError (exit 1) when fdl cannot be packed or writing fails, in which
+    case nothing is left.
     ``env`` is the environment the GPU survey reads (``os.environ`` by default).
     """
     raw = os.fspath(path)
@@ -51,5 +56,9 @@ def create_project(path: str | os.PathLike[str], *, template: str = "mlp", docke
     template = parse_template(template)
     check_target(target, force=force)  # before the GPU survey: fail fast on a taken folder
     image = probe_torch_image(env=env) if docker else None
-    files = render_project(name=name, template=template, image=image)
-    return Project(name, template, write_project(target, files, force=force), image)
+    wheel = build_fdl_wheel()
+    files: dict[str, str | bytes] = {
+        **render_project(name=name, template=template, image=image,
+                         fdl_version=wheel.version, fdl_wheel=wheel.path),
+        wheel.path: wheel.data}
+    return Project(name, template, write_project(target, files, force=force), image, wheel)

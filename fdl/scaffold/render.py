@@ -3,7 +3,8 @@
 Pure apart from reading the templates (package data under ``templates/``). A template file is
 plain text with two kinds of marks, nothing more:
 
-* ``{{key}}`` is replaced by a value (``name``, ``epochs``, ``torch_version``, ...);
+* ``{{key}}`` is replaced by a value (``name``, ``epochs``, ``torch_version``, ``fdl_wheel``,
+  ...);
 * ``{{#key}}`` ... ``{{/key}}`` keeps what is between them only when ``key`` is true (the
   Docker parts of the Makefile and README, dropped with ``--no-docker``); marks on lines of their
   own drop their lines too.
@@ -83,13 +84,16 @@ def parse_template(text: str) -> str:
     return template
 
 
-def render_project(*, name: str, template: str, image: TorchImage | None) -> dict[str, str]:
-    """Every file of the project, ``{relative path: text}``; the Docker files when ``image``."""
+def render_project(*, name: str, template: str, image: TorchImage | None,
+                   fdl_version: str, fdl_wheel: str) -> dict[str, str]:
+    """Every text file of the project, ``{relative path: text}``; the Docker files when
+    ``image``. ``fdl_wheel`` is where the project's fdl wheel (``fdl_version``) lies in it, the
+    one its pyproject, Makefile and Dockerfile install (:mod:`fdl.scaffold.fdl_wheel`)."""
     spec = TEMPLATES[template]
     values: dict[str, object] = {
         "name": name, "image_name": name.lower(), "template": template,
         "summary": spec.summary, "epochs": spec.epochs, "batch_size": spec.batch_size,
-        "docker": image is not None,
+        "docker": image is not None, "fdl_version": fdl_version, "fdl_wheel": fdl_wheel,
     }
     files = dict(PROJECT_FILES)
     if image is not None:

@@ -43,8 +43,10 @@ def check_target(target: Path, *, force: bool) -> None:
                               "fdl init writes (other files are kept)")
 
 
-def write_project(target: Path, files: Mapping[str, str], *, force: bool) -> WriteResult:
-    """Write ``files`` ({relative path: text}) under ``target``; FdlError (exit 1) on I/O errors."""
+def write_project(target: Path, files: Mapping[str, str | bytes], *,
+                  force: bool) -> WriteResult:
+    """Write ``files`` ({relative path: text, or bytes as they are}) under ``target``; FdlError
+    (exit 1) on I/O errors."""
     check_target(target, force=force)
     created = _missing_folders(target.parent)
     staging: Path | None = None
@@ -53,10 +55,13 @@ def write_project(target: Path, files: Mapping[str, str], *, force: bool) -> Wri
         for folder in created:
             folder.mkdir()
         staging = _make_staging(target)
-        for relative, text in files.items():
+        for relative, content in files.items():
             path = staging / "new" / relative
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8", newline="\n")
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content, encoding="utf-8", newline="\n")
         if target.exists():
             replaced = _merge(staging, target, list(files))
         else:

@@ -7,8 +7,12 @@ from pathlib import Path
 import pytest
 from helpers import GPU_FIXTURES, run_fdl
 
+import fdl
+from fdl.version import __version__
+
 RTX4090 = {"FDL_GPU_SURVEY": str(GPU_FIXTURES / "rtx4090.json")}
 NO_GPU = {"FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")}
+WHEEL = f"fdl-{__version__}-py3-none-any.whl"
 
 
 def listing(root: Path) -> list[str]:
@@ -19,10 +23,12 @@ def test_init_writes_the_project_and_says_what_next(tmp_path):
     proc = run_fdl("init", "demo", "--template", "cnn", cwd=tmp_path, env=RTX4090)
     assert proc.returncode == 0, proc.stderr
     assert listing(tmp_path / "demo") == [
-        ".dockerignore", ".gitignore", "Dockerfile", "Makefile", "README.md", "fdl.toml", "pyproject.toml", "tests", "tests/test_train.py", "train.py"]
+        ".dockerignore", ".gitignore", "Dockerfile", "Makefile", "README.md", "fdl.toml", "pyproject.toml", "tests", "tests/test_train.py", "train.py", "wheels", f"wheels/{WHEEL}"]
     lines = proc.stdout.splitlines()
     assert lines[0] == f"created demo (cnn template) in {tmp_path / 'demo'}"
-    assert lines[2] == ("  Dockerfile: torch 2.14.0+cu126 on nvidia/cuda:12.6.3-runtime-ubuntu22.04"
+    assert lines[2] == (f"  fdl: wheels/{WHEEL}, this fdl {__version__} packed from "
+                        f"{Path(fdl.__file__).resolve().parent} (`make install` installs it)")
+    assert lines[3] == ("  Dockerfile: torch 2.14.0+cu126 on nvidia/cuda:12.6.3-runtime-ubuntu22.04"
                         " (covers every GPU here: NVIDIA GeForce RTX 4090 (sm_89))")
     assert lines[-3:] == ["next:", "  cd demo",
                           "  fdl run train.py --policy async   # or: python train.py (solo)"]
@@ -79,7 +85,7 @@ def test_a_non_empty_folder_needs_force_and_force_works(tmp_path):
     assert "  replaced: train.py" in proc.stdout.splitlines()
     assert (demo / "notes.txt").read_text() == "mine"
     assert "fdl.Trainer(" in (demo / "train.py").read_text()
-    assert listing(tmp_path)[:1] == ["demo"] and len(listing(tmp_path)) == 10
+    assert listing(tmp_path)[:1] == ["demo"] and len(listing(tmp_path)) == 12
 
 
 def test_a_path_under_a_regular_file_is_exit_2_and_writes_nothing(tmp_path):

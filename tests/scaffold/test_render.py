@@ -28,6 +28,12 @@ except ModuleNotFoundError:  # Python 3.10
 IMAGE = TorchImage("2.14.0", "cu126", "12.6", "https://download.pytorch.org/whl/cu126",
                    "covers every GPU here: NVIDIA GeForce RTX 4090 (sm_89)")
 CASES = [(template, image) for template in TEMPLATES for image in (IMAGE, None)]
+WHEEL = "wheels/fdl-0.1.0-py3-none-any.whl"
+
+
+def render(**kwargs) -> dict[str, str]:
+    """The project's text files, its fdl wheel at WHEEL."""
+    return render_project(fdl_version="0.1.0", fdl_wheel=WHEEL, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["demo", "my-model", "A1_b-2", "x"])
@@ -53,7 +59,7 @@ def test_unknown_template_names_the_choices():
 
 @pytest.mark.parametrize(("template", "image"), CASES)
 def test_every_file_renders_without_leftover_marks(template, image):
-    files = render_project(name="demo", template=template, image=image)
+    files = render(name="demo", template=template, image=image)
     expected = set(PROJECT_FILES) | (set(DOCKER_FILES) if image else set())
     assert set(files) == expected
     for path, text in files.items():
@@ -63,7 +69,7 @@ def test_every_file_renders_without_leftover_marks(template, image):
 
 @pytest.mark.parametrize(("template", "image"), CASES)
 def test_python_files_parse_and_train_py_has_a_main_guard(template, image):
-    files = render_project(name="demo", template=template, image=image)
+    files = render(name="demo", template=template, image=image)
     for path in ("train.py", "tests/test_train.py"):
         ast.parse(files[path], filename=path)
     train = files["train.py"]
@@ -77,7 +83,7 @@ def test_python_files_parse_and_train_py_has_a_main_guard(template, image):
 
 @pytest.mark.parametrize("template", list(TEMPLATES))
 def test_fdl_toml_is_accepted_by_fdl_run(template, tmp_path):
-    files = render_project(name="demo", template=template, image=None)
+    files = render(name="demo", template=template, image=None)
     (tmp_path / "fdl.toml").write_text(files["fdl.toml"])
     values, path = load_config_file(tmp_path)
     spec = TEMPLATES[template]
@@ -86,17 +92,20 @@ def test_fdl_toml_is_accepted_by_fdl_run(template, tmp_path):
                       "batch_size": spec.batch_size}
 
 
-def test_pyproject_depends_on_fdl_with_torch():
-    files = render_project(name="my-model", template="mlp", image=None)
+def test_pyproject_depends_on_its_fdl_with_torch_and_on_pytest():
+    files = render(name="my-model", template="mlp", image=None)
     pyproject = tomllib.loads(files["pyproject.toml"])
     assert pyproject["project"]["name"] == "my-model"
-    assert pyproject["project"]["dependencies"] == ["fdl[torch]"]
+    # the version of the wheel in wheels/, which `make install` finds there; pytest for `make
+    # test`, wherever the project is installed (a fresh venv, the image)
+    assert pyproject["project"]["dependencies"] == ["fdl[torch]==0.1.0", "pytest>=8"]
+    assert "optional-dependencies" not in pyproject["project"]
     assert pyproject["tool"]["pytest"]["ini_options"]["pythonpath"] == ["."]
 
 
 def test_makefile_targets_and_docker_switch():
-    with_docker = render_project(name="Demo", template="mlp", image=IMAGE)["Makefile"]
-    without = render_project(name="Demo", template="mlp", image=None)["Makefile"]
+    with_docker = render(name="Demo", template="mlp", image=IMAGE)["Makefile"]
+    without = render(name="Demo", template="mlp", image=None)["Makefile"]
     for target in ("train:", "compare:", "test:"):
         assert f"\n{target}\n\t" in with_docker and f"\n{target}\n\t" in without
     assert "\ndocker-build:\n\tdocker build -t $(IMAGE) .\n" in with_docker
@@ -106,23 +115,33 @@ def test_makefile_targets_and_docker_switch():
                "--seeds $(SEEDS) --quiet-ranks\n")
     assert compare in with_docker and compare in without
     assert "POLICIES ?= sync,cadence,async\nEPOCHS ?= 5\nSEEDS ?= 1\n" in without
+    install = "\ninstall:\n\t$(PYTHON) -m pip install --find-links wheels -e .\n"
+    assert install in with_docker and install in without
+    assert f"fdl 0.1.0 from {WHEEL}" in without
 
 
 def test_dockerfile_installs_the_chosen_wheel_on_its_cuda_base():
-    files = render_project(name="demo", template="gpt", image=IMAGE)
+    files = render(name="demo", template="gpt", image=IMAGE)
     dockerfile = files["Dockerfile"]
     assert "FROM nvidia/cuda:12.6.3-runtime-ubuntu22.04\n" in dockerfile
     assert "ARG TORCH_VERSION=2.14.0\n" in dockerfile
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126\n" in dockerfile
     assert IMAGE.reason in dockerfile
+    # fdl from the wheel beside the Dockerfile, before the rest of the project and after torch
+    install_fdl = (f"COPY {WHEEL} {WHEEL}\n"
+                   f'RUN python3 -m pip install "./{WHEEL}[torch]"\n'
+                   "COPY . .\nRUN python3 -m pip install --find-links wheels .\n")
+    assert install_fdl in dockerfile
+    assert dockerfile.index("torch==${TORCH_VERSION}") < dockerfile.index(install_fdl)
     assert "runs/" in files[".dockerignore"] and ".venv/" in files[".dockerignore"]
 
 
 def test_readme_gives_the_three_commands_and_gitignore_the_outputs():
-    files = render_project(name="demo", template="cnn", image=None)
+    files = render(name="demo", template="cnn", image=None)
     readme = files["README.md"]
-    for command in ("fdl run train.py", "make compare", "fdl compare train.py --epochs 3",
-                    "compare.md", "fdl report runs/", "summary.json", "fdl diagnose"):
+    for command in ("make install", WHEEL, "fdl run train.py", "make compare",
+                    "fdl compare train.py --epochs 3", "compare.md", "fdl report runs/",
+                    "summary.json", "fdl diagnose"):
         assert command in readme
     assert "Dockerfile" not in readme and "compare.py" not in readme
     assert files[".gitignore"].splitlines()[:2] == ["runs/", ".venv/"]

@@ -122,3 +122,9 @@ def test_a_folder_in_the_way_of_a_file_is_never_replaced(tmp_path):
         write_project(demo, FILES, force=True)
     assert tree(tmp_path) == {"demo": "/", "demo/Makefile": "/",
                               "demo/Makefile/keep.txt": "keep"}
+
+
+def test_bytes_are_written_as_they_are(tmp_path):
+    data = bytes(range(256)) + b"\r\n"  # a wheel: no encoding, no newline translation
+    write_project(tmp_path / "demo", {**FILES, "wheels/x.whl": data}, force=False)
+    assert (tmp_path / "demo" / "wheels" / "x.whl").read_bytes() == data
