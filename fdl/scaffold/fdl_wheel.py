@@ -71,11 +71,11 @@ def build_fdl_wheel() -> FdlWheel:
 
 def _dist_info_files(running: str) -> dict[str, bytes]:
     """METADATA and entry_points.txt of the installed fdl, checked to be the running one's."""
-    try:
-        dist = metadata.distribution("fdl")
-    except metadata.PackageNotFoundError:
-        dist = None
-    text = None if dist is None else dist.read_text("METADATA")
+    # An editable install leaves fdl.egg-info in the checkout, found first from there; its
+    # PKG-INFO is the same core metadata as a dist-info's METADATA.
+    found = [(dist, dist.read_text("METADATA") or dist.read_text("PKG-INFO"))
+             for dist in metadata.distributions(name="fdl")]
+    dist, text = next(((d, t) for d, t in found if t), (None, None))
     if dist is None or text is None:
         raise FdlError("cannot package fdl for the project: fdl runs without an installed "
                        "distribution (its METADATA is what the project's wheel needs)",

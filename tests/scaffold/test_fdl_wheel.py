@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import zipfile
-from importlib import metadata
 from io import BytesIO
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def test_the_same_files_give_the_same_bytes():
 
 
 def no_distribution(name):
-    raise metadata.PackageNotFoundError(name)
+    return []
 
 
 class OtherFdl:
@@ -74,12 +73,13 @@ class OtherFdl:
 @pytest.mark.parametrize(("distribution", "message"), [
     (no_distribution, "cannot package fdl for the project: fdl runs without an installed "
                       "distribution"),
-    (lambda name: OtherFdl(), f"cannot package fdl for the project: the fdl running is "
+    (lambda name: [OtherFdl()], f"cannot package fdl for the project: the fdl running is "
                               f"{__version__}, the one installed is 9.9.9"),
 ])
 def test_fdl_that_cannot_be_packed_is_one_error_and_writes_nothing(tmp_path, monkeypatch,
                                                                    distribution, message):
-    monkeypatch.setattr(fdl_wheel_module.metadata, "distribution", distribution)
+    monkeypatch.setattr(fdl_wheel_module.metadata, "distributions",
+                        lambda name: distribution(name))
     with pytest.raises(FdlError) as info:
         create_project(tmp_path / "demo", docker=False)
     assert info.value.message.startswith(message) and "\n" not in info.value.message
