@@ -8,7 +8,10 @@
   fetches from it;
 * ``mirror_env``: the environment for an `fdl` subprocess whose libtorch catalog is that server.
 
-Subprocesses get the same scrubbed environment from ``helpers.clean_env``."""
+Subprocesses get the same scrubbed environment from ``helpers.clean_env``.
+
+``--deselect-gpu REASON`` (scripts/test passes it when torch sees no CUDA GPU) deselects the
+tests marked ``gpu`` and prints one line with how many and why; without it they skip."""
 
 from __future__ import annotations
 
@@ -30,6 +33,35 @@ from fdl.settings import is_launcher_variable
 
 if TYPE_CHECKING:
     from fdl.libtorch.store import Store
+
+
+_GPU_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--deselect-gpu", metavar="REASON", default=None,
+                     help="deselect the tests marked gpu and say so, with REASON (scripts/test "
+                          "passes it when torch sees no CUDA GPU)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m: count only the gpu tests that would have run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--deselect-gpu") is None:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+        config.hook.pytest_deselected(items=gpu)
+    config.stash[_GPU_DESELECTED] = len(gpu)
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    reason = config.getoption("--deselect-gpu")
+    if reason is None:
+        return []
+    count = config.stash.get(_GPU_DESELECTED, 0)
+    return [f"==> pytest: {count} gpu test{'' if count == 1 else 's'} deselected: {reason} "
+            "(scripts/test-gpu runs them)"]
 
 
 @pytest.fixture(autouse=True)

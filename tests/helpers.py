@@ -1,17 +1,20 @@
-"""Test helpers: run the real `fdl` entry point in a subprocess with a clean environment, check
-the one-error-line contract, read the libtorch store through the CLI, wait on a condition with a
-guard, locate fixtures."""
+"""Test helpers: run the real `fdl` entry point in a subprocess with a clean environment, start a
+process that is ended with everything it started however the test ends, check the one-error-line
+contract, read the libtorch store through the CLI, wait on a condition with a guard, locate
+fixtures."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
@@ -28,6 +31,38 @@ def run_fdl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     """``python -m fdl ARGS`` as a user would run it; returns the completed process."""
     return subprocess.run([sys.executable, "-m", "fdl", *args], capture_output=True, text=True,
                           env=clean_env(env), cwd=cwd, timeout=timeout, input=input)
+
+
+@contextmanager
+def started(argv: list[str], **popen_kwargs) -> Iterator[subprocess.Popen]:
+    """``subprocess.Popen(argv, **popen_kwargs)`` in a session of its own, for a test that talks
+    to a running process. On the way out, passed or failed, the process, its process group and
+    every descendant it has then (torch's workers run in sessions of their own) are SIGKILLed
+    and reaped, and its pipes closed: a failing test leaves nothing running. A test that wants a
+    gentler end (SIGINT, a release file) does that inside the block and waits there."""
+    proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+    try:
+        yield proc
+    finally:
+        end_process_tree(proc)
+
+
+def end_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` (started with ``start_new_session``), its process group and its
+    descendants, reap it and close its pipes. Harmless when all of them have exited."""
+    family: list[psutil.Process] = []
+    if proc.poll() is None:  # not reaped yet, so its pid is still its own
+        with suppress(psutil.Error):
+            family = psutil.Process(proc.pid).children(recursive=True)
+    with suppress(ProcessLookupError, PermissionError):  # the group outlives a reaped leader
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in family:
+        with suppress(psutil.Error):
+            child.kill()
+    proc.wait(timeout=GUARD_S)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 def libtorch_list(env: dict[str, str]) -> dict:

@@ -29,6 +29,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from fdl.engine.plan import PlanConfig, RoundPlan, RoundStats, advance, initial_state, next_round
+from fdl.engine.policies import Policy
 from fdl.engine.state import RankState, RoundReport, round_stats
 
 FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
@@ -90,10 +91,10 @@ class _Pending:
     reports: list[RoundReport]
 
 
-def simulate(profile: Profile, policy: str, *, seed: int = 0,
+def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
              overhead_target: float | None = None) -> SimResult:
-    """Run ``profile`` under ``policy`` on the virtual clock; the same seed gives the same
-    result."""
+    """Run ``profile`` under ``policy`` (a name, or a policy object as the engine's config holds
+    one) on the virtual clock; the same seed gives the same result."""
     rng = random.Random(seed)
     world = len(profile.batch_ms)
     config = PlanConfig(world_size=world, batch_size=profile.batch_size,

@@ -27,49 +27,57 @@ INTERVAL_S = 0.25  # rank 0's snapshots and the redraws: four a second
 
 
 def format_status(snapshot: dict[str, Any], *, width: int) -> str:
-    """The two status lines for ``snapshot``, each at most ``width`` characters."""
-    epoch = f"epoch {_int(snapshot.get('epoch'))}/{_int(snapshot.get('epochs'))} "
-    fraction = _number(snapshot.get("epoch_fraction"))
-    fraction = min(1.0, max(0.0, fraction)) if fraction is not None else 0.0
+    """The two status lines for ``snapshot``, each at most ``width`` characters. A figure that
+    is not what rank 0 writes (not a number, NaN, infinite, or below what it can be: a negative
+    rate, a count below 1) shows as unknown (``?`` or ``-``), never as a figure."""
+    epoch = f"epoch {_count(snapshot.get('epoch'))}/{_count(snapshot.get('epochs'))} "
+    fraction = _number(snapshot.get("epoch_fraction"), low=0.0)
+    fraction = min(1.0, fraction) if fraction is not None else 0.0
     tail = f" {fraction:4.0%}  {_duration(snapshot.get('eta_s'))} left"
     bar_width = max(0, width - len(epoch) - len(tail))
     filled = round(bar_width * fraction)
     first = epoch + "━" * filled + "╺" * min(1, bar_width - filled) + \
         " " * max(0, bar_width - filled - 1) + tail
     parts = [f"{_grouped(snapshot.get('samples_per_s'))} samples/s"]
-    loss = _number(snapshot.get("loss"))
+    loss = _number(snapshot.get("loss"))  # any finite loss is a figure: some are negative
     parts.append(f"loss {loss:.4f}" if loss is not None else "loss -")
-    overhead = _number(snapshot.get("sync_overhead"))
+    overhead = _number(snapshot.get("sync_overhead"), low=0.0)
     if overhead is not None:
         parts.append(f"sync {overhead:.1%}")
     if snapshot.get("anchor") is not None:
-        parts.append(f"anchor {_int(snapshot.get('anchor'))}")
+        parts.append(f"anchor {_count(snapshot.get('anchor'))}")
     shares = snapshot.get("shares")
     if isinstance(shares, list) and len(shares) > 1:
-        parts.append("ranks " + " ".join(f"{s:.0%}" for s in map(_number, shares)
-                                         if s is not None))
+        parts.append("ranks " + " ".join(_share(share) for share in shares))
     return first[:width] + "\n" + "  ".join(parts)[:width]
 
 
-def _number(value: Any) -> float | None:
+def _number(value: Any, *, low: float = -math.inf) -> float | None:
+    """``value`` as a float when it is a finite number of at least ``low``; else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    return float(value) if math.isfinite(value) and value >= low else None
 
 
-def _int(value: Any) -> str:
-    number = _number(value)
+def _count(value: Any) -> str:
+    """An epoch, a number of epochs or an anchor: a whole number from 1, else ``?``."""
+    number = _number(value, low=1.0)
     return str(int(number)) if number is not None else "?"
 
 
 def _grouped(value: Any) -> str:
-    number = _number(value)
+    number = _number(value, low=0.0)
     return f"{number:,.0f}" if number is not None else "-"
 
 
+def _share(value: Any) -> str:
+    number = _number(value, low=0.0)
+    return f"{number:.0%}" if number is not None and number <= 1 else "?"
+
+
 def _duration(value: Any) -> str:
-    seconds = _number(value)
-    if seconds is None or seconds < 0:
+    seconds = _number(value, low=0.0)
+    if seconds is None:
         return "-:--"
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,11 +50,19 @@ def kill_after_first_cell(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
+    """The killed and resumed sweep, shared by the tests of this file, which only read it: a
+    test that changes a sweep works on its own copy (:func:`copy_of`), so each passes alone and
+    in any order."""
     out = tmp_path_factory.mktemp("bench") / "out"
     kill_after_first_cell(out)
     first = read_results(out)
     resumed = run_fdl(*bench_args(out), timeout=120)
     return out, first, resumed
+
+
+def copy_of(out: Path, tmp_path: Path) -> Path:
+    """A copy of the sweep directory ``out`` (its records name their runs relative to it)."""
+    return Path(shutil.copytree(out, tmp_path / "out"))
 
 
 def test_killed_sweep_resumes_the_remaining_cells(sweep):
@@ -98,19 +107,20 @@ def test_sweep_writes_machine_facts_and_report(sweep):
     assert str(out / "report.md") in resumed.stdout
 
 
-def test_rerun_skips_every_cell_and_rebuilds_the_report(sweep):
-    out, _, _ = sweep
+def test_rerun_skips_every_cell_and_rebuilds_the_report(sweep, tmp_path):
+    out = copy_of(sweep[0], tmp_path)
     (out / "report.md").unlink()
     rerun = run_fdl(*bench_args(out), timeout=120)
     assert rerun.returncode == 0, rerun.stderr
     assert "2 of 2 cell(s) already in" in rerun.stderr
     assert len(read_results(out)) == 2
+    assert len(json.loads((out / "sweep.json").read_text())["sessions"]) == 3
     assert (out / "report.md").is_file()
     assert "cadence-cpu" in rerun.stdout  # the summary table
 
 
-def test_bench_report_regenerates_the_files(sweep):
-    out, _, _ = sweep
+def test_bench_report_regenerates_the_files(sweep, tmp_path):
+    out = copy_of(sweep[0], tmp_path)
     (out / "report.json").unlink()
     proc = run_fdl("bench", "report", str(out))
     assert proc.returncode == 0, proc.stderr

@@ -4,9 +4,16 @@ GPU survey replaced by FDL_GPU_SURVEY fixtures (this machine has no GPU)."""
 from __future__ import annotations
 
 import json
+import platform
+import re
+import sys
+from pathlib import Path
 
+import psutil
 import pytest
 from helpers import GPU_FIXTURES, run_fdl
+
+import fdl
 
 
 def diagnose(*args: str, fixture: str | None = None):
@@ -14,12 +21,52 @@ def diagnose(*args: str, fixture: str | None = None):
     return run_fdl("diagnose", *args, env=env)
 
 
-def test_diagnose_here_runs_and_reports_every_section():
-    proc = diagnose()
+def report_sections(text: str) -> dict[str, list[str]]:
+    """The human report's sections: each heading (``Name ───``) -> the lines under it."""
+    sections: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in text.splitlines():
+        heading = re.fullmatch(r"(\S.*?) ─+", line)
+        if heading:
+            lines = sections[heading[1]] = []
+        else:
+            lines.append(line)
+    return sections
+
+
+def fields(lines: list[str]) -> dict[str, str]:
+    """The ``  label  value`` lines of a section (labels may hold single spaces)."""
+    return {m[1]: m[2] for line in lines if (m := re.fullmatch(r"  (\S+(?: \S+)*)  +(\S.*)", line))}
+
+
+def test_diagnose_here_reports_this_host_and_its_torch(tmp_path):
+    """The real host survey and torch probe, on a host without GPUs (the fixture): each fact in
+    its own field, equal to what this interpreter knows of itself and of the torch it runs."""
+    import torch
+
+    home = tmp_path / "home"
+    proc = run_fdl("diagnose", env={"FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json"),
+                                    "FLODL_HOME": str(home)})
     assert proc.returncode == 0, proc.stderr
-    for section in ("Context", "System", "GPUs", "Python torch", "Compatibility", "verdict:"):
-        assert section in proc.stdout
-    assert "2.13.0" in proc.stdout  # the torch wheel of this venv
+    sections = report_sections(proc.stdout)
+    assert list(sections) == ["Context", "System", "GPUs (from fixture)", "Python torch",
+                              "libtorch", "Compatibility"], proc.stdout
+    context = fields(sections["Context"])
+    assert context["fdl version"] == fdl.__version__ and context["flodl home"] == str(home)
+    system = fields(sections["System"])
+    assert system["python"] == f"{platform.python_version()} ({sys.executable})"
+    assert system["cpu"].endswith(f" / {psutil.cpu_count(logical=True)} logical cores)")
+    assert "  no NVIDIA GPU" in sections["GPUs (from fixture)"]
+    wheel = fields(sections["Python torch"])
+    assert wheel["version"] == torch.__version__  # the installed wheel, in its field
+    assert wheel["built with"] == (f"CUDA {torch.version.cuda}" if torch.version.cuda
+                                   else "CPU only")
+    assert wheel["gloo"] == ("yes" if torch.distributed.is_gloo_available() else "no")
+    assert wheel["CUDA usable"].startswith("yes" if torch.cuda.is_available() else "no")
+    assert wheel["location"] == str(Path(torch.__file__).parent)
+    assert fields(sections["libtorch"]) == {"active": "none (fdl setup installs one)"}
+    assert sections["Compatibility"][-1] == \
+        f"  [ok] verdict: no NVIDIA GPU; torch {torch.__version__} will train on the CPU"
 
 
 def test_diagnose_json_here_is_one_document():

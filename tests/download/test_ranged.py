@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import GUARD_S, wait_until
+from helpers import GUARD_S, started, wait_until
 
 from fdl.download.client import http_client
 from fdl.download.fetch import download, num_connections
@@ -161,16 +161,16 @@ def test_sigint_keeps_the_part_and_its_record_and_the_rerun_resumes(served, tmp_
         from fdl.download.fetch import download
         download({served.url("libtorch.zip")!r}, Path({str(dest)!r}), **{PARALLEL!r})
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        wait_until(lambda: (s := load_state(_part(dest))) is not None and s.done_bytes > 0,
-                   "the record to count written bytes", proc=proc)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=GUARD_S)
-    finally:
-        hold.release.set()
+    with started([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True,
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
+        try:
+            wait_until(lambda: (s := load_state(_part(dest))) is not None and s.done_bytes > 0,
+                       "the record to count written bytes", proc=proc)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=GUARD_S)
+        finally:
+            hold.release.set()
     assert proc.returncode != 0 and "KeyboardInterrupt" in stderr
     state = load_state(_part(dest))
     assert state is not None and 0 < state.done_bytes < len(DATA)

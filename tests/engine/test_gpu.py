@@ -19,11 +19,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, run_fdl
+from helpers import clean_env, run_fdl, started
 
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.rundir.timeline import read_events
@@ -218,15 +219,16 @@ def test_a_cuda_worker_and_a_cpu_worker_agree_on_the_cpu_backend(tmp_path):
     """backend auto in a group of a CUDA worker and a CPU worker (CUDA hidden from it): both
     average through the host, and one average leaves them bitwise identical."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "mixed_group.py"), str(tmp_path)],
-                              env=clean_env({"RANK": str(rank), "LOCAL_RANK": "0",
-                                             "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                             "MASTER_PORT": str(port),
-                                             **({"CUDA_VISIBLE_DEVICES": ""} if rank else {})}),
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-3000:]
+    with ExitStack() as running:  # a rank that hangs (or a failed assert) is killed on the way out
+        procs = [running.enter_context(started(
+            [sys.executable, str(SCRIPTS / "mixed_group.py"), str(tmp_path)],
+            env=clean_env({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                           **({"CUDA_VISIBLE_DEVICES": ""} if rank else {})}),
+            stderr=subprocess.PIPE, text=True)) for rank in range(2)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
     seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [s["device"].split(":")[0] for s in seen] == ["cuda", "cpu"]
     assert {s["backend"] for s in seen} == {"cpu"}

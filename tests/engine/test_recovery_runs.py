@@ -1,8 +1,13 @@
 """Crash and resume with real processes: `fdl run` with 2 gloo workers, one SIGKILLed mid-run.
 
-The killed run restarts (--max-restarts 1), resumes from its last checkpoint and must end
-within 1 accuracy point of the same run left alone; its timeline shows the restart. A finished
-run resumed with one worker fewer and more epochs continues where its checkpoint left off.
+The killed run restarts (--max-restarts 1), resumes from the checkpoint it wrote last, at that
+checkpoint's position, keeps the history of the epochs before it and learns the task; its
+timeline shows the restart. A finished run resumed with one worker fewer and more epochs
+continues where its checkpoint left off.
+
+The killed run is not compared with the same run left alone: both plan their rounds from
+measured speeds, so two runs differ in their last digits by design, and a bar on the
+difference asserted the machine's timing as much as the resume.
 """
 
 from __future__ import annotations
@@ -14,8 +19,7 @@ import sys
 from pathlib import Path
 
 import psutil
-import pytest
-from helpers import clean_env, run_fdl, wait_until
+from helpers import clean_env, run_fdl, started, wait_until
 from trace_checks import check_against, check_format, load_strict
 
 from fdl.rundir.timeline import read_events
@@ -32,9 +36,10 @@ def command(run_dir: Path, out: Path, *flags: str) -> list[str]:
 
 
 def kill_rank_when_checkpointed(proc: subprocess.Popen, run_dir: Path, rank: str) -> int:
-    """SIGKILL worker ``rank`` as soon as the first checkpoint is in place; its pid."""
-    wait_until(lambda: list((run_dir / "checkpoints").glob("ckpt-r*")), "the first checkpoint",
-               proc=proc)
+    """SIGKILL worker ``rank`` as soon as rank 0 has logged its first checkpoint (the event
+    follows the checkpoint's rename into place); its pid."""
+    wait_until(lambda: any(e["kind"] == "checkpoint" for e in read_events(run_dir, 0)),
+               "the first checkpoint", proc=proc)
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
             if "fdl.launch.worker" in child.cmdline() and child.environ().get("RANK") == rank:
@@ -45,32 +50,39 @@ def kill_rank_when_checkpointed(proc: subprocess.Popen, run_dir: Path, rank: str
     raise AssertionError("worker not found")
 
 
-def test_sigkilled_worker_restarts_from_checkpoint_and_matches(tmp_path):
-    steady_out, crash_out = tmp_path / "steady", tmp_path / "crash"
-    steady_out.mkdir()
+def test_sigkilled_worker_restarts_from_its_checkpoint_and_learns(tmp_path):
+    crash_out, run_dir = tmp_path / "crash", tmp_path / "crash-run"
     crash_out.mkdir()
-    steady = subprocess.run(command(tmp_path / "steady-run", steady_out, *FLAGS),
-                            capture_output=True, text=True, env=clean_env(), timeout=240)
-    assert steady.returncode == 0, steady.stdout[-2000:] + steady.stderr[-2000:]
-
-    run_dir = tmp_path / "crash-run"
-    proc = subprocess.Popen(command(run_dir, crash_out, *FLAGS), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=clean_env())
-    kill_rank_when_checkpointed(proc, run_dir, rank="1")
-    output, _ = proc.communicate(timeout=240)
+    with started(command(run_dir, crash_out, *FLAGS), stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True, env=clean_env()) as proc:
+        kill_rank_when_checkpointed(proc, run_dir, rank="1")
+        output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output[-3000:]
     assert "resuming from" in output
 
-    steady = json.loads((steady_out / "rank0.json").read_text())
-    steady_acc = steady["metrics"]["accuracy"]
     crash = json.loads((crash_out / "rank0.json").read_text())
-    # The schedule had scaled the LR in the checkpoint's optimizer state (by 0.775 at epoch 1):
-    # it is not applied twice. (The last step's progress, so its LR, differs between two runs
-    # by what the elastic rounds took: under 0.2% here.)
-    assert crash["lrs"] == pytest.approx(steady["lrs"], rel=0.01) and steady["lrs"][0] < 0.011
-    assert abs(crash["metrics"]["accuracy"] - steady_acc) <= 0.01
+    assert crash["metrics"]["accuracy"] > 0.9  # the task is learned (chance: 0.5)
+    # The schedule (the LR decays linearly to a tenth) had scaled the LR in the checkpoint's
+    # optimizer state by 0.775 at epoch 1: it is not applied twice. The last step's progress is
+    # just under 1 (it depends on what the elastic rounds took), so the LR ends just above a
+    # tenth of 0.1; applied twice, it ended at 0.0078.
+    assert 0.0100 <= crash["lrs"][0] <= 0.0110, crash["lrs"]
     assert [r["epoch"] for r in crash["history"]] == [1, 2, 3, 4]
     assert crash["summary"]["attempt"] == 1 and crash["summary"]["resumed_from"]
+
+    # The restart starts where the newest checkpoint before the kill left off, and the epochs
+    # before it are the first attempt's, not trained again.
+    events = read_events(run_dir, 0)
+    restart = next(i for i, e in enumerate(events) if e["kind"] == "start" and e["attempt"] == 1)
+    written = [e for e in events[:restart] if e["kind"] == "checkpoint"]
+    assert written, "the first attempt wrote a checkpoint before the kill"
+    start = events[restart]
+    assert start["resumed_from"] == written[-1]["name"] == crash["summary"]["resumed_from"]
+    assert (start["epoch"], start["round"]) == (written[-1]["epoch"], written[-1]["round"])
+    before = {e["epoch"]: e["train_loss"] for e in events[:restart] if e["kind"] == "epoch"}
+    assert before, "the first attempt finished an epoch before its checkpoint"
+    assert {r["epoch"]: r["train_loss"] for r in crash["history"] if r["epoch"] in before} \
+        == before
 
     starts = [e for e in read_events(run_dir, 1) if e["kind"] == "start"]
     assert [e["attempt"] for e in starts] == [0, 1]

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from helpers import clean_env, run_fdl
+from helpers import clean_env, run_fdl, started
 
 from fdl.engine.collectives import agreed_backend
 from fdl.engine.data import epoch_permutation
@@ -95,14 +96,15 @@ def test_a_real_group_mixing_a_cpu_and_a_gpu_worker_agrees_on_cpu(tmp_path):
     backend (deciding per worker gave gloo on one side and NCCL on the other: a hang)."""
     claims = {0: ["0", "1", "1"], 1: ["1", "1", "0"]}
     init_file = tmp_path / "rendezvous"
-    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "backend_agreement.py"),
-                               str(init_file), str(rank), str(tmp_path), *claims[rank]],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=clean_env())
-             for rank in (0, 1)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, output[-3000:]
+    with ExitStack() as running:  # a rank that hangs (or a failed assert) is killed on the way out
+        procs = [running.enter_context(started(
+            [sys.executable, str(SCRIPTS / "backend_agreement.py"), str(init_file), str(rank),
+             str(tmp_path), *claims[rank]],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env()))
+            for rank in (0, 1)]
+        for proc in procs:
+            output, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, output[-3000:]
     answers = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert answers == [["cpu", "nccl", "cpu"]] * 2
 

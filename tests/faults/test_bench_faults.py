@@ -4,11 +4,25 @@ right exit code, nothing started."""
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
+from functools import partial
 
 import pytest
 from helpers import assert_one_error, run_fdl
+from torch.utils.data import Subset
 
-from fdl.bench.results import check_record, load_results, write_sweep_json
+from fdl.bench.cells import Cell
+from fdl.bench.datasets import load_dataset
+from fdl.bench.models import get_model
+from fdl.bench.results import (
+    append_record,
+    build_record,
+    check_record,
+    load_results,
+    write_sweep_json,
+)
+from fdl.engine.trainer import Trainer
 from fdl.errors import FdlError
 
 GOOD = {"model": "mlp", "mode": "solo@1x", "policy": "solo", "backend": "cpu", "seed": 0,
@@ -63,10 +77,29 @@ def test_a_record_with_a_wrong_field_is_reported_by_line_and_field(tmp_path, cha
         load_results(tmp_path)
 
 
-def test_the_records_fdl_writes_pass_the_check_including_a_diverged_loss():
-    assert check_record(GOOD) is None
-    assert check_record({**GOOD, "eval": float("nan"), "slowdown": None, "history": None}) is None
-    assert check_record([GOOD]) == "expected a JSON object, got list"
+def test_the_records_fdl_writes_pass_the_check_including_a_diverged_loss(tmp_path, monkeypatch):
+    """A record fdl bench itself builds (fdl.bench.results.build_record) from a real run
+    directory: the autoencoder cell on the synthetic set, trained solo in-process with its LR
+    made infinite so that it diverges. Its loss and its eval (mse) are NaN, as a diverged cell's
+    are, and the record still reads back: a diverged run is a result too."""
+    out, run_dir = tmp_path / "out", tmp_path / "out" / "runs" / "cell"
+    model = replace(get_model("autoencoder"), lr=math.inf)
+    splits = load_dataset("synthetic", data_dir=tmp_path / "data", download=False)
+    monkeypatch.setenv("FDL_RUN_DIR", str(run_dir))
+    Trainer(model=partial(model.build, splits.meta), optimizer=model.make_optimizer,
+            train_step=model.train_step, evaluate=model.evaluate,
+            train_data=Subset(splits.train, range(256)), eval_data=Subset(splits.test, range(64)),
+            batch_size=model.batch_size, epochs=1).fit()
+    cell = Cell("autoencoder", "synthetic", "solo@1x", "solo", None, 0, 1, (1.0,), 1)
+    append_record(out / "results.jsonl", build_record(cell, run_dir=run_dir, out_dir=out))
+
+    records, _ = load_results(out)
+    assert len(records) == 1 and check_record(records[0]) is None
+    record = records[0]
+    assert math.isnan(record["eval"]) and math.isnan(record["history"][0]["train_loss"])
+    assert (record["model"], record["metric"], record["run_dir"]) == ("autoencoder", "mse",
+                                                                      "runs/cell")
+    assert check_record([record]) == "expected a JSON object, got list"
 
 
 @pytest.mark.parametrize("previous", [b"\xff\xfe", b"[1]", b'{"sessions": 3}'])

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import zipfile
+from contextlib import AbstractContextManager, ExitStack
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from helpers import (
     libtorch_list,
     run_fdl,
     self_signed_cert,
+    started,
     wait_until,
 )
 
@@ -94,13 +96,14 @@ def staging_names(env: dict[str, str]) -> list[str]:
     return sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
 
 
-def popen_fdl(env: dict[str, str], *args: str) -> subprocess.Popen:
+def popen_fdl(env: dict[str, str], *args: str) -> AbstractContextManager[subprocess.Popen]:
     """``fdl`` as a terminal starts it: with SIGINT's default disposition. A pytest started in
     the background by a non-interactive shell ignores SIGINT, children inherit an ignored
-    signal, and the Ctrl-C test then saw its SIGINT ignored and the download finish."""
-    return subprocess.Popen([sys.executable, "-m", "fdl", *args], env=clean_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)
+    signal, and the Ctrl-C test then saw its SIGINT ignored and the download finish. A context
+    manager (helpers.started): whatever still runs on the way out is killed."""
+    return started([sys.executable, "-m", "fdl", *args], env=clean_env(env),
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                   preexec_fn=_default_sigint)
 
 
 def _default_sigint() -> None:
@@ -333,22 +336,23 @@ def test_two_concurrent_downloads_of_one_variant_make_one_install(http_server, m
     http_server.script.append(hold)
     args = ["libtorch", "download", "--cpu", "--version", "2.13.0"]
     part = Path(mirror_env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.13.0-cpu.zip.part"
-    first = popen_fdl(mirror_env, *args)
-    try:
-        wait_until(part.exists, "the first download's staging file", proc=first)
-        second = popen_fdl(mirror_env, *args)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_lines, args=(second.stderr, lines), daemon=True).start()
-        seen = []
-        while not any("waiting for another fdl process" in line for line in seen):
-            line = lines.get(timeout=GUARD_S)
-            assert line is not None, f"the second download never waited: {''.join(seen)}"
-            seen.append(line)
-    finally:
-        hold.release.set()
-    out_first = first.communicate(timeout=GUARD_S)
-    assert second.wait(timeout=GUARD_S) == 0, "".join(seen)
-    assert first.returncode == 0, out_first[1]
+    with ExitStack() as running:
+        first = running.enter_context(popen_fdl(mirror_env, *args))
+        try:
+            wait_until(part.exists, "the first download's staging file", proc=first)
+            second = running.enter_context(popen_fdl(mirror_env, *args))
+            lines: queue.Queue = queue.Queue()
+            threading.Thread(target=_lines, args=(second.stderr, lines), daemon=True).start()
+            seen = []
+            while not any("waiting for another fdl process" in line for line in seen):
+                line = lines.get(timeout=GUARD_S)
+                assert line is not None, f"the second download never waited: {''.join(seen)}"
+                seen.append(line)
+        finally:
+            hold.release.set()
+        out_first = first.communicate(timeout=GUARD_S)
+        assert second.wait(timeout=GUARD_S) == 0, "".join(seen)
+        assert first.returncode == 0, out_first[1]
     doc = libtorch_list(mirror_env)
     assert doc["active"] == "precompiled/2.13.0-cpu" and len(doc["variants"]) == 1
     assert doc["variants"][0]["sha256"] == hashlib.sha256(data).hexdigest()
@@ -491,14 +495,14 @@ def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(ht
     hold = http_server.Act(pause_after=2 << 20)  # 2 MiB, then the server waits
     http_server.script.append(hold)
     part = Path(mirror_env["FLODL_HOME"]) / "libtorch" / ".staging" / "2.12.0-cpu.zip.part"
-    proc = popen_fdl(mirror_env, "libtorch", "download", "--cpu", "--version", "2.12.0")
-    try:
-        wait_until(lambda: part.exists() and part.stat().st_size >= 1 << 20,
-                   "the download's staging file to hold 1 MiB", proc=proc)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=GUARD_S)
-    finally:
-        hold.release.set()
+    with popen_fdl(mirror_env, "libtorch", "download", "--cpu", "--version", "2.12.0") as proc:
+        try:
+            wait_until(lambda: part.exists() and part.stat().st_size >= 1 << 20,
+                       "the download's staging file to hold 1 MiB", proc=proc)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=GUARD_S)
+        finally:
+            hold.release.set()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == "interrupted"

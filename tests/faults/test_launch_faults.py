@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import alive, clean_env, run_fdl, wait_until, wait_until_gone
+from helpers import alive, clean_env, run_fdl, started, wait_until, wait_until_gone
 
 FAIL_SCRIPT = Path(__file__).parents[1] / "launch" / "scripts" / "fail.py"
 GUARD_S = 60
@@ -55,20 +55,18 @@ def blocking(tmp_path: Path) -> tuple[Path, Path]:
 
 @contextmanager
 def started_run(tmp_path: Path, *args: str) -> Iterator[subprocess.Popen]:
-    """A running `fdl run ARGS`; on the way out its workers are released and it is waited for
-    (killed, with every process it started, if it overruns the guard)."""
-    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", *TWO_CPU_WORKERS, *args],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=clean_env(CPU_ONLY))
-    try:
-        yield proc
-    finally:
-        (tmp_path / "out" / "release").touch()
+    """A running `fdl run ARGS`; on the way out its workers are released and it is waited for,
+    then whatever still runs (the test failed, or the run overran the guard) is killed with
+    every process it started (helpers.started)."""
+    with started([sys.executable, "-m", "fdl", "run", *TWO_CPU_WORKERS, *args], cwd=tmp_path,
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 env=clean_env(CPU_ONLY)) as proc:
         try:
-            proc.communicate(timeout=GUARD_S)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.communicate()
+            yield proc
+        finally:
+            (tmp_path / "out" / "release").touch()
+            with suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=GUARD_S)
 
 
 def kill_tree(pid: int) -> None:

@@ -12,24 +12,43 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, run_fdl, wait_until
+from helpers import GUARD_S, clean_env, end_process_tree, run_fdl, wait_until
 
 SCRIPT = Path(__file__).parent / "scripts" / "watched_train.py"
 STATUS = "samples/s  loss"  # the live display's second line; the epoch lines have one space
 
 
 class Terminal:
-    """``python -m fdl ARGS`` with stdout and stderr on a pseudo-terminal, read as it comes."""
+    """``python -m fdl ARGS`` with stdout and stderr on a pseudo-terminal, read as it comes. A
+    context manager: on the way out, passed or failed, the launcher and its workers are ended
+    (a test that fails before it releases the workers would otherwise leave them waiting)."""
 
     def __init__(self, *args: str, cwd: Path) -> None:
+        self._argv, self._cwd, self._data = [sys.executable, "-m", "fdl", *args], cwd, bytearray()
+
+    def __enter__(self) -> Terminal:
         master, slave = os.openpty()
         env = clean_env({"TERM": "xterm", "COLUMNS": "120"})
-        self.proc = subprocess.Popen([sys.executable, "-m", "fdl", *args], cwd=cwd, env=env,
-                                     stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
-        os.close(slave)
-        self._master, self._data = master, bytearray()
+        try:
+            self.proc = subprocess.Popen(self._argv, cwd=self._cwd, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                                         start_new_session=True)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        self._master = master
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            end_process_tree(self.proc)
+        finally:
+            self._reader.join(timeout=GUARD_S)
+            os.close(self._master)
 
     def _read(self) -> None:
         while True:
@@ -46,21 +65,21 @@ class Terminal:
         return bytes(self._data).decode("utf-8", "replace")
 
     def finish(self) -> tuple[int, str]:
-        code = self.proc.wait(timeout=120)
-        self._reader.join(timeout=120)
-        os.close(self._master)
+        """The launcher's exit code once it ends by itself, and all it wrote."""
+        code = self.proc.wait(timeout=GUARD_S)
+        self._reader.join(timeout=GUARD_S)
         return code, self.text
 
 
 def test_live_progress_on_a_terminal_and_tensorboard_scalars_match_metrics(tmp_path: Path) -> None:
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    terminal = Terminal("run", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                        "--simulate-slowdown", "1,2", str(SCRIPT), str(release), "--tensorboard",
-                        cwd=tmp_path)
-    # Training holds at its third step until the display has shown rank 0's progress.
-    wait_until(lambda: STATUS in terminal.text, "the live progress line", proc=terminal.proc)
-    release.touch()
-    code, text = terminal.finish()
+    with Terminal("run", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+                  "--simulate-slowdown", "1,2", str(SCRIPT), str(release), "--tensorboard",
+                  cwd=tmp_path) as terminal:
+        # Training holds at its third step until the display has shown rank 0's progress.
+        wait_until(lambda: STATUS in terminal.text, "the live progress line", proc=terminal.proc)
+        release.touch()
+        code, text = terminal.finish()
     assert code == 0, text
     status = next(line for line in text.replace("\r", "\n").splitlines() if STATUS in line)
     assert "ranks " in status and "anchor " in status, status
@@ -121,9 +140,9 @@ def _assert_tensorboard_matches(log_dir: Path, records: list[dict]) -> None:
 def test_quiet_on_a_terminal_shows_plain_lines_only(tmp_path: Path) -> None:
     run_dir, release = tmp_path / "run", tmp_path / "release"
     release.touch()
-    terminal = Terminal("run", "--quiet", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                        str(SCRIPT), str(release), cwd=tmp_path)
-    code, text = terminal.finish()
+    with Terminal("run", "--quiet", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+                  str(SCRIPT), str(release), cwd=tmp_path) as terminal:
+        code, text = terminal.finish()
     assert code == 0, text
     assert STATUS not in text and " left" not in text
     assert "epoch 3/3  loss " in text

@@ -30,11 +30,30 @@ def test_lines_fit_the_width(width: int) -> None:
         assert len(line) <= width
 
 
-@pytest.mark.parametrize("junk", [None, "x", True, float("nan"), float("inf"), -5, [1], {"a": 1}])
+@pytest.mark.parametrize("junk", [None, "x", True, float("nan"), float("inf"), float("-inf"),
+                                  -5, -0.5, [1], {"a": 1}])
 def test_junk_values_show_as_unknown(junk: object) -> None:
+    """Every field junk: each figure shows as unknown (``?``, ``-``, ``-:--``), never as the
+    junk (a negative rate, epoch or anchor is not one rank 0 writes). The loss is the one
+    figure that may be negative (a log-likelihood can be), so a finite -5 still shows."""
     snapshot = {key: junk for key in SNAPSHOT} | {"schema": 1}
-    text = format_status(snapshot, width=80)
-    assert text.startswith("epoch ") and "samples/s" in text
+    first, second = format_status(snapshot, width=80).split("\n")
+    assert first.startswith("epoch ?/? ╺") and first.endswith("   0%  -:-- left"), first
+    assert len(first) == 80
+    loss = f"loss {junk:.4f}" if junk in (-5, -0.5) else "loss -"
+    anchor = "" if junk is None else "  anchor ?"  # present but not a count: unknown
+    assert second == f"- samples/s  {loss}{anchor}"
+
+
+@pytest.mark.parametrize(("shares", "shown"), [
+    ([0.71, 0.29], "ranks 71% 29%"),
+    ([0.5, -0.1], "ranks 50% ?"),
+    ([float("nan"), 1.5], "ranks ? ?"),
+    (["x", None], "ranks ? ?"),
+])
+def test_each_rank_share_is_a_figure_or_unknown(shares: list, shown: str) -> None:
+    second = format_status(SNAPSHOT | {"shares": shares}, width=100).split("\n")[1]
+    assert second.endswith(f"anchor 20  {shown}"), second
 
 
 def test_read_refuses_what_rank_0_does_not_write(tmp_path: Path) -> None:

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, free_port, run_fdl, wait_until, wait_until_gone
+from helpers import clean_env, free_port, run_fdl, started, wait_until, wait_until_gone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -29,29 +32,48 @@ def load_params(directory: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(directory / f"rank{rank}.pt")
 
 
-def test_ddp_script_matches_torchrun_bit_for_bit(tmp_path):
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    ours.mkdir()
-    theirs.mkdir()
-    script = str(SCRIPTS / "ddp_train.py")
-    proc = fdl("--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), script, str(ours),
-               cwd=tmp_path)
+@dataclass(frozen=True)
+class DdpRun:
+    """One `fdl run` of ddp_train.py on 2 workers with --policy async --epochs 3 (settings the
+    script ignores: they show what reaches the workers and config.json)."""
+
+    base: Path
+    out: Path  # rank<r>.pt and rank<r>.json
+    run_dir: Path
+    proc: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> DdpRun:
+    base = tmp_path_factory.mktemp("ddp")
+    out, run_dir = base / "out", base / "run"
+    out.mkdir()
+    proc = fdl("--nproc-per-node", "2", "--policy", "async", "--epochs", "3", "--run-dir",
+               str(run_dir), str(SCRIPTS / "ddp_train.py"), str(out), cwd=base)
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    ref = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", script,
-                          str(theirs)], capture_output=True, text=True, timeout=180,
-                         env=clean_env(), cwd=tmp_path)
+    return DdpRun(base, out, run_dir, proc)
+
+
+def test_ddp_script_matches_torchrun_bit_for_bit(ddp_run, tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    ref = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "ddp_train.py"), str(theirs)], capture_output=True,
+                         text=True, timeout=180, env=clean_env(), cwd=tmp_path)
     assert ref.returncode == 0, ref.stderr
     for rank in (0, 1):
-        a, b = load_params(ours, rank), load_params(theirs, rank)
+        a, b = load_params(ddp_run.out, rank), load_params(theirs, rank)
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), name
     # Worker environment: exactly torchrun's variables, plus what the planned spec adds
     # (recorded in config.json, shown by --dry-run), with the spec's values.
-    added = json.loads((tmp_path / "run" / "config.json").read_text())["env"]
-    assert {k for k in added if not k.startswith("FDL_")} == {"OMP_NUM_THREADS"}
+    added = json.loads((ddp_run.run_dir / "config.json").read_text())["env"]
+    # Besides fdl's own: threads, and the devices (empty for CPU workers: CUDA hidden).
+    assert {k for k in added if not k.startswith("FDL_")} - {"CUDA_DEVICE_ORDER"} == \
+        {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}
     for rank in (0, 1):
-        env_ours = json.loads((ours / f"rank{rank}.json").read_text())
+        env_ours = json.loads((ddp_run.out / f"rank{rank}.json").read_text())
         env_theirs = json.loads((theirs / f"rank{rank}.json").read_text())
         assert env_ours.keys() - env_theirs.keys() == added.keys() - env_theirs.keys()
         assert {k: env_ours[k] for k in added} == added
@@ -61,25 +83,20 @@ def test_ddp_script_matches_torchrun_bit_for_bit(tmp_path):
             assert env_ours[key] == env_theirs[key], key
         assert env_ours["MASTER_ADDR"] == "127.0.0.1"
         assert env_ours["MASTER_PORT"] != "29500"
-        assert env_ours["FDL_RUN_DIR"] == str(tmp_path / "run")
+        assert env_ours["FDL_RUN_DIR"] == str(ddp_run.run_dir)
         assert int(env_ours["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
 
 
-def test_run_directory_logs_and_terminal_prefixes(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    run_dir = tmp_path / "run"
-    proc = fdl("--run-dir", str(run_dir), "--policy", "async", "--epochs", "3",
-               str(SCRIPTS / "ddp_train.py"), str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "[rank 0] rank 0 final loss" in proc.stdout
-    assert "[rank 1] rank 1 final loss" in proc.stdout
-    assert "rank 1 final loss" in (run_dir / "logs" / "rank1.log").read_text()
-    config = json.loads((run_dir / "config.json").read_text())
+def test_run_directory_logs_and_terminal_prefixes(ddp_run):
+    stdout = ddp_run.proc.stdout
+    assert "[rank 0] rank 0 final loss" in stdout
+    assert "[rank 1] rank 1 final loss" in stdout
+    assert "rank 1 final loss" in (ddp_run.run_dir / "logs" / "rank1.log").read_text()
+    config = json.loads((ddp_run.run_dir / "config.json").read_text())
     assert config["settings"]["policy"] == {"value": "async", "source": "flag"}
     assert config["settings"]["epochs"] == {"value": 3, "source": "flag"}
     assert config["settings"]["batch_size"]["source"] == "default"
-    env = json.loads((out / "rank0.json").read_text())
+    env = json.loads((ddp_run.out / "rank0.json").read_text())
     assert env["FDL_POLICY"] == "async" and env["FDL_EPOCHS"] == "3"
     assert json.loads(env["FDL_SOURCES"])["policy"] == "flag"
 
@@ -135,13 +152,13 @@ def test_max_restarts_restarts_the_group_and_keeps_the_first_log(tmp_path):
 def test_ctrl_c_stops_everything_and_exits_130(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", "--run-dir", str(tmp_path / "r"),
-                             str(SCRIPTS / "fail.py"), "none", "-1", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env=clean_env())
-    wait_until(lambda: len(list(out.glob("pid-*"))) >= 2, "both workers to start", proc=proc)
-    proc.send_signal(2)  # SIGINT, as Ctrl-C sends to the launcher
-    _, stderr = proc.communicate(timeout=60)
+    with started([sys.executable, "-m", "fdl", "run", "--run-dir", str(tmp_path / "r"),
+                  str(SCRIPTS / "fail.py"), "none", "-1", str(out)],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                 env=clean_env()) as proc:
+        wait_until(lambda: len(list(out.glob("pid-*"))) >= 2, "both workers to start", proc=proc)
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C sends to the launcher
+        _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     _no_survivors(out)
 
@@ -166,13 +183,14 @@ def test_two_nodes_on_loopback(tmp_path):
     port = free_port()
     out = tmp_path / "out"
     out.mkdir()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "fdl", "run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-         "--run-dir", str(tmp_path / f"node{n}"), str(SCRIPTS / "ddp_train.py"), str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-        env=clean_env({"FDL_DEBUG": "1"})) for n in range(2)]
-    outputs = wait_all(procs, deadline=time.monotonic() + 240)
+    with ExitStack() as nodes:
+        procs = [nodes.enter_context(started(
+            [sys.executable, "-m", "fdl", "run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+             "--run-dir", str(tmp_path / f"node{n}"), str(SCRIPTS / "ddp_train.py"), str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            env=clean_env({"FDL_DEBUG": "1"}))) for n in range(2)]
+        outputs = wait_all(procs, deadline=time.monotonic() + 240)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(
         f"--- node{n} exit {p.returncode}:\n{text}" for n, (p, text) in
         enumerate(zip(procs, outputs, strict=True)))

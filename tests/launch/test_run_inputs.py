@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, assert_one_error, clean_env, free_port, run_fdl
+from helpers import GPU_FIXTURES, assert_one_error, clean_env, free_port, run_fdl, started
 
 from fdl.errors import UsageError
 
@@ -186,10 +186,10 @@ def test_users_omp_num_threads_wins(project):
 def test_dry_run_shows_all_that_fdl_adds_to_a_worker_environment(project):
     """The launcher pid and the live-progress interval are planned, not added after the spec."""
     terminal = {"TTY_COMPATIBLE": "1", "TERM": "xterm"}  # rich takes stderr for a terminal
-    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", "--dry-run", "--json",
-                             "train.py"], cwd=project, env=clean_env(terminal),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=120)
+    with started([sys.executable, "-m", "fdl", "run", "--dry-run", "--json", "train.py"],
+                 cwd=project, env=clean_env(terminal), stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True) as proc:
+        out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     env = json.loads(out)["env"]
     assert env["FDL_PROGRESS"] == "0.25"

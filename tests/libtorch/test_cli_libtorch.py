@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
-from helpers import clean_env, run_fdl
+from helpers import clean_env, run_fdl, started
 
 from fdl.libtorch.store import Store
 
@@ -165,8 +166,9 @@ def test_concurrent_cli_activations_leave_one_of_the_two(flodl_home, store):
     add(store, "b", kind="builds")
     env = {"FLODL_HOME": str(flodl_home)}
     for _ in range(3):
-        children = [subprocess.Popen([sys.executable, "-m", "fdl", "libtorch", "activate", name],
-                                     env=clean_env(env), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE) for name in ("a", "b")]
-        assert [child.wait(timeout=60) for child in children] == [0, 0]
+        with ExitStack() as running:
+            children = [running.enter_context(started(
+                [sys.executable, "-m", "fdl", "libtorch", "activate", name], env=clean_env(env),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)) for name in ("a", "b")]
+            assert [child.wait(timeout=60) for child in children] == [0, 0]
         assert (store.root / ".active").read_text() in ("precompiled/a\n", "builds/b\n")

@@ -1,7 +1,8 @@
 """A libtorch archive made from this venv's torch wheel (lib/, include/, share/), installed with
 `fdl libtorch download --url file://...`, activated, and found by CMake's find_package(Torch)
 through `fdl libtorch env` — then a tiny C++ program is built against it and run. About a
-minute (a 500 MB archive and a C++ compile), so it runs in the default suite."""
+minute (a 500 MB archive and a C++ compile), so it is marked slow like the other C++ build
+(off by default): `pytest -m slow tests/libtorch/test_cmake_find_torch.py`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ int main() { std::cout << torch::ones({2, 2}).sum().item<float>() << std::endl; 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("g++")), reason="needs cmake, g++")
 def test_wheel_archive_installs_and_cmake_builds_against_it(tmp_path):
     import torch

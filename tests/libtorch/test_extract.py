@@ -3,11 +3,16 @@ ones, modes and sizes: tests/faults/test_download_faults.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import zipfile
 
 import pytest
+from helpers import GUARD_S, clean_env
 
 import fdl.libtorch.extract as extract_mod
 from fdl.errors import FdlError
@@ -105,6 +110,37 @@ def test_existing_dest_is_refused(tmp_path):
 def test_missing_archive(tmp_path):
     with pytest.raises(FdlError, match="archive not found"):
         extract_zip(tmp_path / "nope.zip", tmp_path / "tree")
+
+
+def test_a_full_disk_mid_extraction_removes_dest(tmp_path):
+    """A real full disk: extraction in a child whose file-size limit (RLIMIT_FSIZE) is 64 KiB,
+    of an archive whose third file is 256 KiB: two files are written, the third fails as on a
+    full disk, and nothing half-extracted is left."""
+    archive = _zip(tmp_path / "a.zip", [
+        ("libtorch/lib/libc10.so", b"c10", 0o755),
+        ("libtorch/include/torch.h", b"#pragma once\n", 0o644),
+        ("libtorch/lib/libtorch_cpu.so", bytes(1 << 18), 0o755),
+    ])
+    dest = tmp_path / "tree"
+    script = textwrap.dedent(f"""
+        import json, resource, signal
+        from pathlib import Path
+        from fdl.errors import FdlError
+        from fdl.libtorch.extract import extract_zip
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+        try:
+            extract_zip(Path({str(archive)!r}), Path({str(dest)!r}))
+        except FdlError as exc:
+            print(json.dumps([exc.message, exc.hint]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=GUARD_S, env=clean_env())
+    assert proc.returncode == 0 and proc.stdout, proc.stderr
+    message, hint = json.loads(proc.stdout)
+    assert message.startswith(f"cannot extract {archive} into {dest}: ") and "too large" in message
+    assert hint == "check free space and permissions there"
+    assert not dest.exists()
 
 
 def test_ctrl_c_mid_extraction_removes_dest(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from helpers import GUARD_S, started
 
 from fdl.errors import FdlError, MissingTorchError, UsageError
 from fdl.libtorch.link import link_python
@@ -256,14 +257,17 @@ for _ in range(int(sys.argv[3])):
 
 def test_concurrent_activations_leave_a_valid_active_file(store):
     ids = {add(store, "a").id, add(store, "b", kind="builds").id}
-    children = [subprocess.Popen([sys.executable, "-c", ACTIVATE_LOOP, str(store.root), name,
-                                  "150"]) for name in sorted(ids)]
     seen = set()
-    while any(child.poll() is None for child in children):
-        with contextlib.suppress(FileNotFoundError):
-            seen.add((store.root / ".active").read_text())
-        time.sleep(0.001)
-    assert [child.wait() for child in children] == [0, 0]
+    with contextlib.ExitStack() as running:
+        children = [running.enter_context(started(
+            [sys.executable, "-c", ACTIVATE_LOOP, str(store.root), name, "150"]))
+            for name in sorted(ids)]
+        deadline = time.monotonic() + GUARD_S  # a guard against a hung child, not a measure
+        while any(child.poll() is None for child in children) and time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError):
+                seen.add((store.root / ".active").read_text())
+            time.sleep(0.001)
+        assert [child.wait(timeout=GUARD_S) for child in children] == [0, 0]
     assert seen <= {f"{i}\n" for i in ids}  # every read saw a whole line naming a variant
     assert store.active().id in ids
     leftovers = [p.name for p in store.root.iterdir() if p.name.startswith(".active.")]

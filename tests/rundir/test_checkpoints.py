@@ -6,11 +6,14 @@ tests/faults/test_checkpoint_faults.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from checkpoint_helpers import write_solo_checkpoint
+from helpers import GUARD_S, clean_env
 
 from fdl.errors import UsageError
 from fdl.rundir import checkpoints as ckpt
@@ -34,21 +37,36 @@ def test_a_checkpoint_holds_every_file_with_its_hash(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # no staging left behind
 
 
-def test_a_crash_while_writing_leaves_the_previous_checkpoint_alone(tmp_path, monkeypatch):
+def test_a_full_disk_while_writing_leaves_the_previous_checkpoint_alone(tmp_path):
+    """A real full disk: the next checkpoint is written in a child whose file-size limit
+    (RLIMIT_FSIZE) is 64 KiB, so its rank file fits and its 256 KiB model does not. The write
+    fails as on a full disk; torch.save reports it as a RuntimeError, not an OSError (the
+    patched torch.save this test once used raised OSError)."""
     first = write_solo_checkpoint(tmp_path, round_index=1)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
-    real_save = torch.save
-
-    def crash_on_model(obj, path, *args, **kwargs):
-        if "model.pt" in Path(path).name:  # its temporary name, .model.pt.<random>.tmp
-            Path(path).write_bytes(b"partial")
-            raise OSError("disk full")
-        return real_save(obj, path, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", crash_on_model)
-    with pytest.raises(OSError, match="disk full"):
-        write_solo_checkpoint(tmp_path, round_index=2)
-    monkeypatch.undo()
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        from pathlib import Path
+        import torch
+        from fdl.rundir import checkpoints as ckpt
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+        try:
+            ckpt.write_checkpoint(Path({str(tmp_path)!r}), round_index=2, rank=0, world_size=1,
+                                  model_state={{"weight": torch.zeros(256, 256)}},
+                                  rank_state={{"optimizer": {{"step": 2}}}},
+                                  engine_state={{"epoch": 2, "history": []}},
+                                  gather=lambda obj: [obj])
+        except Exception as exc:  # torch.save: RuntimeError ("iostream error"), not OSError
+            sys.exit(f"write failed: {{type(exc).__name__}}: {{exc}}")
+        sys.exit(0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=GUARD_S, env=clean_env())
+    assert proc.returncode == 1 and "write failed: " in proc.stderr, proc.stderr
+    # It got as far as the model: the rank file is staged, the model's partial file removed.
+    staging = tmp_path / "checkpoints" / ".tmp-ckpt-r00000002"
+    assert sorted(p.name for p in staging.iterdir()) == ["rank0.pt"]
     assert not (tmp_path / "checkpoints" / "ckpt-r00000002").exists()
     found, skipped = latest_checkpoint(tmp_path)
     assert found.path == first and skipped == []

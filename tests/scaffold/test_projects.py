@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import math
+import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -41,9 +44,21 @@ def test_the_smoke_test_passes(project):
 
 
 def test_train_py_runs_solo(project):
+    """It trained: one epoch takes the eval loss well below chance's (a uniform guess over the
+    model's outputs, about what an untrained model scores), and what train.py prints is that
+    final evaluation."""
     proc = python("train.py", cwd=project, env={"FDL_EPOCHS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "epoch 1/1" in proc.stderr and "samples/s" in proc.stdout
+    epoch = re.search(r"^epoch 1/1  loss (\S+)  [\d,]+ samples/s  (.+)$", proc.stderr, re.M)
+    assert epoch, proc.stderr
+    words = epoch[2].split()
+    metrics = {name: float(value) for name, value in zip(words[::2], words[1::2], strict=True)}
+    settings = runpy.run_path(str(project / "train.py"))  # the model's outputs, not the run
+    outputs = settings["NUM_CLASSES"] if "NUM_CLASSES" in settings else len(settings["VOCAB"])
+    assert metrics["loss"] < 0.75 * math.log(outputs), (metrics, outputs)
+    printed = re.match(r"eval (\w+) ([\d.]+), [\d]+ samples/s\n", proc.stdout)
+    assert printed, proc.stdout
+    assert float(printed[2]) == pytest.approx(metrics[printed[1]], abs=6e-4)  # .3f of .4f
     assert not (project / "runs").exists()  # solo runs keep no run directory
 
 

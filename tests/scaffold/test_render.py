@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import GUARD_S
 
 from fdl.errors import UsageError
 from fdl.launch.config_file import load_config_file
@@ -157,10 +162,30 @@ def test_fill_rejects_a_mark_without_a_value():
         fill("{{nope}}", {})
 
 
-def test_templates_are_package_data():
-    root = Path(__file__).parents[2] / "fdl" / "scaffold" / "templates"
+def test_templates_are_package_data(tmp_path):
+    """A wheel built from this checkout (offline, as pip builds it for an install) carries every
+    template file that render_project reads, byte for byte, and no stray file in templates/."""
+    root = Path(__file__).parents[2]
+    source = tmp_path / "source"  # a copy: building in place would leave build/ in the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    shutil.copytree(root / "fdl", source / "fdl",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "--no-index", "--disable-pip-version-check",
+                           "-q", "-w", str(tmp_path / "dist"), str(source)],
+                          capture_output=True, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("fdl-*.whl")
+    templates = root / "fdl" / "scaffold" / "templates"
+    with zipfile.ZipFile(wheel) as archive:
+        packaged = {name.removeprefix("fdl/scaffold/templates/"): archive.read(name)
+                    for name in archive.namelist()
+                    if name.startswith("fdl/scaffold/templates/")}
     sources = {*PROJECT_FILES.values(), *DOCKER_FILES.values()}
-    for template in TEMPLATES:
-        for source in sources:
-            assert (root / source.format(template=template)).is_file()
-    assert all(path.suffix == ".tmpl" for path in root.rglob("*") if path.is_file())
+    needed = {source.format(template=template) for template in TEMPLATES for source in sources}
+    assert needed <= set(packaged), sorted(needed - set(packaged))
+    for name in needed:
+        assert packaged[name] == (templates / name).read_bytes(), name
+    assert all(name.endswith(".tmpl") for name in packaged), sorted(packaged)

@@ -1,6 +1,6 @@
 """fdl.Trainer on a tiny task whose steps past the second wait for RELEASE to exist, so a test can
-watch the run's live display before training goes on (a 120 s guard keeps a broken test from
-hanging). Usage: watched_train.py RELEASE"""
+watch the run's live display before training goes on (a 120 s guard, over the whole run, keeps a
+broken test from hanging). Usage: watched_train.py RELEASE"""
 
 import os
 import sys
@@ -15,6 +15,7 @@ import fdl
 
 release = sys.argv[1]
 steps = 0
+deadline = time.monotonic() + 120  # one guard for the run: a per-step one added up to hours
 
 
 def make_data(num_samples, seed):
@@ -26,7 +27,6 @@ def make_data(num_samples, seed):
 def train_step(model, batch):
     global steps
     steps += 1
-    deadline = time.monotonic() + 120
     while steps > 2 and not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.01)
     features, labels = batch
