@@ -116,6 +116,8 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
         result = launch(spec, listener=listener)
     _report(result, spec)
     _write_timeline(spec)
+    if result.exit_code == 0:
+        _warn_unread_settings(spec)
     return result.exit_code
 
 
@@ -142,6 +144,24 @@ def _write_timeline(spec: LaunchSpec) -> None:
     if metrics.has_epochs(spec.run_dir) and not any(p.suffix == ".png" for p in written):
         console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "
                      "(pip install 'fdl[report]')")
+
+
+def _warn_unread_settings(spec: LaunchSpec) -> None:
+    """One line naming the engine settings given to a script that never used the engine (on
+    the node of rank 0, which is where the engine records that it ran)."""
+    from fdl import console
+    from fdl.rundir.config import read_config, unread_engine_settings
+    from fdl.rundir.layout import log_path, logs_dir
+    from fdl.settings import BY_NAME
+
+    if not log_path(logs_dir(spec.run_dir), 0).is_file():
+        return
+    unread = unread_engine_settings(read_config(spec.run_dir, hint=""))
+    if unread:
+        named = ", ".join(f"{name} ({BY_NAME[name].source_name(source)})"
+                          for name, source in unread)
+        console.warn(f"the script did not train with fdl.Trainer, so these settings were "
+                     f"never read: {named}")
 
 
 def _report(result: LaunchResult, spec: LaunchSpec) -> None:
