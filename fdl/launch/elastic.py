@@ -20,13 +20,14 @@ Failure: when a worker exits non-zero or is killed, the agent stops the others (
 SIGKILL after ``SHUTDOWN_TIMEOUT_S``), restarts the group while ``max_restarts`` allows, and
 otherwise :func:`launch` returns the failing worker's exit code (``128 + signal`` for a killed
 one) with a :class:`RootCause`: rank, exit code or signal, and the last lines of its log.
-Ctrl-C stops everything and returns 130.
+Ctrl-C (or SIGTERM) stops everything and returns 130 (``128 + N``). While the workers run, what
+reaches the terminal is decided in :mod:`fdl.launch.terminal`: their output until a stop
+signal, none of torch's own log lines (``logs/agent.log`` keeps them).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import signal
 import socket
@@ -47,6 +48,7 @@ from fdl.launch.rendezvous import (
 )
 from fdl.launch.spec import LaunchSpec
 from fdl.launch.startup import torch_import_without_collections
+from fdl.launch.terminal import terminal_for_workers
 from fdl.rundir import layout as run_layout
 
 SHUTDOWN_TIMEOUT_S = 5
@@ -70,6 +72,7 @@ class LaunchResult:
     exit_code: int
     root_cause: RootCause | None = None
     interrupted: bool = False
+    stop_signal: str | None = None  # what interrupted it: SIGINT (Ctrl-C), SIGTERM ...
 
 
 def preflight(spec: LaunchSpec) -> socket.socket | None:
@@ -120,21 +123,21 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> Launch
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import launch_agent
 
-    if not os.environ.get("FDL_DEBUG"):
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     logs_dir = run_layout.logs_dir(spec.run_dir)
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
-    with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
+    with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint), \
+            terminal_for_workers(run_layout.agent_log_path(logs_dir)):
         try:
             launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
                          sys.executable, args)
         except ChildFailedError as exc:
             return _failed(exc, logs_dir)
         except SignalException as exc:
-            return LaunchResult(128 + int(exc.sigval), interrupted=True)
+            return LaunchResult(128 + int(exc.sigval), interrupted=True,
+                                stop_signal=signal.Signals(exc.sigval).name)
         except KeyboardInterrupt:
-            return LaunchResult(130, interrupted=True)
+            return LaunchResult(130, interrupted=True, stop_signal="SIGINT")
     return LaunchResult(0)
 
 

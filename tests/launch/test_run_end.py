@@ -1,17 +1,85 @@
-"""How `fdl run` ends, on real runs (2 gloo workers): what it says at the end of a run that never
-used fdl's engine."""
+"""How `fdl run` ends, on real runs (2 gloo workers, real signals): what it says at the end of a
+run that never used fdl's engine, and of a run stopped with Ctrl-C.
+
+Every wait is on a file the workers write or on the launcher's exit, with a deadline only as a
+guard; a test that fails kills the launcher's process group and every process it started."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from helpers import run_fdl
+import psutil
+from helpers import alive, clean_env, run_fdl, wait_until, wait_until_gone
 
 SCRIPTS = Path(__file__).parent / "scripts"
+STOPPED = SCRIPTS / "stopped_train.py"
 TWO_CPU_WORKERS = ("--nproc-per-node", "2")
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 GUARD_S = 120
+# What must not reach the terminal when a run is stopped: the workers' tracebacks and torch's
+# own log lines ("W1126 08:02:43.132000 29047 torch/distributed/elastic/...").
+TORCH_LOG_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
 UNREAD = "warning: the script did not train with fdl.Trainer"
+
+
+def _default_sigint() -> None:
+    """The launcher starts as a terminal starts it: a pytest started in the background by a
+    non-interactive shell ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextmanager
+def launched(tmp_path: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """`fdl run ARGS` in its own process group, output captured; on the way out (a test that
+    failed included) the group and every process the launcher started are killed."""
+    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", *TWO_CPU_WORKERS, *args],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean_env(CPU_ONLY), start_new_session=True,
+                            preexec_fn=_default_sigint)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            try:
+                started = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                started = []
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for child in started:
+                with suppress(psutil.NoSuchProcess):
+                    child.kill()
+            proc.communicate(timeout=GUARD_S)
+
+
+def interrupt(proc: subprocess.Popen, out: Path) -> tuple[str, str, list[int]]:
+    """Ctrl-C once a worker holds; (stdout, stderr, the holding workers' pids)."""
+    wait_until(lambda: any(out.glob("held-?")), "a worker to hold", proc=proc, timeout=GUARD_S)
+    pids = [int(path.read_text()) for path in out.glob("held-?")]
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher (its workers have sessions
+    stdout, stderr = proc.communicate(timeout=GUARD_S)  # of their own, as torchrun's do)
+    return stdout, stderr, pids
+
+
+def last_round(run_dir: Path) -> dict:
+    events = [json.loads(line) for line in
+              (run_dir / "timeline" / "rank0.jsonl").read_text().splitlines() if line.strip()]
+    return [e for e in events if e["kind"] == "round"][-1]
+
+
+def assert_quiet_stop(stdout: str, stderr: str) -> None:
+    both = stdout + stderr
+    assert "Traceback" not in both and "KeyboardInterrupt" not in both, both
+    assert not TORCH_LOG_LINE.search(both), both
+    assert "death signal" not in both, both
 
 
 # --- engine settings that were never read ------------------------------------------------------
@@ -41,3 +109,41 @@ def test_a_trainer_script_reads_its_settings_and_nothing_is_said(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "never read" not in proc.stderr, proc.stderr
     assert "fdl report: cadence on 2 worker(s)" in proc.stdout
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_says_in_one_line_where_the_run_stopped_and_how_to_resume_it(tmp_path):
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    with launched(tmp_path, "--checkpoint-every", "1", "--run-dir", str(run_dir),
+                  str(STOPPED), str(out), "hold") as proc:
+        stdout, stderr, pids = interrupt(proc, out)
+    assert proc.returncode == 130, stderr
+    assert_quiet_stop(stdout, stderr)
+    stopped = last_round(run_dir)  # the script holds in epoch 2, once epoch 1's checkpoint is in
+    assert stderr.splitlines()[-1] == (  # place
+        f"error: interrupted in epoch 2 of 3 (after round {stopped['round']}), all workers "
+        f"stopped; resume with: fdl run --resume {run_dir}")
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == \
+        stderr.splitlines()[-1:]
+    # the workers' logs keep what the terminal was spared
+    assert any("KeyboardInterrupt" in log.read_text() for log in (run_dir / "logs").glob("*.log"))
+    wait_until_gone(pids)
+
+
+def test_ctrl_c_without_a_checkpoint_says_none_was_written_and_how_to_get_one(tmp_path):
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    with launched(tmp_path, "--run-dir", str(run_dir), str(STOPPED), str(out), "hold") as proc:
+        stdout, stderr, pids = interrupt(proc, out)
+    assert proc.returncode == 130, stderr
+    assert_quiet_stop(stdout, stderr)
+    stopped = last_round(run_dir)
+    assert stderr.splitlines()[-1] == (
+        f"error: interrupted in epoch 2 of 3 (after round {stopped['round']}), all workers "
+        "stopped; no checkpoint was written, so it cannot resume (--checkpoint-every N writes "
+        "one every N epochs, or 10m every 10 minutes)")
+    wait_until_gone(pids)
+    assert not any(alive(pid) for pid in pids)
