@@ -190,9 +190,14 @@ def _report_stopped(result: LaunchResult, spec: LaunchSpec) -> None:
     assert cause is not None, "a failed launch names its root cause"
     how = f"was killed by {cause.signal}" if cause.signal else f"exited with code {cause.exit_code}"
     what = cause.signal or f"exit code {cause.exit_code}"
-    console.info(f"root cause: rank {cause.rank} (local rank {cause.local_rank}), {what}; "
-                 "last lines of its log:")
-    for line in cause.tail or ["(the log is empty)"]:
+    header = f"root cause: rank {cause.rank} (local rank {cause.local_rank}), {what}"
+    if cause.crash is not None:
+        console.info(f"{header}, raised{' in your code' if cause.crash.frame else ''}:")
+        lines = [*cause.crash.frame, *cause.crash.error]
+    else:
+        console.info(f"{header}; last lines of its log:")
+        lines = list(cause.tail) or ["(the log is empty)"]
+    for line in lines:
         console.info(f"  | {line}")
     console.error(f"worker rank {cause.rank} {how}; the other workers were stopped",
                   hint=f"full log: {cause.log}")

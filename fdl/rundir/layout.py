@@ -4,6 +4,7 @@ first.
 ``runs/<UTC time>-<script stem>-<policy>/`` (or ``--run-dir``) holds ``config.json`` (every
 setting with its value and source, the launch spec), ``logs/rank<r>.log`` (each worker's stdout
 and stderr; an earlier attempt's log is kept as ``rank<r>.attempt<k>.log`` on restart),
+``logs/rank<r>.crash.json`` (what ended a worker that raised, fdl.rundir.crash),
 ``logs/agent.log`` (torch's agent's own log lines), and
 what the engine writes (metrics, timeline, summary.json, model.pt, checkpoints).
 
@@ -24,6 +25,7 @@ from fdl.errors import UsageError
 from fdl.rundir import checkpoints, config, metrics, model, progress, summary, timeline
 
 LOGS = "logs"
+AGENT_LOG = "agent.log"  # in logs/: torch's agent's own log lines
 TENSORBOARD = "tensorboard"  # the default directory of --tensorboard
 # What fdl run and the engine write at the top of a run directory, each name from the module
 # that owns the file; fdl.files's temporary files beside the files are ".<name>.<random>.tmp".
@@ -128,7 +130,7 @@ def log_path(logs: Path, rank: int | str, *, attempt: int | None = None) -> Path
 def agent_log_path(logs: Path) -> Path:
     """``logs/agent.log``: what torch's elastic agent logged in the launcher (its warnings and
     errors), kept off the terminal (fdl.launch.terminal)."""
-    return logs / "agent.log"
+    return logs / AGENT_LOG
 
 
 def error_file(logs: Path, rank: int | str) -> Path:

@@ -1,5 +1,6 @@
 """How `fdl run` ends, on real runs (2 gloo workers, real signals): what it says at the end of a
-run that never used fdl's engine, and of a run stopped with Ctrl-C.
+run that never used fdl's engine, of a run stopped with Ctrl-C, and of a run whose script
+crashed.
 
 Every wait is on a file the workers write or on the launcher's exit, with a deadline only as a
 guard; a test that fails kills the launcher's process group and every process it started."""
@@ -147,3 +148,28 @@ def test_ctrl_c_without_a_checkpoint_says_none_was_written_and_how_to_get_one(tm
         "one every N epochs, or 10m every 10 minutes)")
     wait_until_gone(pids)
     assert not any(alive(pid) for pid in pids)
+
+
+# --- a crash -----------------------------------------------------------------------------------
+
+
+def test_a_crash_shows_the_frame_in_the_script_whole_then_the_error_then_one_error_line(
+        tmp_path):
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    with launched(tmp_path, "--run-dir", str(run_dir), str(STOPPED), str(out), "crash") as proc:
+        _, stderr = proc.communicate(timeout=GUARD_S)
+    assert proc.returncode == 1, stderr
+    lines = stderr.splitlines()
+    start = lines.index("root cause: rank 1 (local rank 1), exit code 1, raised in your code:")
+    source = STOPPED.read_text().splitlines()
+    raising = next(n for n, line in enumerate(source, 1) if "F.cross_entropy(logits" in line)
+    assert lines[start + 1] == f'  | File "{STOPPED}", line {raising}, in train_step'
+    assert lines[start + 2] == f"  |   {source[raising - 1].strip()}"
+    assert lines[start + 3].strip(" |^") == "", "the frame is whole: its carets too"
+    assert lines[start + 4] == ("  | ValueError: Expected input batch_size (16) to match target "
+                                "batch_size (3).")
+    assert lines[start + 5:] == [
+        "error: worker rank 1 exited with code 1; the other workers were stopped",
+        f"hint: full log: {run_dir / 'logs' / 'rank1.log'}"]
+    assert not TORCH_LOG_LINE.search(stderr), stderr

@@ -1,9 +1,10 @@
-"""fdl.Trainer on a tiny task (3 epochs) that holds, so a test can watch how fdl run ends.
-Usage: stopped_train.py OUT MODE
+"""fdl.Trainer on a tiny task (3 epochs) that stops itself in one of two ways, so a test can watch
+how fdl run ends. Usage: stopped_train.py OUT MODE
 
 * ``hold``: in the second epoch (once the first epoch's record and, when the run writes
   checkpoints, its checkpoint are in place) each rank writes its pid to OUT/held-<rank> and
-  waits, until the test interrupts the run (a 120 s guard keeps a broken test from hanging).
+  waits, until the test interrupts the run (a 120 s guard keeps a broken test from hanging);
+* ``crash``: rank 1's third step raises (a shape bug in the loss), the others train on.
 """
 
 import os
@@ -52,6 +53,8 @@ def train_step(model, batch):
     logits = model(features)
     if mode == "hold" and first_epoch_done():
         hold()
+    if mode == "crash" and rank == 1 and steps == 3:
+        labels = labels[:3]
     return F.cross_entropy(logits, labels)
 
 
