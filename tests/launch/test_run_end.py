@@ -1,6 +1,6 @@
 """How `fdl run` ends, on real runs (2 gloo workers, real signals): what it says at the end of a
 run that never used fdl's engine, of a run stopped with Ctrl-C, and of a run whose script
-crashed.
+crashed; and what `fdl report` makes of the interrupted run.
 
 Every wait is on a file the workers write or on the launcher's exit, with a deadline only as a
 guard; a test that fails kills the launcher's process group and every process it started."""
@@ -132,6 +132,22 @@ def test_ctrl_c_says_in_one_line_where_the_run_stopped_and_how_to_resume_it(tmp_
     # the workers' logs keep what the terminal was spared
     assert any("KeyboardInterrupt" in log.read_text() for log in (run_dir / "logs").glob("*.log"))
     wait_until_gone(pids)
+    _assert_report_of_a_partial_run(run_dir, stopped)
+
+
+def _assert_report_of_a_partial_run(run_dir: Path, stopped: dict) -> None:
+    """`fdl report` on the interrupted run: what its timelines hold, marked incomplete."""
+    proc = run_fdl("report", str(run_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["complete"] is False
+    assert f"epoch 2 of 3 (after round {stopped['round']})" in doc["reason"], doc["reason"]
+    assert doc["world_size"] == 2 and doc["policy"] == "cadence"
+    assert all(rank["samples"] > 0 for rank in doc["ranks"])
+    assert doc["incomplete"] == [], "each rank's figures cover what its timeline holds"
+    text = run_fdl("report", str(run_dir))
+    assert text.returncode == 0, text.stderr
+    assert f"incomplete {doc['reason']}" in " ".join(text.stdout.split())
 
 
 def test_ctrl_c_without_a_checkpoint_says_none_was_written_and_how_to_get_one(tmp_path):
