@@ -213,6 +213,15 @@ class SettingSpec:
     def flag_name(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    def source_name(self, source: str) -> str:
+        """Where a value of this setting came from, as a user wrote it: ``--policy``,
+        ``FDL_POLICY``, the config file's path (``source`` as :class:`Setting` has it)."""
+        if source == "flag":
+            return self.flag_name
+        if source == "env":
+            return self.env
+        return source.removeprefix("file:")
+
     def encode(self, value: Any) -> str:
         """The text a worker (or a flag) receives for ``value``; ``parse`` reads it back."""
         if value is None:  # a setting switched off where a parser can say so (tensorboard)

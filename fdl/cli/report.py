@@ -1,7 +1,9 @@
 """``fdl report RUN_DIR [--json]``: per-rank throughput and share of the work, where each rank's
 time went (compute, waiting at sync, epoch boundaries, data loading, unexplained), sync
 count/mean/overhead, the anchor's history, efficiency against the ideal, and the final metrics.
-``fdl run`` prints the same report when a run that used fdl.Trainer finishes. A rank whose
+``fdl run`` prints the same report when a run that used fdl.Trainer finishes. A run that did not
+finish (interrupted or crashed: no summary.json) is reported from its timelines, under an
+``incomplete`` line that says why and where it stopped. A rank whose
 timeline is incomplete gets a ``warning:`` line on stderr saying what its figures cover (exit 0);
 a summary.json or config.json fdl cannot use is an ``error:`` (exit 2).
 
@@ -23,7 +25,8 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<time>-<script>-<policy>).")],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
-    """Explain a finished run: throughput, idle time by cause, sync, anchor, metrics."""
+    """Explain a run: throughput, idle time by cause, sync, anchor, metrics (a run that did not
+    finish: what its timelines hold, marked incomplete)."""
     from fdl import console
     from fdl.rundir.report import run_report
     from fdl.rundir.timeline_trace import trace_path
@@ -54,6 +57,8 @@ def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
 
     console.rule(f"fdl report: {doc['policy']} on {doc['world_size']} worker(s), "
                  f"backend {doc['backend']}")
+    if not doc.get("complete", True):
+        console.print_pairs([("incomplete", doc["reason"])], wrap=True)
     ranks = list(enumerate(doc["ranks"]))
     console.print_table(
         ["rank", "samples", "steps", "samples/s", "share", "ms/step", "idle"],

@@ -99,7 +99,8 @@ run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameter
 def _execute(spec: LaunchSpec, *, live: bool) -> int:
     """Check everything (nothing written, nothing started), then write the run directory, then
     start the workers; ``live``: the terminal shows rank 0's progress (``spec`` was planned with
-    ``live``, so it asks rank 0 for it)."""
+    ``live``, so it asks rank 0 for it). What it says at the end comes last: a failure's or an
+    interruption's one line after the timeline's, so nothing buries it."""
     from fdl import console
     from fdl.launch.elastic import launch, preflight
     from fdl.launch.live import live_progress
@@ -114,8 +115,13 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
                  f"run directory {spec.run_dir}")
     with live_progress(spec.run_dir, enabled=live):
         result = launch(spec, listener=listener)
-    _report(result, spec)
-    _write_timeline(spec)
+    if result.exit_code == 0:
+        _report_done(spec)
+        _write_timeline(spec)
+        _warn_unread_settings(spec)
+    else:
+        _write_timeline(spec)
+        _report_stopped(result, spec)
     return result.exit_code
 
 
@@ -144,30 +150,75 @@ def _write_timeline(spec: LaunchSpec) -> None:
                      "(pip install 'fdl[report]')")
 
 
-def _report(result: LaunchResult, spec: LaunchSpec) -> None:
+def _report_done(spec: LaunchSpec) -> None:
+    from fdl import console
+    from fdl.rundir.summary import has_summary
+
+    if has_summary(spec.run_dir):  # the script trained with fdl's engine
+        from fdl.cli.report import render
+        from fdl.rundir.report import run_report
+
+        render(run_report(spec.run_dir))
+    console.info(f"fdl run: done; run directory {spec.run_dir}")
+
+
+def _warn_unread_settings(spec: LaunchSpec) -> None:
+    """One line naming the engine settings given to a script that never used the engine (on
+    the node of rank 0, which is where the engine records that it ran)."""
+    from fdl import console
+    from fdl.rundir.config import read_config, unread_engine_settings
+    from fdl.rundir.layout import log_path, logs_dir
+    from fdl.settings import BY_NAME
+
+    if not log_path(logs_dir(spec.run_dir), 0).is_file():
+        return
+    unread = unread_engine_settings(read_config(spec.run_dir, hint=""))
+    if unread:
+        named = ", ".join(f"{name} ({BY_NAME[name].source_name(source)})"
+                          for name, source in unread)
+        console.warn(f"the script did not train with fdl.Trainer, so these settings were "
+                     f"never read: {named}")
+
+
+def _report_stopped(result: LaunchResult, spec: LaunchSpec) -> None:
     from fdl import console
 
     if result.interrupted:
-        console.error("interrupted: all workers stopped")
+        console.error(_interrupted_line(result, spec))
         return
     cause = result.root_cause
-    if cause is None:
-        from fdl.rundir.summary import has_summary
-
-        if has_summary(spec.run_dir):  # the script trained with fdl's engine
-            from fdl.cli.report import render
-            from fdl.rundir.report import run_report
-
-            render(run_report(spec.run_dir))
-        console.info(f"fdl run: done; run directory {spec.run_dir}")
-        return
+    assert cause is not None, "a failed launch names its root cause"
     how = f"was killed by {cause.signal}" if cause.signal else f"exited with code {cause.exit_code}"
+    what = cause.signal or f"exit code {cause.exit_code}"
+    header = f"root cause: rank {cause.rank} (local rank {cause.local_rank}), {what}"
+    if cause.crash is not None:
+        console.info(f"{header}, raised{' in your code' if cause.crash.frame else ''}:")
+        lines = [*cause.crash.frame, *cause.crash.error]
+    else:
+        console.info(f"{header}; last lines of its log:")
+        lines = list(cause.tail) or ["(the log is empty)"]
+    for line in lines:
+        console.info(f"  | {line}")
     console.error(f"worker rank {cause.rank} {how}; the other workers were stopped",
                   hint=f"full log: {cause.log}")
-    console.info(f"root cause: rank {cause.rank} (local rank {cause.local_rank}), "
-                 f"{cause.signal or 'exit code ' + str(cause.exit_code)}; last lines of its log:")
-    for line in cause.tail or ["(the log is empty)"]:
-        console.info(f"  | {line}")
+
+
+def _interrupted_line(result: LaunchResult, spec: LaunchSpec) -> str:
+    """Where the run stopped and what can resume it, in one line."""
+    from fdl.rundir.layout import logs_dir
+    from fdl.rundir.stop_point import stop_point
+
+    stopped = "interrupted" if result.stop_signal in (None, "SIGINT") else \
+        f"stopped by {result.stop_signal}"
+    point = stop_point(spec.run_dir)
+    if point is None:  # the script never trained with fdl's engine here
+        return f"{stopped}: all workers stopped; their logs are in {logs_dir(spec.run_dir)}"
+    if point.checkpoint is not None:
+        then = f"resume with: fdl run --resume {spec.run_dir}"
+    else:
+        then = ("no checkpoint was written, so it cannot resume (--checkpoint-every N writes "
+                "one every N epochs, or 10m every 10 minutes)")
+    return f"{stopped} {point.where()}, all workers stopped; {then}"
 
 
 def _print_spec(spec: LaunchSpec, *, as_json: bool) -> None:

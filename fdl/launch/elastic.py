@@ -19,14 +19,19 @@ other nodes must reach the store.
 Failure: when a worker exits non-zero or is killed, the agent stops the others (SIGTERM, then
 SIGKILL after ``SHUTDOWN_TIMEOUT_S``), restarts the group while ``max_restarts`` allows, and
 otherwise :func:`launch` returns the failing worker's exit code (``128 + signal`` for a killed
-one) with a :class:`RootCause`: rank, exit code or signal, and the last lines of its log.
-Ctrl-C stops everything and returns 130.
+one) with a :class:`RootCause`: rank, exit code or signal, what the worker recorded of the
+exception that ended it (:mod:`fdl.rundir.crash`: the last frame of the user's code and the
+error), else the last lines of its log. Of several ranks that raised, the root cause is the one
+that raised first (torch orders failures by the second they were noticed, so a rank that died
+of a peer's crash in the same poll could be named instead).
+Ctrl-C (or SIGTERM) stops everything and returns 130 (``128 + N``). While the workers run, what
+reaches the terminal is decided in :mod:`fdl.launch.terminal`: their output until a stop
+signal, none of torch's own log lines (``logs/agent.log`` keeps them).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import signal
 import socket
@@ -47,7 +52,9 @@ from fdl.launch.rendezvous import (
 )
 from fdl.launch.spec import LaunchSpec
 from fdl.launch.startup import torch_import_without_collections
+from fdl.launch.terminal import terminal_for_workers
 from fdl.rundir import layout as run_layout
+from fdl.rundir.crash import Crash, read_crash
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
@@ -63,6 +70,7 @@ class RootCause:
     signal: str | None
     log: Path
     tail: tuple[str, ...]
+    crash: Crash | None = None  # what the worker recorded of the exception that ended it
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class LaunchResult:
     exit_code: int
     root_cause: RootCause | None = None
     interrupted: bool = False
+    stop_signal: str | None = None  # what interrupted it: SIGINT (Ctrl-C), SIGTERM ...
 
 
 def preflight(spec: LaunchSpec) -> socket.socket | None:
@@ -120,21 +129,21 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> Launch
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import launch_agent
 
-    if not os.environ.get("FDL_DEBUG"):
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     logs_dir = run_layout.logs_dir(spec.run_dir)
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
-    with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint):
+    with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint), \
+            terminal_for_workers(run_layout.agent_log_path(logs_dir)):
         try:
             launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
                          sys.executable, args)
         except ChildFailedError as exc:
             return _failed(exc, logs_dir)
         except SignalException as exc:
-            return LaunchResult(128 + int(exc.sigval), interrupted=True)
+            return LaunchResult(128 + int(exc.sigval), interrupted=True,
+                                stop_signal=signal.Signals(exc.sigval).name)
         except KeyboardInterrupt:
-            return LaunchResult(130, interrupted=True)
+            return LaunchResult(130, interrupted=True, stop_signal="SIGINT")
     return LaunchResult(0)
 
 
@@ -274,7 +283,11 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool) -> Any:
 
 
 def _failed(exc: Any, logs_dir: Path) -> LaunchResult:
-    rank, failure = exc.get_first_failure()
+    first, _ = exc.get_first_failure()
+    crashes = {rank: read_crash(logs_dir, rank, pid=failure.pid)
+               for rank, failure in exc.failures.items()}
+    rank = root_rank(first, crashes)
+    failure = exc.failures[rank]
     code = failure.exitcode
     signame = None
     if code < 0:
@@ -285,8 +298,18 @@ def _failed(exc: Any, logs_dir: Path) -> LaunchResult:
         code = 128 - code
     log = run_layout.log_path(logs_dir, rank)
     cause = RootCause(rank, failure.local_rank, code, signame, log,
-                      tuple(run_layout.tail_lines(log, LOG_TAIL_LINES)))
+                      tuple(run_layout.tail_lines(log, LOG_TAIL_LINES)), crashes[rank])
     return LaunchResult(code or 1, cause)
+
+
+def root_rank(first: int, crashes: Mapping[int, Crash | None]) -> int:
+    """The rank to blame: torch's ``first`` failure, unless it raised (it has a crash record)
+    and another rank raised earlier. A rank that was killed or exited leaves no record, and
+    torch's order is all there is to go on."""
+    recorded = {rank: crash for rank, crash in crashes.items() if crash is not None}
+    if first not in recorded:
+        return first
+    return min(recorded, key=lambda rank: (recorded[rank].t, rank))
 
 
 @contextmanager

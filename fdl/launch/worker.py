@@ -5,6 +5,9 @@ torchrun's environment. This module merges stderr into stdout (so ``logs/rank<r>
 both, in order), then runs SCRIPT as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` exactly
 as ``python SCRIPT ARGS`` would set them. Exceptions and exit codes propagate unchanged, except
 fdl's own errors: those end the worker with ``error:``/``hint:`` lines and their exit code.
+Any other exception is first recorded for the launcher's root-cause block (the last frame of
+the user's own code and the error's lines, :mod:`fdl.rundir.crash`), then propagates: Python
+prints its traceback into the log as before.
 ``--module NAME`` runs a module as ``python -m NAME`` would (:func:`module_problem` lets the
 launcher check first that it would be found).
 
@@ -49,6 +52,7 @@ def main(argv: list[str]) -> None:
         _run(argv)
     except Exception as exc:
         _exit_on_fdl_error(exc)
+        _record_crash(exc, argv)
         raise
 
 
@@ -64,6 +68,28 @@ def _exit_on_fdl_error(exc: Exception) -> None:
     sys.stderr.write(f"error: {exc.message}\n" + (f"hint: {exc.hint}\n" if exc.hint else ""))
     sys.stderr.flush()
     sys.exit(exc.exit_code)
+
+
+def _record_crash(exc: Exception, argv: list[str]) -> None:
+    """Leave ``logs/rank<r>.crash.json`` for fdl run's root-cause block (nothing without
+    fdl run's run directory). Never in the way of the exception itself."""
+    from fdl.settings import RUN_DIR_ENV
+
+    run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
+    if not run_dir or rank is None:
+        return
+    import time
+    from pathlib import Path
+
+    from fdl.rundir.crash import describe_crash, write_crash
+    from fdl.rundir.layout import logs_dir
+
+    home = Path.cwd() if argv[:1] == ["--module"] else Path(argv[0]).resolve().parent
+    try:
+        crash = describe_crash(exc, home=home, pid=os.getpid(), t=time.time())
+        write_crash(logs_dir(Path(run_dir)), rank, crash)
+    except (OSError, ValueError):
+        pass  # the traceback in the log is still there
 
 
 def _run(argv: list[str]) -> None:

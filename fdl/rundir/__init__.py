@@ -3,7 +3,8 @@ back. One module per file contract, which both writes the file and checks it whe
 
     runs/<UTC>-<script>-<policy>/      layout.py    (the entries, new/resume/overwrite rules)
         config.json                    config.py    (the launcher writes it, the engine adds its part)
-        logs/rank<r>.log               layout.py
+        logs/rank<r>.log, agent.log    layout.py
+        logs/rank<r>.crash.json        crash.py     (what ended a worker that raised)
         metrics.jsonl                  metrics.py   (one record per epoch)
         summary.json                   summary.py   (the run's figures: a contract for tools)
         model.pt                       model.py     (the consensus state_dict)

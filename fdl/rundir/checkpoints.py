@@ -177,6 +177,20 @@ def latest_checkpoint(run_dir: Path, *, check: Callable[[Checkpoint], str | None
     return None, skipped
 
 
+def newest_written(run_dir: Path) -> str | None:
+    """The name of the newest checkpoint whose manifest is in place and well formed, None when
+    there is none; its files are not read (what ``fdl run`` tells a user after Ctrl-C; resuming
+    checks them, :func:`latest_checkpoint`)."""
+    for path in sorted((run_dir / DIRNAME).glob("ckpt-r*"), reverse=True):
+        try:
+            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if _manifest_problem(manifest) is None:
+            return path.name
+    return None
+
+
 def _verify(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))

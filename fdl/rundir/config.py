@@ -92,6 +92,22 @@ def launch_settings(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: entry for name, entry in settings.items() if isinstance(entry, dict)}
 
 
+def unread_engine_settings(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """The engine settings the launcher's part of ``config`` says were given (a flag, an
+    ``FDL_*`` variable, a config file) when the run has no ``engine`` section, each as
+    ``(name, source)`` in the settings' order: the engine adds that section as it starts, so
+    without one the script never used fdl's engine and nothing read them (a plain DDP
+    script run with ``--policy``). Empty when the engine ran."""
+    from fdl.settings import SETTINGS
+
+    if "engine" in config:
+        return []
+    given = launch_settings(config)
+    return [(spec.name, given[spec.name]["source"]) for spec in SETTINGS
+            if spec.engine and spec.name in given
+            and given[spec.name].get("source") not in (None, "default")]
+
+
 # What makes a run the run of one launch: the fields of the spec a rerun must find unchanged.
 _IDENTITY = ("script", "args", "module", "nproc_per_node")
 

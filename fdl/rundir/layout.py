@@ -3,7 +3,9 @@ first.
 
 ``runs/<UTC time>-<script stem>-<policy>/`` (or ``--run-dir``) holds ``config.json`` (every
 setting with its value and source, the launch spec), ``logs/rank<r>.log`` (each worker's stdout
-and stderr; an earlier attempt's log is kept as ``rank<r>.attempt<k>.log`` on restart), and
+and stderr; an earlier attempt's log is kept as ``rank<r>.attempt<k>.log`` on restart),
+``logs/rank<r>.crash.json`` (what ended a worker that raised, fdl.rundir.crash),
+``logs/agent.log`` (torch's agent's own log lines), and
 what the engine writes (metrics, timeline, summary.json, model.pt, checkpoints).
 
 One directory holds one run. A new run needs a directory that does not exist or is empty;
@@ -23,6 +25,7 @@ from fdl.errors import UsageError
 from fdl.rundir import checkpoints, config, metrics, model, progress, summary, timeline
 
 LOGS = "logs"
+AGENT_LOG = "agent.log"  # in logs/: torch's agent's own log lines
 TENSORBOARD = "tensorboard"  # the default directory of --tensorboard
 # What fdl run and the engine write at the top of a run directory, each name from the module
 # that owns the file; fdl.files's temporary files beside the files are ".<name>.<random>.tmp".
@@ -122,6 +125,12 @@ def log_path(logs: Path, rank: int | str, *, attempt: int | None = None) -> Path
     """``logs/rank<r>.log``: rank r's stdout and stderr; an earlier attempt's, after a restart,
     is kept as ``rank<r>.attempt<k>.log``."""
     return logs / (f"rank{rank}.log" if attempt is None else f"rank{rank}.attempt{attempt}.log")
+
+
+def agent_log_path(logs: Path) -> Path:
+    """``logs/agent.log``: what torch's elastic agent logged in the launcher (its warnings and
+    errors), kept off the terminal (fdl.launch.terminal)."""
+    return logs / AGENT_LOG
 
 
 def error_file(logs: Path, rank: int | str) -> Path:

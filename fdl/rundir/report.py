@@ -2,6 +2,10 @@
 per-rank timelines (``timeline/rank<r>.jsonl``). Pure functions over those files' contents;
 torch is not needed.
 
+A run that did not finish (interrupted, crashed, still running: no ``summary.json``) is
+reported from its timelines and metrics instead, with ``"complete": false`` and the
+``"reason"`` (fdl.rundir.report_partial); a finished run's document has ``"complete": true``.
+
 Per rank: samples, share of the work, samples/s, mean step time, and the wall time split into
 compute (steps, including emulated slowdown), waiting at sync (the averaging boundaries),
 epoch boundaries (loss reduction, checkpoints and bookkeeping between the last round of an
@@ -28,17 +32,25 @@ from pathlib import Path
 from typing import Any
 
 from fdl.rundir import config as run_config
-from fdl.rundir.summary import HINT, load_summary
+from fdl.rundir.report_partial import load_partial_run
+from fdl.rundir.summary import HINT, has_summary, load_summary
 from fdl.rundir.timeline import RankTimeline, read_rank_timeline
 
 SCHEMA = 1
 
 
 def run_report(run_dir: Path) -> dict[str, Any]:
-    """``fdl report RUN_DIR``'s document (``--json`` prints it)."""
-    summary, timelines, config = load_run(run_dir)
+    """``fdl report RUN_DIR``'s document (``--json`` prints it). A run that did not finish (no
+    summary.json) is reported from what it left, marked incomplete with the reason
+    (fdl.rundir.report_partial); a directory that holds no run is refused."""
+    reason = None
+    if has_summary(run_dir) or not run_config.holds_a_run(run_dir):
+        summary, timelines, config = load_run(run_dir)
+    else:
+        summary, timelines, config, reason = load_partial_run(run_dir)
     return build_report(summary, timelines, batch_size=report_batch_size(config,
-                                                                          run_dir=run_dir))
+                                                                          run_dir=run_dir),
+                        incomplete_reason=reason)
 
 
 def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RankTimeline], dict[str, Any]]:
@@ -60,7 +72,9 @@ def report_batch_size(config: dict[str, Any], *, run_dir: Path) -> int:
 
 
 def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
-                 *, batch_size: int) -> dict[str, Any]:
+                 *, batch_size: int, incomplete_reason: str | None = None) -> dict[str, Any]:
+    """The report's document; ``incomplete_reason``: why the run has no summary.json (the
+    figures of ``summary`` were rebuilt from its timelines)."""
     wall = float(summary["wall_s"])
     ranks = [_rank(t.events, wall=wall, batch_size=batch_size) for t in timelines]
     total = sum(r["samples"] for r in ranks) or 1
@@ -69,7 +83,8 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
     ideal = sum(r["solo_samples_per_s"] for r in ranks if r["solo_samples_per_s"])
     measured = summary["throughput"]["samples_per_s"]
     return {
-        "schema": SCHEMA, "policy": summary["policy"], "backend": summary["backend"],
+        "schema": SCHEMA, "complete": incomplete_reason is None, "reason": incomplete_reason,
+        "policy": summary["policy"], "backend": summary["backend"],
         "world_size": summary["world_size"], "emulated_slowdown": summary["emulated_slowdown"],
         "wall_s": wall, "samples_per_s": measured,
         "ideal_samples_per_s": ideal or None,

@@ -63,6 +63,7 @@ _CHECKED: dict[str, dict[str, tuple[Any, str]]] = {
     "epoch": {"t": (is_finite, "a number >= 0")},
 }
 _OPTIONAL = {"data_s"}  # rounds written before the field existed
+NO_FINAL_EVENT = "no final event (cut off before the run ended)"
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def read_rank_timeline(run_dir: Path, *, rank: int) -> RankTimeline:
         timeline.problems.append(f"{len(malformed)} malformed record(s) left out "
                                  f"(first: {malformed[0]})")
     if timeline.events and not any(e["kind"] == "final" for e in timeline.events):
-        timeline.problems.append("no final event (cut off before the run ended)")
+        timeline.problems.append(NO_FINAL_EVENT)
     return timeline
 
 

@@ -129,9 +129,14 @@ def test_a_failing_rank_stops_the_others_with_a_root_cause(tmp_path, mode, code,
     assert proc.returncode == code, proc.stderr
     assert f"error: worker rank 1 {needle}" in proc.stderr
     assert "root cause: rank 1" in proc.stderr
-    assert "  | about to fail: the root cause line" in proc.stderr
-    if mode == "raise":
-        assert "RuntimeError: boom from the training loop" in proc.stderr
+    if mode == "raise":  # what the worker recorded: the script's frame, then the error
+        raising = next(n for n, line in enumerate(
+            (SCRIPTS / "fail.py").read_text().splitlines(), 1) if "raise RuntimeError" in line)
+        assert (f'  | File "{SCRIPTS / "fail.py"}", line {raising}, in <module>\n'
+                '  |   raise RuntimeError("boom from the training loop")\n'
+                "  | RuntimeError: boom from the training loop\n") in proc.stderr
+    else:  # no exception to record: the log's last lines
+        assert "  | about to fail: the root cause line" in proc.stderr
     # rank 0 waits 120 s and then says it was never stopped (within fdl()'s 180 s timeout)
     assert "was never stopped" not in proc.stdout
     assert "was never stopped" not in (tmp_path / "run" / "logs" / "rank0.log").read_text()

@@ -16,6 +16,7 @@ from pathlib import Path
 from fdl.rundir import (
     checkpoints,
     config,
+    crash,
     layout,
     metrics,
     model,
@@ -30,7 +31,8 @@ from fdl.rundir import (
 ROOT = Path(__file__).resolve().parents[2]
 FILES = (config.FILE, summary.FILE, metrics.FILE, model.FILE, progress.FILE,
          checkpoints.MANIFEST, checkpoints.ENGINE_FILE, timeline_merge.HTML_FILE,
-         timeline_plot.FILE, timeline_trace.TRACE_FILE, "samples-node", ".error.json")
+         timeline_plot.FILE, timeline_trace.TRACE_FILE, "samples-node", ".error.json",
+         crash.SUFFIX, layout.AGENT_LOG)
 # (not layout.TENSORBOARD: the directory is named after its setting, a key many modules use)
 DIRECTORIES = (layout.LOGS, checkpoints.DIRNAME, timeline.DIRNAME)
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import run_fdl
 
 from fdl.errors import UsageError
-from fdl.rundir.report import build_report, load_run
+from fdl.rundir.report import build_report, load_run, run_report
 
 SUMMARY = {"policy": "cadence", "backend": "cpu", "world_size": 2, "devices": ["cpu", "cpu"],
            "emulated_slowdown": [1.0, 2.5], "epochs": 1, "samples": 400, "wall_s": 10.0,
@@ -83,3 +83,73 @@ def test_report_of_a_directory_without_summary(tmp_path):
         load_run(tmp_path)
     proc = run_fdl("report", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+
+
+def make_partial_run(tmp_path: Path) -> Path:
+    """The hand-made run stopped in its second epoch: no summary.json, no final events, a
+    config.json as fdl run and the engine write it, the first epoch in metrics.jsonl."""
+    run = tmp_path / "partial"
+    (run / "timeline").mkdir(parents=True)
+    engine = {"policy": {"value": "cadence"}, "batch_size": {"value": 10},
+              "epochs": {"value": 3}, "simulate_slowdown": {"value": [1.0, 2.5]},
+              "resolved_backend": "cpu"}
+    (run / "config.json").write_text(json.dumps({"fdl_version": "0", "engine": engine}))
+    for rank, events in enumerate(TIMELINES):
+        rounds = iter(range(2))
+        kept = []
+        for event in events:
+            if event["kind"] == "final":
+                continue
+            if event["kind"] == "round":
+                index = next(rounds)
+                event = {**event, "round": index, "epoch": index}
+            if event["kind"] == "sync":  # each average took 0.1 s
+                event = {**event, "start": event["t"] - 0.1, "end": event["t"]}
+            if event["kind"] == "epoch":
+                event = {**event, "epoch": 1}
+            kept.append(event)
+        (run / "timeline" / f"rank{rank}.jsonl").write_text(
+            "".join(json.dumps(e) + "\n" for e in kept))
+    (run / "metrics.jsonl").write_text(json.dumps(
+        {"epoch": 1, "train_loss": 0.5, "eval": {"accuracy": 0.8}}) + "\n")
+    return run
+
+
+def test_a_run_that_did_not_finish_is_reported_from_its_timelines_marked_incomplete(tmp_path):
+    doc = run_report(make_partial_run(tmp_path))
+    assert doc["complete"] is False
+    assert doc["reason"] == ("the run did not finish (no summary.json): it stopped in epoch 2 of "
+                             "3 (after round 1), interrupted, crashed or still running; the "
+                             "figures cover what its timelines hold")
+    assert (doc["policy"], doc["backend"], doc["world_size"]) == ("cadence", "cpu", 2)
+    assert doc["emulated_slowdown"] == [1.0, 2.5]
+    assert [r["samples"] for r in doc["ranks"]] == [300, 100]
+    assert doc["wall_s"] == pytest.approx(110.5 - 104.0)  # first event to last, any rank
+    assert doc["samples_per_s"] == pytest.approx(400 / 6.5)
+    assert doc["sync"]["rounds"] == 2 and doc["sync"]["mean_ms"] == pytest.approx(100)
+    assert (doc["eval"], doc["final_loss"]) == ({"accuracy": 0.8}, 0.5)
+    assert doc["incomplete"] == [], "no final event is the run's state, said once in reason"
+
+
+def test_cli_report_of_a_partial_run_says_incomplete_first_within_80_columns(tmp_path):
+    run = make_partial_run(tmp_path)
+    proc = run_fdl("report", str(run), env={"COLUMNS": "80"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("  incomplete  the run did not finish (no summary.json)")
+    assert max(len(line) for line in lines) <= 80, proc.stdout
+    assert json.loads(run_fdl("report", str(run), "--json").stdout)["complete"] is False
+
+
+def test_a_finished_run_is_complete(tmp_path):
+    doc = run_report(make_run(tmp_path))
+    assert doc["complete"] is True and doc["reason"] is None
+
+
+def test_a_run_that_left_no_timeline_has_nothing_to_report(tmp_path):
+    """A plain DDP script's run: config.json and logs, nothing of fdl's engine."""
+    (tmp_path / "config.json").write_text(json.dumps({"fdl_version": "0"}))
+    proc = run_fdl("report", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: {tmp_path} holds an fdl run with no summary.json "
+                                  "and no timeline")
