@@ -61,7 +61,7 @@ from typing import Protocol
 import torch
 
 #: the steps whose median compute the emulation sleeps on
-MEDIAN_STEPS = 31
+MEDIAN_STEPS = 15
 #: the oversleep carried to the next steps is at most this many steps' sleep
 MAX_OWED_STEPS = 4
 
