@@ -9,7 +9,11 @@ and under ``sync`` DDP's gradient all-reduce inside the steps with the wait for 
 it: the rounds' ``comm_s``), epoch boundaries (loss reduction, checkpoints and bookkeeping
 between the last round of an epoch and the next one; evaluation itself is excluded from the
 run's wall time), data loading (fetching and collating batches between steps: the rounds'
-``data_s``) and unexplained (what remains: Python and scheduling).
+``data_s``) and unexplained (what remains: Python and scheduling, and what the step loop spent
+outside its timed steps — a rank waiting there for its peers, as in the calibration pool's
+end while a peer is still starting). Compute is the rounds' timed steps (``busy_s``) less
+their data loading and emulated sleep; a round written before ``busy_s`` counted its loop's
+wall time (``compute_s``) instead.
 
 Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
 rate (``batch_size / step time``, from the measured step times, communication excluded) — what
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.rundir import config as run_config
+from fdl.rundir.fields import is_finite
 from fdl.rundir.summary import HINT, load_summary
 from fdl.rundir.timeline import RankTimeline, read_rank_timeline
 
@@ -113,7 +118,7 @@ def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict
     steps = sum(e["steps"] for e in rounds)
     data, emulated, comm = (sum(e.get(key, 0.0) for e in rounds)
                             for key in ("data_s", "sleep_s", "comm_s"))
-    compute = max(0.0, sum(e["compute_s"] for e in rounds) - data - emulated - comm)
+    compute = max(0.0, sum(timed_steps_s(e) for e in rounds) - data - emulated)
     waiting = sum(e["wait_s"] for e in syncs) + comm
     boundary = _epoch_boundaries(events)
     busy = compute + emulated
@@ -129,6 +134,16 @@ def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict
                    "unexplained": max(0.0, wall - busy - waiting - boundary - data)},
         "idle_fraction": max(0.0, 1 - busy / wall) if wall > 0 else None,
     }
+
+
+def timed_steps_s(event: dict[str, Any]) -> float:
+    """A round's timed steps — data, compute and emulated sleep, DDP's all-reduce not — in
+    seconds: its ``busy_s``, or for a round written before that field its loop's wall time
+    less its ``comm_s``."""
+    busy = event.get("busy_s")
+    if is_finite(busy):
+        return float(busy)
+    return max(0.0, event["compute_s"] - event.get("comm_s", 0.0))
 
 
 def _epoch_boundaries(events: list[dict[str, Any]]) -> float:

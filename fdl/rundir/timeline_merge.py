@@ -21,11 +21,14 @@ covers (an event, a sample or the start of a span), or null when nothing was rec
 * ``ranks`` — the ranks that have a timeline file, ascending.
 * ``spans`` — ``{"rank", "kind", "start", "end", "round"}`` sorted by rank then start. A
   ``round`` event (written when the rank's step loop ends) covers ``[t - compute_s, t]``,
-  split in the order a step runs: its ``data_s`` (batch fetching) as a ``data`` span, then
-  ``compute``, then its ``comm_s`` (sync: DDP's gradient all-reduce and the wait for the peers
-  in it) as a ``sync`` span, then its ``sleep_s`` (the emulated slowdown) as an ``emulated``
-  span; each is 0 when absent. The loop interleaves them step by step and only their totals
-  are recorded, so the split shows the shares, not the moments. A ``sync`` event gives
+  split from its start in the order a step runs: its ``data_s`` (batch fetching) as a ``data``
+  span, then ``compute`` (its timed steps, ``busy_s``, less data and sleep), then its
+  ``comm_s`` (sync: DDP's gradient all-reduce and the wait for the peers in it) as a ``sync``
+  span, then its ``sleep_s`` (the emulated slowdown) as an ``emulated`` span; each is 0 when
+  absent, and what the loop spent outside its timed steps (a wait for a peer) is left idle at
+  its end. A round written before ``busy_s`` counts its whole loop less ``comm_s``. The loop
+  interleaves them step by step and only their totals are recorded, so the split shows the
+  shares, not the moments. A ``sync`` event gives
   ``sync`` over ``[t - wait_s, t]``. ``idle`` spans (``round`` null) fill every gap on a rank
   between its first and its last event: Python between rounds, epoch boundaries, evaluation,
   checkpoints, a restart.
@@ -197,19 +200,20 @@ def _busy_spans(events: list[dict[str, Any]], *, rank: int) -> list[dict[str, An
 
 def _round_spans(event: dict[str, Any], *, rank: int, start: float,
                  end: float) -> list[dict[str, Any]]:
-    """A round's step loop as data, compute, sync (DDP's all-reduce), emulated (sleep)."""
+    """A round's step loop as data, compute, sync (DDP's all-reduce), emulated (sleep), from
+    its start; what the loop spent outside its timed steps is left to the idle span after."""
     data_s, comm_s, sleep_s = (_seconds(event.get(key)) for key in ("data_s", "comm_s",
                                                                       "sleep_s"))
-    data_end = round(min(end, start + data_s), 6)
-    sleep_start = round(max(data_end, end - sleep_s), 6)
-    comm_start = round(max(data_end, sleep_start - comm_s), 6)
-    number = event.get("round")
-    spans = [_span(rank, "data", start, data_end, number)] if data_end > start else []
-    spans.append(_span(rank, "compute", data_end, comm_start, number))
-    if sleep_start > comm_start:
-        spans.append(_span(rank, "sync", comm_start, sleep_start, number))
-    if end > sleep_start:
-        spans.append(_span(rank, "emulated", sleep_start, end, number))
+    busy = event.get("busy_s")
+    steps_s = _seconds(busy) if _is_finite(busy) else end - start - comm_s
+    parts = (("data", data_s), ("compute", max(0.0, steps_s - data_s - sleep_s)),
+             ("sync", comm_s), ("emulated", sleep_s))
+    spans, cursor = [], start
+    for kind, seconds in parts:
+        stop = round(min(end, cursor + seconds), 6)
+        if stop > cursor or kind == "compute":
+            spans.append(_span(rank, kind, cursor, stop, event.get("round")))
+        cursor = stop
     return spans
 
 

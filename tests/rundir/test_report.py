@@ -100,6 +100,26 @@ def test_ddp_communication_is_sync_and_the_emulated_sleep_its_own_part(tmp_path)
     assert doc["efficiency"] < 0.6
 
 
+def test_a_wait_in_the_step_loop_is_not_compute(tmp_path):
+    """An async run's slow rank whose calibration round waited 0.2 s for its peer to start (the
+    pool's end) inside its step loop: 0.26 s of loop, 0.06 s of timed steps (busy_s). The wait
+    is not step time, so it neither lowers the rank's solo-equivalent rate (the ideal) nor
+    counts as compute; it is left to 'unexplained'. Counting it made a run's efficiency 104%."""
+    run = make_run(tmp_path)
+    rank1 = [{"t": 100.26, "kind": "round", "steps": 18, "samples": 180, "compute_s": 0.26,
+              "busy_s": 0.06, "data_s": 0.005, "sleep_s": 0.035, "comm_s": 0.0},
+             {"t": 110.6, "kind": "final"}]
+    (run / "timeline" / "rank1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rank1))
+    summary = {**SUMMARY, "throughput": {"samples_per_s": 48.0,
+                                         "per_rank_samples_per_s": [30.0, 18.0]}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    slow = build_report(*load_run(run)[:2], batch_size=10)["ranks"][1]
+    assert slow["time_s"]["compute"] == pytest.approx(0.02)
+    assert slow["time_s"]["emulated"] == pytest.approx(0.035)
+    assert slow["step_ms"] == pytest.approx(1000 * 0.055 / 18)
+    assert slow["time_s"]["unexplained"] == pytest.approx(10.0 - 0.055 - 0.005)
+
+
 def test_cli_report_json_and_text(tmp_path):
     run = make_run(tmp_path)
     proc = run_fdl("report", str(run), "--json")

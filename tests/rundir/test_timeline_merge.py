@@ -94,6 +94,20 @@ def test_spans_are_compute_data_sync_with_idle_filling_each_ranks_gaps(tmp_path)
     assert doc["duration"] == 5.5
 
 
+def test_a_wait_in_the_step_loop_is_drawn_idle_not_compute(tmp_path):
+    """A round whose loop took 1 s but whose timed steps (busy_s) took 0.5 s, 0.25 s of it the
+    emulated sleep: data, compute and emulated from the loop's start, the wait left idle."""
+    run = tmp_path / "run"
+    (run / "timeline").mkdir(parents=True)
+    write_lines(run / "timeline" / "rank0.jsonl", [
+        {"t": 1000.0, "kind": "start", "rank": 0},
+        {"t": 1001.0, "kind": "round", "rank": 0, "round": 0, "compute_s": 1.0, "busy_s": 0.5,
+         "data_s": 0.125, "sleep_s": 0.25, "comm_s": 0.0}])
+    spans = [(s["kind"], s["start"], s["end"]) for s in merge_timeline(run)["spans"]]
+    assert spans == [("data", 0.0, 0.125), ("compute", 0.125, 0.25), ("emulated", 0.25, 0.5),
+                     ("idle", 0.5, 1.0)]
+
+
 def test_events_keep_their_fields_with_relative_times_and_restarts_visible(tmp_path):
     doc = merge_timeline(make_run(tmp_path))
     assert [(e["t"], e["rank"], e["kind"]) for e in doc["events"]] == EXPECTED_EVENTS
