@@ -3,17 +3,16 @@ comparing fdl's sync policy with torch DDP: `torchrun --nproc-per-node 2 example
 OUT.json --hidden 1536 ...`. Rank 0 writes the training throughput (eval excluded) to OUT.json.
 
 `--slowdown 1,2.5` emulates devices that much slower as plainly as it can be done, for
-comparing with `fdl run --policy sync --simulate-slowdown 1,2.5`: each rank first times its
-compute per step alone (a copy of the model, no DDP, no peer: the median of 20 steps after 5
-warm-up steps), then in training sleeps (f - 1) x that after every step, taking what a sleep
-overran off the next one. The all-reduce and the wait for the peer are never multiplied.
+comparing with `fdl run --policy sync --simulate-slowdown 1,2.5`: after every step each rank
+sleeps (f - 1) x that step's compute — its time less the time its backward spent in DDP's
+all-reduce, from the last bucket handed to torch's default all-reduce hook to that all-reduce's
+completion — taking what a sleep overran off the next one. The all-reduce and the wait for
+the peer in it are never multiplied.
 """
 
 import argparse
-import copy
 import gc
 import json
-import statistics
 import time
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from mlp_synthetic import NUM_CLASSES, NUM_FEATURES, add_task_arguments, make_data
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -39,10 +39,11 @@ def main() -> None:
                           nn.Linear(args.hidden, NUM_CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     data = make_data(args.train_samples, seed=1, noise=args.noise)
-    sleep_s = 0.0
-    if args.slowdown:
-        sleep_s = (args.slowdown[rank] - 1) * compute_per_step(model, data, args)
     ddp = DistributedDataParallel(model)
+    factor = args.slowdown[rank] if args.slowdown else 1.0
+    clock = AllReduceClock()
+    if factor > 1:
+        ddp.register_comm_hook(clock, AllReduceClock.hook)
     step_samples = world * args.batch_size
     owed = 0.0
     dist.barrier()
@@ -50,12 +51,15 @@ def main() -> None:
     for epoch in range(args.epochs):
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(42 + epoch))
         for step in range(len(data) // step_samples):
+            began = time.perf_counter()
             low = step * step_samples + rank * args.batch_size
             features, labels = data[order[low:low + args.batch_size]]
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(ddp(features), labels).backward()
             optimizer.step()
-            owed += sleep_s
+            if factor <= 1:
+                continue
+            owed += (factor - 1) * (time.perf_counter() - began - clock.take())
             if owed > 0:
                 slept = time.perf_counter()
                 time.sleep(owed)
@@ -72,19 +76,27 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def compute_per_step(model: nn.Module, data, args: argparse.Namespace) -> float:
-    """This rank's compute per step alone: a copy of the model, no DDP, no peer."""
-    alone = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(alone.parameters(), lr=args.lr, momentum=0.9)
-    times = []
-    for step in range(25):
-        features, labels = data[step * args.batch_size:(step + 1) * args.batch_size]
-        began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(alone(features), labels).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[5:])
+class AllReduceClock:
+    """torch's default all-reduce hook, timed: the step's last bucket handed over, and the
+    latest all-reduce completion (both read before backward() returns: DDP waits for them)."""
+
+    def __init__(self):
+        self.handed = self.done = None
+
+    def hook(self, bucket):
+        self.handed = time.perf_counter()
+
+        def done(future):
+            self.done = max(self.done or 0.0, time.perf_counter())
+            return future.value()
+
+        return allreduce_hook(None, bucket).then(done)
+
+    def take(self) -> float:
+        """The step's all-reduce time after the last hand-over, and forget it."""
+        seconds = max(0.0, self.done - self.handed) if self.handed and self.done else 0.0
+        self.handed = self.done = None
+        return seconds
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def median_row(results: list[dict]) -> dict:
 
 def plain_ddp(out: Path, slowdown: str | None, model_args: list[str]) -> dict:
     """torch DDP without fdl (examples/ddp_plain.py); with ``slowdown``, each rank sleeps
-    (f - 1) x its compute per step timed alone, never its all-reduce."""
+    (f - 1) x each step's time less its all-reduce, never the all-reduce."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "torch-ddp.json"
     torchrun = shutil.which("torchrun") or "torchrun"

@@ -49,7 +49,7 @@ from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
 from fdl.engine.policies import Policy
 from fdl.engine.round_messages import CalibrationPool, ElasticSignal
-from fdl.engine.speed import RunningMedian, StepTimer
+from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
     NO_DISTANCE,
     REPORT_FIELDS,
@@ -127,7 +127,7 @@ class Replica:
     lr_scale: float = 1.0
     # The slowdown emulation's memory across rounds: the recent steps' compute (rank_state
     # keeps its value for checkpoints) and the oversleep the next sleeps pay back.
-    compute_median: RunningMedian | None = None
+    compute_mean: RunningMean | None = None
     sleep_owed_s: float = 0.0
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
     _checked: bool = False
@@ -207,9 +207,9 @@ class RoundTally:
     device and read once, after the round (reading it each step would make the host wait for
     the GPU every step and stop it queueing work ahead)."""
 
-    timer: StepTimer  # the timed steps; their running median drives the slowdown emulation
+    timer: StepTimer  # the timed steps; their running mean drives the slowdown emulation
     warmup: StepTimer  # the run's very first step, timed apart (its sleep follows its own time)
-    median: RunningMedian
+    mean: RunningMean
     loss: torch.Tensor
     started: float = field(default_factory=time.perf_counter)
     timed_samples: int = 0
@@ -218,16 +218,16 @@ class RoundTally:
 
     @classmethod
     def open(cls, replica: Replica) -> RoundTally:
-        rank_state, median = replica.rank_state, replica.compute_median
-        if median is None or median.count != rank_state.step_count:  # a start, a resume
-            median = RunningMedian(rank_state.step_count, rank_state.step_total_s)
-            replica.compute_median = median
-        return cls(timer=StepTimer(slowdown=replica.slowdown, median=median,
+        rank_state, mean = replica.rank_state, replica.compute_mean
+        if mean is None or mean.count != rank_state.step_count:  # a start, a resume
+            mean = RunningMean(rank_state.step_count, rank_state.step_total_s)
+            replica.compute_mean = mean
+        return cls(timer=StepTimer(slowdown=replica.slowdown, mean=mean,
                                    device=replica.device,
                                    comm=replica.comm_meter, owed_s=replica.sleep_owed_s),
                    warmup=StepTimer(slowdown=replica.slowdown, device=replica.device,
                                     comm=replica.comm_meter),
-                   median=median, loss=torch.zeros((), dtype=torch.float64, device=replica.device))
+                   mean=mean, loss=torch.zeros((), dtype=torch.float64, device=replica.device))
 
     @property
     def steps(self) -> int:
@@ -318,7 +318,7 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
         replica.progress.loss = round_sum / tally.steps
     timer.finish()
     tally.warmup.finish()
-    rank_state.step_count, rank_state.step_total_s = tally.median.count, tally.median.total
+    rank_state.step_count, rank_state.step_total_s = tally.mean.count, tally.mean.total
     replica.sleep_owed_s = timer.owed_s
     mine = plan.slices[replica.rank]
     used = mine.num_samples if plan.elastic != replica.rank else tally.timed_samples

@@ -36,22 +36,22 @@ fast one more work. What is multiplied is the rank's own compute only — never 
 communication or its wait for a peer, which a slower device would not make slower: under sync
 that wait is the fast rank's whole idle time, and multiplying the slow rank's all-reduce inflated
 sync on short steps by several times (fdl init's MLP, 1,2.5: sync at half of what plain DDP slept
-on compute only delivers). The compute slept on is the median of the rank's last
-:data:`MEDIAN_STEPS` steps (:class:`RunningMedian`), not the last step's: sleeping on the last
-step would multiply the host's own timing noise by ``f - 1`` (a real slower device does not
-amplify its host's noise), and the mean over the whole run that it replaced kept the first slow
-steps (allocations, a busy host) for hundreds of steps (2.9 against 0.8 ms per step at 2.5x:
-3.6x); a median also leaves a stray slow step unamplified. The sleep is measured with the clock: what
-``time.sleep`` oversleeps (~0.1 ms, a large part of a 1 ms step) is owed back by the next steps'
-sleeps (at most :data:`MAX_OWED_STEPS` steps' worth, so a host stall does not leave the rank
-unslowed for long), so the factor holds on steps of a millisecond. Emulation needs each step's
+on compute only delivers). The compute slept on is the mean of the rank's last
+:data:`MEAN_STEPS` steps (:class:`RunningMean`), not the last step's: sleeping on the last step
+would multiply the host's own timing noise by ``f - 1`` (a real slower device does not amplify
+its host's noise), and the mean over the whole run that it replaced kept the first slow steps
+(allocations, a busy host) for hundreds of steps (2.9 against 0.8 ms per step at 2.5x: 3.6x).
+A mean, not a median: over any stretch the sleep is then ``f - 1`` times the compute, so the
+factor holds in time, where a median of right-skewed step times slept ~10 % short. The sleep is
+measured with the clock: what ``time.sleep`` oversleeps (~0.1 ms, a large part of a 1 ms
+step's sleep) is owed back by the next steps' sleeps (at most :data:`MAX_OWED_STEPS` steps'
+worth, so a host stall does not leave the rank unslowed for long), so the factor holds on steps of a millisecond. Emulation needs each step's
 time when it ends, so on CUDA a timer with ``slowdown > 1`` waits for that step's ``stop`` event
 (again the compute stream only) before it sleeps. Summaries mark emulated runs.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -60,8 +60,8 @@ from typing import Protocol
 
 import torch
 
-#: the steps whose median compute the emulation sleeps on
-MEDIAN_STEPS = 15
+#: the steps whose mean compute the emulation sleeps on
+MEAN_STEPS = 15
 #: the oversleep carried to the next steps is at most this many steps' sleep
 MAX_OWED_STEPS = 4
 
@@ -86,13 +86,13 @@ class StepTimer:
     test passes a fake one with a matching ``sleep``) and every figure is current after each
     ``stop()``. A CUDA device: steps are timed with CUDA events on the current stream, and
     ``busy_s``, ``comm_s``, ``step_ms`` and ``step_times_s`` are complete only after
-    ``finish()``. ``median`` is the rank's compute time per step, shared by all of its rounds'
+    ``finish()``. ``mean`` is the rank's compute time per step, shared by all of its rounds'
     timers (and checkpointed): the emulated sleep follows it. ``owed_s`` is the sleep the
     rank still owes (negative: overslept), carried from round to round by the caller.
     ``comm`` times each step's communication (None: the steps do not communicate)."""
 
     slowdown: float = 1.0
-    median: RunningMedian | None = None
+    mean: RunningMean | None = None
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     device: torch.device | None = None
@@ -176,15 +176,15 @@ class StepTimer:
         self.step_times_s.append(compute)
         self._compute_s += compute
         self.comm_s += comm
-        if self.median is not None:
-            self.median.add(compute)
+        if self.mean is not None:
+            self.mean.add(compute)
 
     def _emulate_slowdown(self) -> None:
-        """Sleep ``(slowdown - 1) x`` the rank's median compute per step (this step's without
-        a median), plus what earlier sleeps owe; book the time the clock says was slept."""
+        """Sleep ``(slowdown - 1) x`` the rank's mean compute per step (this step's without a
+        mean), plus what earlier sleeps owe; book the time the clock says was slept."""
         if self.slowdown <= 1.0:
             return
-        base = self.median.value if self.median is not None else self.step_times_s[-1]
+        base = self.mean.value if self.mean is not None else self.step_times_s[-1]
         target = base * (self.slowdown - 1.0)
         wanted = target + self.owed_s
         slept = 0.0
@@ -197,15 +197,15 @@ class StepTimer:
 
 
 @dataclass
-class RunningMedian:
-    """The median of the last :data:`MEDIAN_STEPS` values added: a rank's compute per step as the
-    slowdown emulation sleeps on it. What a checkpoint keeps of it is ``(count, total)``, ``total``
-    being ``count x`` its value (older checkpoints kept the sum: their mean); ``RunningMedian(count,
-    total)`` goes on from that value."""
+class RunningMean:
+    """The mean of the last :data:`MEAN_STEPS` values added: a rank's compute per step as the
+    slowdown emulation sleeps on it. What a checkpoint keeps of it is ``(count, total)``,
+    ``total`` being ``count x`` its value (older checkpoints kept the sum over the run: the same
+    mean); ``RunningMean(count, total)`` goes on from that value."""
 
     count: int = 0
     total: float = 0.0
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=MEDIAN_STEPS), repr=False)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=MEAN_STEPS), repr=False)
 
     def __post_init__(self) -> None:
         if self.count and not self.recent:
@@ -218,4 +218,4 @@ class RunningMedian:
 
     @property
     def value(self) -> float:
-        return statistics.median(self.recent) if self.recent else 0.0
+        return sum(self.recent) / len(self.recent) if self.recent else 0.0

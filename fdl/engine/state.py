@@ -109,8 +109,8 @@ class RankState:
     """Everything one rank keeps between rounds besides the model, the optimizer and the plan.
     Recovery saves it with :meth:`to_dict` and restores it with :meth:`from_dict`."""
 
-    step_count: int = 0  # slowdown emulation: the running median of compute per step,
-    step_total_s: float = 0.0  # as (count, count x median) (fdl.engine.speed.RunningMedian)
+    step_count: int = 0  # slowdown emulation: the running mean of compute per step,
+    step_total_s: float = 0.0  # as (count, count x mean) (fdl.engine.speed.RunningMean)
     epoch_loss: list[float] = field(default_factory=lambda: [0.0, 0])
     last_wait_ms: float = NAN
     last_distance: float = NO_DISTANCE

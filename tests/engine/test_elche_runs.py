@@ -78,17 +78,19 @@ def test_sync_equals_plain_torch_ddp(tmp_path):
 def check_ddp_communication_is_sync(run_dir: Path) -> None:
     """Every step's time in DDP's all-reduce (comm_s) is in the rounds' events, outside their
     busy time, drawn as sync spans of those rounds and counted as sync by fdl report; the slow
-    rank's emulated sleep follows its compute alone (1.5x at 2.5x; the median step's ratio is
-    let up to 2.2: the run is 32 steps, and its first, slower ones weigh in the median the
-    sleep follows; sleeping on compute and all-reduce gave ~5 here), is drawn as its own span
+    rank's emulated sleep follows its compute alone (1.5x at 2.5x over the run's second half,
+    once the first, slower steps have left the 15 steps the sleep follows: 1.61-1.71 measured,
+    let up to 2; sleeping on compute and all-reduce gave ~5x here), is drawn as its own span
     kind, and the fast rank never sleeps."""
     rounds = [[e for e in read_events(run_dir, rank) if e["kind"] == "round"] for rank in (0, 1)]
     for events in rounds:
         assert sum(e["comm_s"] for e in events) > 0
         assert all(e["busy_s"] + e["comm_s"] <= e["compute_s"] + 1e-6 for e in events)
     assert all(e["sleep_s"] == 0 for e in rounds[0])
-    ratios = [e["sleep_s"] / (e["busy_s"] - e["sleep_s"]) for e in rounds[1] if e["steps"]]
-    assert 1.2 <= statistics.median(ratios) <= 2.2, ratios
+    steady = rounds[1][len(rounds[1]) // 2:]  # sync: one step a round
+    slept = sum(e["sleep_s"] for e in steady)
+    computed = sum(e["busy_s"] - e["sleep_s"] for e in steady)
+    assert 1.2 <= slept / computed <= 2.0, (slept, computed)
     spans = merge_timeline(run_dir)["spans"]
     numbered = {(e["rank"], e["round"]) for events in rounds for e in events}
     ddp_sync = {s["rank"] for s in spans if s["kind"] == "sync" and (s["rank"], s["round"])
@@ -165,11 +167,10 @@ def test_launcher_flag_beats_script_value_beats_default(tmp_path):
 @pytest.mark.timing
 def test_sync_at_1_2_5_runs_as_fast_as_plain_ddp_slept_on_compute_only(tmp_path):
     """fdl sync with --simulate-slowdown 1,2.5 against examples/ddp_plain.py --slowdown 1,2.5
-    (plain torch DDP, each rank sleeping (f - 1) x its compute timed alone): within 10 % of
-    each other, medians of 3 interleaved runs of each, on the bench's MLP at a width whose
-    all-reduce (1.2 MB) takes about as long as a step's compute, as fdl init's MLP's does.
-    Before the fix the slow rank also slept 1.5x its all-reduce and fdl ran at 0.42-0.45 of
-    DDP here."""
+    (plain torch DDP, each rank sleeping (f - 1) x each step's time less its all-reduce): within
+    10 % of each other, the median of 3 back-to-back pairs, on the bench's MLP at a width whose
+    all-reduce (1.2 MB) takes a good part of a step, as fdl init's MLP's does. Measured on the
+    2-core VM: 1.00-1.06 (0.76-0.92 before the fix, which also slept 1.5x the all-reduce)."""
     task = ["--hidden", "512", "--train-samples", "4096", "--epochs", "2", "--batch-size", "64"]
     path = [str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
@@ -190,5 +191,5 @@ def test_sync_at_1_2_5_runs_as_fast_as_plain_ddp_slept_on_compute_only(tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         fdl_rates.append(summary["throughput"]["samples_per_s"])
-    ratio = statistics.median(fdl_rates) / statistics.median(ddp_rates)
+    ratio = statistics.median(f / d for f, d in zip(fdl_rates, ddp_rates, strict=True))
     assert 0.9 <= ratio <= 1.1, (fdl_rates, ddp_rates)

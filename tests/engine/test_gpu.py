@@ -25,7 +25,7 @@ import pytest
 import torch
 from helpers import clean_env, run_fdl
 
-from fdl.engine.speed import RunningMedian, StepTimer
+from fdl.engine.speed import RunningMean, StepTimer
 from fdl.rundir.timeline import read_events
 
 pytestmark = [pytest.mark.gpu,
@@ -107,7 +107,7 @@ def timed_round(device: torch.device, step: Callable[[], object], steps: int, *,
         asked.append(seconds)
         time.sleep(seconds)
 
-    timer = StepTimer(slowdown=slowdown, median=RunningMedian(), device=device, sleep=sleep)
+    timer = StepTimer(slowdown=slowdown, mean=RunningMean(), device=device, sleep=sleep)
     for _ in range(steps):
         timer.start()
         step()

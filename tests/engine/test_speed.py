@@ -1,9 +1,9 @@
 """StepTimer as the round loop uses it: one timer a round, all of a rank's timers sharing one
-RunningMedian, ``finish()`` at the end of each round.
+RunningMean, ``finish()`` at the end of each round.
 
 A fake clock runs the steps: each step takes the compute time the test gives it, and the
 timer's emulated sleep moves the same clock, so every figure is exact and no test waits. For a
-step of compute ``e`` the timer sleeps ``(f - 1) x`` the rank's median compute per step over its
+step of compute ``e`` the timer sleeps ``(f - 1) x`` the rank's mean compute per step over its
 recent steps (``e`` included), not ``(f - 1) x e``: a real slower device does not amplify its
 host's noise. What a step spends in communication (DDP's all-reduce under sync, faked here) is
 neither compute nor slowed.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from fdl.engine.speed import RunningMedian, StepTimer
+from fdl.engine.speed import RunningMean, StepTimer
 
 DEVICE = torch.device("cuda", 1)
 
@@ -115,9 +115,9 @@ class Rig:
     clock: FakeClock
     gpu: FakeGpu | None
 
-    def timer(self, *, slowdown: float, median: RunningMedian, comm: FakeComm | None = None,
+    def timer(self, *, slowdown: float, mean: RunningMean, comm: FakeComm | None = None,
               owed_s: float = 0.0) -> StepTimer:
-        return StepTimer(slowdown=slowdown, median=median, clock=self.clock, sleep=self.clock.sleep,
+        return StepTimer(slowdown=slowdown, mean=mean, clock=self.clock, sleep=self.clock.sleep,
                          device=DEVICE if self.gpu else None, comm=comm, owed_s=owed_s)
 
     def compute(self, seconds: float) -> None:
@@ -174,13 +174,13 @@ def run_round(rig: Rig, timer: StepTimer, compute_s: list[float],
 
 def run_rounds(rig: Rig, rounds: list[list[float]], *, slowdown: float, comm_s: float = 0.0,
                ) -> list[tuple[StepTimer, float]]:
-    """Rounds as the round loop runs them: one timer each, the median and the owed sleep carried
+    """Rounds as the round loop runs them: one timer each, the mean and the owed sleep carried
     from one to the next; each timer with the wall time its round took."""
-    median, owed, timed = RunningMedian(), 0.0, []
+    mean, owed, timed = RunningMean(), 0.0, []
     comm = FakeComm(rig) if comm_s else None
     for compute_s in rounds:
         began = rig.clock.now
-        timer = run_round(rig, rig.timer(slowdown=slowdown, median=median, comm=comm, owed_s=owed),
+        timer = run_round(rig, rig.timer(slowdown=slowdown, mean=mean, comm=comm, owed_s=owed),
                           compute_s, comm_s)
         owed = timer.owed_s
         timed.append((timer, rig.clock.now - began))
@@ -238,7 +238,7 @@ def test_a_host_stall_in_a_sleep_is_paid_back_over_a_few_steps_only(rig):
     """A sleep that lasts a whole second (the host stalled) leaves the owed sleep at four steps'
     worth: the rank skips the next four sleeps and sleeps again from the sixth step on, not
     after a thousand steps."""
-    timer = rig.timer(slowdown=2.0, median=RunningMedian())
+    timer = rig.timer(slowdown=2.0, mean=RunningMean())
     rig.clock.oversleep = 1.0
     run_round(rig, timer, [0.001])
     assert timer.owed_s == pytest.approx(-0.004)
@@ -249,10 +249,10 @@ def test_a_host_stall_in_a_sleep_is_paid_back_over_a_few_steps_only(rig):
     assert timer.sleep_s == pytest.approx(1.003)
 
 
-def test_the_emulated_sleep_follows_the_running_median_across_rounds(rig):
-    median = RunningMedian()
-    first = run_round(rig, rig.timer(slowdown=3.0, median=median), [0.010, 0.020])
-    # median 0.010 then 0.015: sleeps 2 x 0.010 and 2 x 0.015 (not 2 x 0.020, the last step)
+def test_the_emulated_sleep_follows_the_running_mean_across_rounds(rig):
+    mean = RunningMean()
+    first = run_round(rig, rig.timer(slowdown=3.0, mean=mean), [0.010, 0.020])
+    # mean 0.010 then 0.015: sleeps 2 x 0.010 and 2 x 0.015 (not 2 x 0.020, the last step)
     assert rig.clock.sleeps == pytest.approx([0.020, 0.030])
     assert first.steps == 2
     assert first.step_times_s == pytest.approx([0.010, 0.020])
@@ -260,50 +260,50 @@ def test_the_emulated_sleep_follows_the_running_median_across_rounds(rig):
     assert first.busy_s == pytest.approx(0.030 + 0.050)
     assert first.step_ms == pytest.approx(40.0)
 
-    second = run_round(rig, rig.timer(slowdown=3.0, median=median), [0.030])
-    # the next round's timer goes on with the same median: of 0.010, 0.020, 0.030, 0.020
+    second = run_round(rig, rig.timer(slowdown=3.0, mean=mean), [0.030])
+    # the next round's timer goes on with the same mean: of 0.010, 0.020 and 0.030, 0.020
     assert rig.clock.sleeps[2:] == pytest.approx([0.040])
     assert (second.steps, second.sleep_s) == (1, pytest.approx(0.040))
     assert second.step_ms == pytest.approx(70.0)
-    assert (median.count, median.total) == (3, pytest.approx(0.060))
+    assert (mean.count, mean.total) == (3, pytest.approx(0.060))
 
 
 def test_an_outlier_step_is_not_amplified(rig):
-    timer = run_round(rig, rig.timer(slowdown=2.0, median=RunningMedian()), [0.010] * 9 + [0.110])
-    # the hiccup adds its own 0.1 s and leaves the median where it was: the last sleep 0.01 s
-    assert rig.clock.sleeps[-1] == pytest.approx(0.010)
-    assert timer.sleep_s == pytest.approx(10 * 0.010)
+    timer = run_round(rig, rig.timer(slowdown=2.0, mean=RunningMean()), [0.010] * 9 + [0.110])
+    # the hiccup adds its own 0.1 s and moves the mean by 0.01 s, so the last sleep is 0.02 s
+    assert rig.clock.sleeps[-1] == pytest.approx(0.020)
+    assert timer.sleep_s == pytest.approx(9 * 0.010 + 0.020)
     assert timer.busy_s == pytest.approx(0.200 + timer.sleep_s)
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 0.5])
-def test_no_slowdown_or_a_speedup_never_sleeps_and_still_feeds_the_median(rig, slowdown):
-    median = RunningMedian()
-    timer = run_round(rig, rig.timer(slowdown=slowdown, median=median), [0.010, 0.030])
+def test_no_slowdown_or_a_speedup_never_sleeps_and_still_feeds_the_mean(rig, slowdown):
+    mean = RunningMean()
+    timer = run_round(rig, rig.timer(slowdown=slowdown, mean=mean), [0.010, 0.030])
     assert rig.clock.sleeps == [] and timer.sleep_s == 0.0
     assert timer.busy_s == pytest.approx(0.040)  # a factor below 1 does not shorten steps
     assert timer.step_ms == pytest.approx(20.0)
-    assert (median.count, median.total) == (2, pytest.approx(0.040))
+    assert (mean.count, mean.total) == (2, pytest.approx(0.040))
 
 
-def test_a_checkpointed_median_goes_on_where_it_stopped(rig):
-    """A resumed rank restores its median as RunningMedian(count, count x median) (older
-    checkpoints: the sum, whose mean it takes): the first sleep after the resume is on that
-    value with the new step, not on the new step alone."""
-    median = RunningMedian(4, 0.200)
-    run_round(rig, rig.timer(slowdown=2.0, median=median), [0.010])
+def test_a_checkpointed_mean_goes_on_where_it_stopped(rig):
+    """A resumed rank restores its mean as RunningMean(count, count x mean) (older checkpoints
+    kept the sum: the same): the first sleep after the resume is on that value with the new
+    step, not on the new step alone."""
+    mean = RunningMean(4, 0.200)
+    run_round(rig, rig.timer(slowdown=2.0, mean=mean), [0.010])
     assert rig.clock.sleeps == pytest.approx([(0.050 + 0.010) / 2])
-    assert (median.count, median.total) == (5, pytest.approx(5 * 0.030))
+    assert (mean.count, mean.total) == (5, pytest.approx(5 * 0.030))
 
 
 def test_step_ms_is_nan_without_steps(rig):
-    timer = run_round(rig, rig.timer(slowdown=2.0, median=RunningMedian()), [])
+    timer = run_round(rig, rig.timer(slowdown=2.0, mean=RunningMean()), [])
     assert timer.steps == 0 and math.isnan(timer.step_ms) and timer.busy_s == 0.0
 
 
 def test_finish_is_a_no_op_on_the_cpu():
     clock = FakeClock()
-    timer = StepTimer(slowdown=2.0, median=RunningMedian(), clock=clock, sleep=clock.sleep)
+    timer = StepTimer(slowdown=2.0, mean=RunningMean(), clock=clock, sleep=clock.sleep)
     timer.start()
     clock.now += 0.010
     timer.stop()
@@ -324,8 +324,8 @@ def test_cuda_steps_are_queued_and_read_once_at_finish(gpu, host_s, gpu_s, step_
     """Without a slowdown the host never waits during the round; ``finish()`` waits for the
     last step's event only, and the steps' times add up to the round's wall time, whichever of
     host work (fetching, collating, copying the batch) and kernels is the slower."""
-    clock, median = gpu.clock, RunningMedian()
-    timer = StepTimer(median=median, clock=clock, device=DEVICE)
+    clock, mean = gpu.clock, RunningMean()
+    timer = StepTimer(mean=mean, clock=clock, device=DEVICE)
     for seconds in gpu_s:
         timer.start()
         clock.now += host_s  # the batch is fetched and copied inside the step
@@ -340,8 +340,8 @@ def test_cuda_steps_are_queued_and_read_once_at_finish(gpu, host_s, gpu_s, step_
     assert clock.now == pytest.approx(gpu.compute.done_at)  # the round's kernels are done
     assert timer.step_times_s == pytest.approx(step_times_s)
     assert timer.busy_s == pytest.approx(clock.now - 100.0)  # the round's wall time
-    assert median.count == len(gpu_s)
-    assert median.value == pytest.approx(statistics.median(step_times_s))
+    assert mean.count == len(gpu_s)
+    assert mean.value == pytest.approx(statistics.fmean(step_times_s))
     timer.finish()
     assert clock.log == ["event.synchronize"]
     assert gpu.devices and set(gpu.devices) == {DEVICE}
@@ -355,7 +355,7 @@ def test_an_average_on_another_stream_is_not_booked_as_compute(gpu, slowdown):
     synchronize would have waited for it and booked it in the first step)."""
     clock = gpu.clock
     gpu.launch(0.5, stream=gpu.nccl)
-    timer = StepTimer(slowdown=slowdown, median=RunningMedian(), clock=clock, sleep=clock.sleep,
+    timer = StepTimer(slowdown=slowdown, mean=RunningMean(), clock=clock, sleep=clock.sleep,
                       device=DEVICE)
     for _ in range(3):
         timer.start()
@@ -371,9 +371,9 @@ def test_an_average_on_another_stream_is_not_booked_as_compute(gpu, slowdown):
 
 def test_a_cuda_slowdown_waits_for_each_step_before_it_sleeps(gpu):
     """Emulation needs each step's time when it ends: the slow rank waits for that step's end
-    event (the compute stream, nothing else) and then sleeps on the median."""
+    event (the compute stream, nothing else) and then sleeps on the mean."""
     clock = gpu.clock
-    timer = StepTimer(slowdown=2.0, median=RunningMedian(), clock=clock, sleep=clock.sleep,
+    timer = StepTimer(slowdown=2.0, mean=RunningMean(), clock=clock, sleep=clock.sleep,
                       device=DEVICE)
     for seconds in [0.010, 0.030]:
         timer.start()
@@ -386,13 +386,13 @@ def test_a_cuda_slowdown_waits_for_each_step_before_it_sleeps(gpu):
 
 
 def test_the_default_clock_measures_real_work():
-    median = RunningMedian()
-    timer = StepTimer(slowdown=1.0, median=median)
+    mean = RunningMean()
+    timer = StepTimer(slowdown=1.0, mean=mean)
     for _ in range(3):
         timer.start()
         sum(i * i for i in range(20_000))
         timer.stop()
     timer.finish()
-    assert timer.steps == median.count == 3
+    assert timer.steps == mean.count == 3
     assert timer.busy_s > 0 and timer.busy_s == pytest.approx(sum(timer.step_times_s))
-    assert median.value == pytest.approx(statistics.median(timer.step_times_s))
+    assert mean.value == pytest.approx(statistics.fmean(timer.step_times_s))
