@@ -139,7 +139,10 @@ def _run(argv: list[str]) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parent)}
+    """One thread per worker; the examples importable, after whatever PYTHONPATH holds (a
+    checkout's own fdl ahead of an installed one)."""
+    path = [str(EXAMPLE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
 
 
 def render(rows: dict[str, dict], args: argparse.Namespace) -> str:

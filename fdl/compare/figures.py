@@ -320,7 +320,8 @@ def _cell(outcome: CellOutcome, *, target: SyncTarget | None) -> dict[str, Any]:
     return {**cell, "world_size": result.world_size, "samples": result.samples,
             "wall_s": result.wall_s, "samples_per_s": result.samples_per_s,
             "idle_fraction": result.idle_fraction, "sync_overhead": result.sync_overhead,
-            "efficiency": result.efficiency, "final_loss": result.final_loss, "eval": dict(result.eval),
+            "efficiency": result.efficiency, "final_loss": result.final_loss,
+            "eval": dict(result.eval),
             "time_to_sync_loss_s": None if target is None
             else time_to_loss(result.curve, target=target.threshold),
             "epochs": [{"epoch": p.epoch, "samples": p.samples, "elapsed_s": p.elapsed_s,

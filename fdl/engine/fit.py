@@ -257,8 +257,8 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
     return build_summary(
         config=config, world_size=world, devices=devices, wall_s=wall_s,
         samples=[int(r.samples) for r in per_rank], busy_s=[r.busy_s for r in per_rank],
-        comm_ms=totals.comm_ms, step_comm_s=[r.comm_s for r in per_rank], syncs=totals.syncs, eval_metrics=epochs_log.last_eval,
-        final_loss=epochs_log.last_loss,
+        comm_ms=totals.comm_ms, step_comm_s=[r.comm_s for r in per_rank], syncs=totals.syncs,
+        eval_metrics=epochs_log.last_eval, final_loss=epochs_log.last_loss,
         extra={"eval_s": epochs_log.eval_s, "seed": config.seed,
                "anchor_history": [list(item) for item in state.anchor_history],
                "final_anchor": state.anchor, "checksum": final_checksum,

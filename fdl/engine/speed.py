@@ -45,9 +45,10 @@ A mean, not a median: over any stretch the sleep is then ``f - 1`` times the com
 factor holds in time, where a median of right-skewed step times slept ~10 % short. The sleep is
 measured with the clock: what ``time.sleep`` oversleeps (~0.1 ms, a large part of a 1 ms
 step's sleep) is owed back by the next steps' sleeps (at most :data:`MAX_OWED_STEPS` steps'
-worth, so a host stall does not leave the rank unslowed for long), so the factor holds on steps of a millisecond. Emulation needs each step's
-time when it ends, so on CUDA a timer with ``slowdown > 1`` waits for that step's ``stop`` event
-(again the compute stream only) before it sleeps. Summaries mark emulated runs.
+worth, so a host stall does not leave the rank unslowed for long), so the factor holds on
+steps of a millisecond. Emulation needs each step's time when it ends, so on CUDA a timer with
+``slowdown > 1`` waits for that step's ``stop`` event (again the compute stream only) before it
+sleeps. Summaries mark emulated runs.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ HINT = "summary.json and config.json are written by fdl run; restore them or re-
 def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
                   samples: list[int], busy_s: list[float], comm_ms: list[float], syncs: int,
                   eval_metrics: dict[str, float], final_loss: float | None,
-                  extra: dict[str, Any], step_comm_s: list[float] | None = None) -> dict[str, Any]:
+                  extra: dict[str, Any],
+                  step_comm_s: list[float] | None = None) -> dict[str, Any]:
     """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run;
     ``comm_ms``: what each average cost, the communication proper (the least over ranks);
     ``step_comm_s[r]``: rank r's time in DDP's all-reduce inside its steps (sync), whose least

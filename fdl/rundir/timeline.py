@@ -7,8 +7,9 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
   (checkpoint name or null), ``epoch``, ``round``, ``skipped`` (invalid newer checkpoints)
 * ``round``  — ``round``, ``epoch``, ``steps``, ``samples`` (used: an elastic rank's may be
   fewer than reserved), ``planned`` (the samples the round's plan gave the rank: the elastic
-  rank's reservation; the calibration pool's batches not included), ``compute_s`` (the step loop's wall time), ``busy_s`` (the timed
-  steps, whole — data, compute, emulated sleep — less DDP's communication), ``data_s``
+  rank's reservation; the calibration pool's batches not included), ``compute_s`` (the step
+  loop's wall time), ``busy_s`` (the timed steps, whole — data, compute, emulated sleep —
+  less DDP's communication), ``data_s``
   (fetching batches, inside both), ``step_ms`` (``busy_s`` per step), ``sleep_s`` (emulated
   slowdown, inside both), ``comm_s`` (sync: DDP's gradient all-reduce and the wait for the
   peers in it, inside ``compute_s``, not ``busy_s``), ``anchor``, ``lr_scale``; written when
