@@ -38,7 +38,8 @@ def main() -> None:
                   "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     cells = [("solo fast", 1, None, "cadence"), (f"solo slow ({slow}x)", 1, slow, "cadence"),
              ("sync", 2, pair, "sync"), ("cadence", 2, pair, "cadence"),
-             ("async", 2, pair, "async"), ("sync, equal workers", 2, None, "sync"),
+             ("async", 2, pair, "async"), (f"torch DDP, {pair} slept on compute", 2, pair, None),
+             ("sync, equal workers", 2, None, "sync"),
              ("torch DDP, equal workers", 2, None, None),
              (f"solo fast + solo slow ({slow}x) at once", 2, slow, "concurrent")]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
@@ -46,7 +47,7 @@ def main() -> None:
         for name, nproc, slowdown, policy in cells:
             slug = f"{name.split(' (')[0].replace(' ', '-').replace(',', '')}-{repeat}"
             if policy is None:
-                result = plain_ddp(args.out / slug, model_args)
+                result = plain_ddp(args.out / slug, slowdown, model_args)
             elif policy == "concurrent":
                 result = concurrent_solos(args.out / slug, slowdown, args, model_args)
             else:
@@ -117,12 +118,14 @@ def median_row(results: list[dict]) -> dict:
     return row
 
 
-def plain_ddp(out: Path, model_args: list[str]) -> dict:
+def plain_ddp(out: Path, slowdown: str | None, model_args: list[str]) -> dict:
+    """torch DDP without fdl (examples/ddp_plain.py); with ``slowdown``, each rank sleeps
+    (f - 1) x each step's time less its all-reduce, never the all-reduce."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "torch-ddp.json"
     torchrun = shutil.which("torchrun") or "torchrun"
     _run([torchrun, "--standalone", "--nproc-per-node", "2", str(PLAIN_DDP), str(result),
-          *model_args])
+          *(["--slowdown", slowdown] if slowdown else []), *model_args])
     return {**json.loads(result.read_text()), "accuracy": None, "sync_overhead": None}
 
 
@@ -136,7 +139,10 @@ def _run(argv: list[str]) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parent)}
+    """One thread per worker; the examples importable, after whatever PYTHONPATH holds (a
+    checkout's own fdl ahead of an installed one)."""
+    path = [str(EXAMPLE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
 
 
 def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
@@ -159,9 +165,12 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
                      f"{ratio:.2f} | {acc} | {over} | {row.get('syncs', '-')} |")
     sync_eq, ddp = rows["sync, equal workers"]["samples_per_s"], \
         rows["torch DDP, equal workers"]["samples_per_s"]
+    sync_slowed = rows["sync"]["samples_per_s"]
+    ddp_slowed = rows[f"torch DDP, 1,{args.slow:g} slept on compute"]["samples_per_s"]
     at_once = rows[f"solo fast + solo slow ({args.slow:g}x) at once"]["samples_per_s"]
     lines += ["", f"ideal = solo fast + solo slow = {ideal:.0f} samples/s; "
-                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f}; the two solo "
+                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f}, at 1,{args.slow:g} "
+                  f"(both slept on compute only) = {sync_slowed / ddp_slowed:.3f}; the two solo "
                   f"runs at once: {at_once / ideal:.2f} of ideal (this host's ceiling for two "
                   "workers)"]
     for name in ("cadence", "async"):

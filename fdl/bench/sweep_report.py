@@ -19,6 +19,10 @@ Figures in a row:
   run's workers, of the solo rate at that worker's slowdown factor — a 1.0 + 2.5 run is measured
   against solo@1x + solo@2.5x. Null when a needed solo row is missing.
 * ``syncs`` / ``sync_overhead`` / ``idle_fraction``: means; null for solo rows.
+* ``measurement_error``: one line saying why a figure of the row is impossible, else null: an
+  efficiency above 1 against the solo rows (a run faster than its workers alone, summed), or a
+  seed faster than its own run's ideal (``ideal_samples_per_s``). The table shows "measurement
+  error" for such an efficiency, never the figure, and lists why under the model's table.
 
 Everything here is pure standard library; matplotlib is imported only to draw. Files are
 written atomically (a temp file beside the target, then ``os.replace``).
@@ -98,7 +102,23 @@ def _model_rows(model: str, groups: list[list[dict[str, Any]]]) -> list[dict[str
         if row["policy"] != "solo":
             ideal = _ideal_rate(_worker_keys(group[0], on_gpus=on_gpus), solo_rates)
             row["efficiency_vs_ideal"] = rate / ideal if rate is not None and ideal else None
+            row["measurement_error"] = measurement_error(row, group)
     return rows
+
+
+def measurement_error(row: dict[str, Any], group: list[dict[str, Any]]) -> str | None:
+    """Why a multi-worker row's figures are impossible (None: they are not)."""
+    efficiency = row["efficiency_vs_ideal"]
+    if efficiency is not None and efficiency > 1:
+        return (f"efficiency {efficiency:.1%} of the ideal (the solo rows' samples/s at each "
+                "worker's factor, summed) is impossible: the solo baseline or this run was "
+                "mis-measured; re-run")
+    own = [r["samples_per_s"] / r["ideal_samples_per_s"] for r in group
+           if r.get("samples_per_s") and r.get("ideal_samples_per_s")]
+    if own and max(own) > 1:
+        return (f"{max(own):.1%} of the run's own ideal (its ranks' solo-equivalent rates, "
+                "summed) is impossible: a measurement error; re-run")
+    return None
 
 
 def _ideal_rate(keys: list[tuple[str, float]],
@@ -124,6 +144,7 @@ def _aggregate(model: str, group: list[dict[str, Any]]) -> dict[str, Any]:
     row.update({key: _mean([r.get(key) for r in group]) for key in _AVERAGED})
     row["speedup_vs_fast_solo"] = None
     row["efficiency_vs_ideal"] = None
+    row["measurement_error"] = None
     row.update({key: None if solo else _mean([r.get(key) for r in group])
                 for key in _MULTI_WORKER_ONLY})
     return row
@@ -139,6 +160,7 @@ def _mean(values: list[Any]) -> float | None:
 COLUMNS = ("mode", "eval (mean ± std)", "published", "wall s", "samples/s",
            "speedup vs fast solo", "efficiency vs ideal", "syncs", "sync overhead", "idle %")
 DASH = "—"
+ERROR = "measurement error"
 
 
 def render_markdown(report: dict[str, Any], *, title_note: str) -> str:
@@ -151,9 +173,13 @@ def render_markdown(report: dict[str, Any], *, title_note: str) -> str:
     for model in models:
         lines += [f"## {model}", "", "| " + " | ".join(COLUMNS) + " |",
                   "|" + "|".join("---" for _ in COLUMNS) + "|"]
-        lines += ["| " + " | ".join(_cells(row)) + " |"
-                  for row in report["rows"] if row["model"] == model]
+        rows = [row for row in report["rows"] if row["model"] == model]
+        lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
         lines.append("")
+        errors = [f"- {row['mode']}: {row['measurement_error']}" for row in rows
+                  if row.get("measurement_error")]
+        if errors:
+            lines += ["Measurement errors (not results):", "", *errors, ""]
     return "\n".join(lines)
 
 
@@ -179,7 +205,9 @@ def _cells(row: dict[str, Any]) -> list[str]:
     return [row["mode"], evaluation, _fmt(row["reference"], "{:.4f}"),
             _fmt(row["wall_s"], "{:.1f}"), _fmt(row["samples_per_s"], "{:,.0f}"),
             _fmt(row["speedup_vs_fast_solo"], "{:.2f}x"),
-            _fmt(row["efficiency_vs_ideal"], "{:.1%}"), _fmt(row["syncs"], "{:.3g}"),
+            ERROR if row.get("measurement_error") else _fmt(row["efficiency_vs_ideal"],
+                                                            "{:.1%}"),
+            _fmt(row["syncs"], "{:.3g}"),
             _fmt(row["sync_overhead"], "{:.1%}"), _fmt(row["idle_fraction"], "{:.1%}")]
 
 
@@ -258,7 +286,9 @@ def _throughput_figure(figure_class: Any, report: dict[str, Any]) -> Any:
     for index, model in enumerate(models, start=1):
         axes = figure.add_subplot(1, len(models), index)
         rows = [r for r in report["rows"] if r["model"] == model and r["samples_per_s"]]
-        labels, heights = [r["mode"] for r in rows], [r["samples_per_s"] for r in rows]
+        labels = [r["mode"] + (" (measurement error)" if r.get("measurement_error") else "")
+                  for r in rows]
+        heights = [r["samples_per_s"] for r in rows]
         ideals = sorted({round(r["samples_per_s"] / r["efficiency_vs_ideal"], 6)
                          for r in rows if r["efficiency_vs_ideal"]})
         bars = axes.bar(labels + [f"ideal {i + 1}" if len(ideals) > 1 else "ideal"
@@ -266,6 +296,10 @@ def _throughput_figure(figure_class: Any, report: dict[str, Any]) -> Any:
         for bar in bars[len(rows):]:
             bar.set_hatch("//")
             bar.set_alpha(0.5)
+        for bar, row in zip(bars, rows, strict=False):  # an impossible figure is no result
+            if row.get("measurement_error"):
+                bar.set_color("lightgrey")
+                bar.set_hatch("xx")
         axes.set(title=model, ylabel="samples/s")
         axes.tick_params(axis="x", labelrotation=45)
     figure.tight_layout()

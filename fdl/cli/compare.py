@@ -147,7 +147,7 @@ def _is_default(ctx: typer.Context, name: str) -> bool:
 
 def _execute(plan: ComparePlan, *, as_json: bool) -> int:
     from fdl import console
-    from fdl.compare.render import NO_MATPLOTLIB, tables
+    from fdl.compare.render import NO_MATPLOTLIB, measurement_errors, tables
     from fdl.compare.run import run_compare, write_compare
 
     total = len(plan.cells)
@@ -174,6 +174,8 @@ def _execute(plan: ComparePlan, *, as_json: bool) -> int:
     else:
         for title, columns, rows in tables(report.document):
             console.print_table(columns, rows, title=f"{title}: {plan.identity['script']}")
+        for line in measurement_errors(report.document):
+            console.out(line)
         console.out(f"recommendation: {report.document['recommendation']['text']}")
         for note in report.document["recommendation"]["notes"]:
             console.out(f"  {note}")

@@ -1,5 +1,6 @@
 """``fdl report RUN_DIR [--json]``: per-rank throughput and share of the work, where each rank's
-time went (compute, waiting at sync, epoch boundaries, data loading, unexplained), sync
+time went (compute, emulated slowdown, sync — waiting at averages, and DDP's all-reduce under
+sync —, epoch boundaries, data loading, unexplained), sync
 count/mean/overhead, the anchor's history, efficiency against the ideal, and the final metrics.
 ``fdl run`` prints the same report when a run that used fdl.Trainer finishes. A run that did not
 finish (interrupted or crashed: no summary.json) is reported from its timelines, under an
@@ -66,9 +67,9 @@ def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
           _num(x["step_ms"], ".1f"), _pct(x["idle_fraction"])] for r, x in ranks],
         title="throughput", justify=["right"] * 7, no_wrap=True)
     console.print_table(
-        ["rank", "compute", "sync wait", "epoch ends", "data", "other"],
+        ["rank", "compute", "emulated", "sync", "epoch ends", "data", "other"],
         [[r, *(_num(x["time_s"].get(key), ".2f") for key in _TIME_KEYS)] for r, x in ranks],
-        title="where the time went, in seconds", justify=["right"] * 6, no_wrap=True)
+        title="where the time went, in seconds", justify=["right"] * 7, no_wrap=True)
     pairs = _figures(doc)
     if trace is not None:
         pairs.append(("trace", trace_note(trace)))
@@ -76,7 +77,8 @@ def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
     warn_incomplete(doc)
 
 
-_TIME_KEYS = ("compute", "sync_wait", "epoch_boundary", "data_loading", "unexplained")
+_TIME_KEYS = ("compute", "emulated", "sync_wait", "epoch_boundary", "data_loading",
+              "unexplained")
 _ANCHORS_SHOWN = 5
 
 

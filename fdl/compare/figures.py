@@ -13,7 +13,25 @@ Per policy, over its seeds (median, and min-max when there are several):
   reached" when it never did. The median is over the seeds that reached it, and the row says
   how many did;
 * **final train loss** (the last epoch's), **every eval metric** (summary.json ``eval``),
-  **idle fraction** (mean over ranks) and **sync overhead** (sync time over compute time).
+  **idle fraction** (mean over ranks) and **sync overhead** (sync time over compute time);
+* **efficiency**: samples/s over the run's own ideal (``fdl report``'s: the ranks'
+  solo-equivalent rates summed, communication excluded).
+
+Impossible figures are **measurement errors**, flagged on their row (``measurement_error``,
+one line saying why) and never shown as results; the recommendation leaves them out:
+
+* an efficiency above 1 (a run faster than its ranks alone, summed);
+* a speedup over sync above the most any policy can gain (:func:`gain_bound`) by more than
+  TIMING_TOLERANCE: every rank busy at its own pace over sync's pace. With ranks ``f_r`` times
+  slower (``--simulate-slowdown``), free communication and sync computing as fast as the
+  others, that is ``sum(1 / f_r) / (world / max f_r)`` (1.75x at 1,2.5). Neither holds on
+  every host: sync's all-reduce takes time, and sync's steps can compute slower than the
+  others' (on this project's 2-core VM, fdl init's MLP: 0.9-1.1 ms against 0.46-0.48 ms per
+  step for the same rank, blocking in every step's all-reduce), so a policy can gain more
+  — the simulator's own GPT-nano profile on a 1 Gbit/s link has cadence at 3.4x sync at a
+  2.8x gap. So when the runs measured their ideals (their ranks' solo-equivalent rates), the
+  bound is the largest of them over sync's samples/s, if that is larger: a speedup beyond it
+  would have some run faster than any run's ranks could go.
 
 The recommendation (:func:`fdl.compare.recommend.recommend`) is a rule over those rows, spelled
 out in its text.
@@ -116,6 +134,8 @@ class PolicyRow:
     idle_fraction: Spread | None = None
     sync_overhead: Spread | None = None
     wall_s: Spread | None = None
+    efficiency: Spread | None = None
+    measurement_error: str | None = None  # why a figure of this row is impossible
 
     def to_dict(self) -> dict[str, Any]:
         def show(value: Spread | None) -> dict[str, Any] | None:
@@ -128,7 +148,9 @@ class PolicyRow:
                 "reached_sync_loss": self.num_reached, "final_loss": show(self.final_loss),
                 "eval": {name: value.to_dict() for name, value in self.eval.items()},
                 "idle_fraction": show(self.idle_fraction),
-                "sync_overhead": show(self.sync_overhead), "wall_s": show(self.wall_s)}
+                "sync_overhead": show(self.sync_overhead), "wall_s": show(self.wall_s),
+                "efficiency": show(self.efficiency),
+                "measurement_error": self.measurement_error}
 
 
 @dataclass(frozen=True)
@@ -157,21 +179,76 @@ def sync_target(outcomes: Sequence[CellOutcome]) -> SyncTarget | None:
 
 
 def build_rows(outcomes: Sequence[CellOutcome], *, policies: Sequence[str]) -> list[PolicyRow]:
-    """One row per policy, in the order given."""
+    """One row per policy, in the order given, impossible figures flagged."""
     target = sync_target(outcomes)
     rows = [_row(policy, cells=[o for o in outcomes if o.policy == policy], target=target)
             for policy in policies]
     sync = next((r for r in rows if r.policy == REFERENCE and r.samples_per_s), None)
-    if sync is None or sync.samples_per_s is None:
-        return rows
-    base = sync.samples_per_s.median
-    return [_with_speedup(row, base=base) for row in rows]
+    if sync is not None and sync.samples_per_s is not None:
+        base = sync.samples_per_s.median
+        rows = [_with_speedup(row, base=base) for row in rows]
+    bound = gain_bound(outcomes)
+    return [_with_error(row, bound=bound) for row in rows]
 
 
 def _with_speedup(row: PolicyRow, *, base: float) -> PolicyRow:
     if row.samples_per_s is None or base <= 0:
         return row
     return replace(row, speedup_vs_sync=row.samples_per_s.median / base)
+
+
+@dataclass(frozen=True)
+class GainBound:
+    """The most any policy's samples/s can be over sync's, and where that comes from."""
+
+    value: float
+    reason: str
+
+
+def lockstep_gain(factors: Sequence[float]) -> float:
+    """Every rank busy at its own pace over sync's lock step, for ranks ``f_r`` times slower
+    than some device, communication free: ``sum(1 / f_r) / (world / max f_r)``."""
+    return max(factors) * sum(1 / f for f in factors) / len(factors)
+
+
+def gain_bound(outcomes: Sequence[CellOutcome]) -> GainBound | None:
+    """The most a policy can gain over sync in these runs (the module docstring): the lock
+    step's bound at sync's emulated factors, or the largest ideal any policy's runs measured
+    (median over its seeds) over sync's samples/s (median), whichever is larger; None when
+    neither is known."""
+    sync = [o.result for o in outcomes if o.policy == REFERENCE and o.result is not None]
+    rate = spread([r.samples_per_s for r in sync])
+    bounds = []
+    factors = next((r.emulated_slowdown for r in sync if r.emulated_slowdown), None)
+    if factors:
+        shown = ",".join(f"{f:g}" for f in factors)
+        bounds.append(GainBound(lockstep_gain(factors), f"at factors {shown}, every rank "
+                                "busy at its own pace over sync's lock step"))
+    ideals = {policy: spread([o.result.ideal_samples_per_s for o in outcomes
+                              if o.policy == policy and o.result is not None])
+              for policy in dict.fromkeys(o.policy for o in outcomes)}
+    known = {policy: ideal.median for policy, ideal in ideals.items() if ideal is not None}
+    if known and rate is not None and rate.median > 0:
+        best = max(known, key=known.__getitem__)
+        bounds.append(GainBound(known[best] / rate.median, f"{best}'s ideal, the largest "
+                                "measured (its ranks' solo-equivalent rates), over sync's "
+                                "samples/s"))
+    return max(bounds, key=lambda bound: bound.value, default=None)
+
+
+def _with_error(row: PolicyRow, *, bound: GainBound | None) -> PolicyRow:
+    """``row`` with its measurement error, if a figure of it is impossible."""
+    error = None
+    if row.efficiency is not None and row.efficiency.high > 1:
+        error = (f"efficiency {row.efficiency.high:.0%}: samples/s above the run's own ideal "
+                 "(its ranks' solo-equivalent rates summed) is impossible")
+    elif bound is not None and row.speedup_vs_sync is not None and \
+            row.speedup_vs_sync > bound.value * (1 + TIMING_TOLERANCE):
+        error = (f"{row.speedup_vs_sync:.2f}x sync's samples/s is above {bound.value:.2f}x, the "
+                 f"most any policy can gain here ({bound.reason}), by more than the "
+                 f"{TIMING_TOLERANCE:.0%} a timing moves")
+    return row if error is None else replace(row, measurement_error=error + ": a measurement "
+                                             "error, not a result; re-run")
 
 
 def _row(policy: str, *, cells: Sequence[CellOutcome], target: SyncTarget | None) -> PolicyRow:
@@ -187,7 +264,8 @@ def _row(policy: str, *, cells: Sequence[CellOutcome], target: SyncTarget | None
         eval={name: value for name, value in evals.items() if value is not None},
         idle_fraction=spread([r.idle_fraction for r in results]),
         sync_overhead=spread([r.sync_overhead for r in results]),
-        wall_s=spread([r.wall_s for r in results]))
+        wall_s=spread([r.wall_s for r in results]),
+        efficiency=spread([r.efficiency for r in results]))
 
 
 def format_seconds(value: float) -> str:
@@ -242,7 +320,8 @@ def _cell(outcome: CellOutcome, *, target: SyncTarget | None) -> dict[str, Any]:
     return {**cell, "world_size": result.world_size, "samples": result.samples,
             "wall_s": result.wall_s, "samples_per_s": result.samples_per_s,
             "idle_fraction": result.idle_fraction, "sync_overhead": result.sync_overhead,
-            "final_loss": result.final_loss, "eval": dict(result.eval),
+            "efficiency": result.efficiency, "final_loss": result.final_loss,
+            "eval": dict(result.eval),
             "time_to_sync_loss_s": None if target is None
             else time_to_loss(result.curve, target=target.threshold),
             "epochs": [{"epoch": p.epoch, "samples": p.samples, "elapsed_s": p.elapsed_s,

@@ -15,6 +15,10 @@ reference's value, whichever is larger (:func:`fdl.compare.figures.is_close`).
 * **no sync** (not asked for, or every sync run failed): of the policies within the noise of
   the best final metric, the one with the most samples/s.
 
+A policy whose figures are impossible (``measurement_error``: an efficiency above 1, a speedup
+over sync above the most any policy can gain; :mod:`fdl.compare.figures`) is left out, and the
+evidence is thin; when sync's own are, nothing is recommended: every comparison rests on them.
+
 The evidence is called thin when the winner or the reference finished fewer than two seeds
 (run-to-run noise not measured), when the winner's range over seeds overlaps the runner-up's or
 its median is within 10 % of it (timings on a shared machine move that much), or when some of
@@ -44,7 +48,8 @@ from fdl.compare.figures import (
 @dataclass(frozen=True)
 class Recommendation:
     policy: str | None
-    basis: str  # "time to sync's final loss" | "samples/s" | "nothing finished"
+    basis: str  # "time to sync's final loss" | "samples/s" | "nothing finished" |
+    # "measurement error"
     text: str
     thin: bool
     notes: tuple[str, ...] = ()  # why each other policy lost
@@ -85,13 +90,28 @@ def recommend(rows: Sequence[PolicyRow], *, epochs: int | None) -> Recommendatio
         return Recommendation(None, "nothing finished",
                               "no recommendation: no run finished", thin=True)
     metric = primary_metric([name for row in finished for name in row.eval])
+    errors = tuple(f"{row.policy}: left out: {row.measurement_error}" for row in finished
+                   if row.measurement_error)
     reference = next((row for row in finished if row.policy == REFERENCE), None)
+    if reference is not None and reference.measurement_error:
+        return Recommendation(None, "measurement error", "no recommendation: sync's own "
+                              "figures, which every comparison rests on, are a measurement "
+                              "error; re-run", thin=True, notes=errors)
+    finished = [row for row in finished if not row.measurement_error]
+    if not finished:
+        return Recommendation(None, "measurement error", "no recommendation: every policy's "
+                              "figures are a measurement error; re-run", thin=True,
+                              notes=errors)
     if reference is not None and reference.time_to_sync_loss_s is not None:
         advice = _by_time(finished, reference=reference, metric=metric, epochs=epochs)
     else:
         advice = _by_throughput(finished, metric=metric, epochs=epochs)
+    if errors:
+        left = ", ".join(note.split(":")[0] for note in errors)
+        advice = replace(advice, thin=True, text=f"{advice.text}. Left out as measurement "
+                         f"errors: {left} (their figures are impossible; re-run)")
     failed = tuple(f"{row.policy}: every run failed" for row in rows if not row.num_runs)
-    return replace(advice, notes=advice.notes + failed)
+    return replace(advice, notes=errors + advice.notes + failed)
 
 
 def _by_time(rows: Sequence[PolicyRow], *, reference: PolicyRow, metric: str | None,

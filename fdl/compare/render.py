@@ -17,13 +17,16 @@ from typing import Any
 from fdl.compare.figures import format_seconds
 
 PLOT_FILE = "compare.png"
+ERROR = "measurement error"
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'fdl[report]')"
 
 
 def tables(document: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """The side-by-side tables as text, one row per policy: speed (samples/s, speedup over
     sync, time to sync's final loss, idle, sync overhead) and results (final train loss and
-    eval metrics). A figure over several seeds reads ``median (min–max)``."""
+    eval metrics). A figure over several seeds reads ``median (min–max)``. A row whose figures
+    are impossible reads ``measurement error`` where its speedup would be
+    (:func:`measurement_errors` says why)."""
     metrics = list(dict.fromkeys(name for row in document["rows"] for name in row["eval"]))
     has_target = document["sync_loss_target"] is not None
     speed = ["policy", "runs", "samples/s", "vs sync", "to sync's loss", "idle", "sync overhead"]
@@ -36,14 +39,21 @@ def tables(document: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[
             result_rows.append([row["policy"], *["failed"] * (len(results) - 1)])
             continue
         speedup = row["speedup_vs_sync"]
+        shown = "-" if speedup is None else f"{speedup:.2f}x"
         speed_rows.append([row["policy"], runs, _figure(row["samples_per_s"], ",.0f"),
-                           "-" if speedup is None else f"{speedup:.2f}x",
+                           ERROR if row.get("measurement_error") else shown,
                            _time_to_loss(row, has_target=has_target),
                            _figure(row["idle_fraction"], ".1%"),
                            _figure(row["sync_overhead"], ".1%")])
         result_rows.append([row["policy"], _figure(row["final_loss"], ".4f"),
                             *(_figure(row["eval"].get(name), ".4f") for name in metrics)])
     return [("speed", speed, speed_rows), ("results", results, result_rows)]
+
+
+def measurement_errors(document: Mapping[str, Any]) -> list[str]:
+    """``policy: why`` for each row whose figures are impossible."""
+    return [f"{row['policy']}: {row['measurement_error']}" for row in document["rows"]
+            if row.get("measurement_error")]
 
 
 def _figure(value: Mapping[str, Any] | None, spec: str) -> str:
@@ -74,6 +84,9 @@ def render_markdown(document: Mapping[str, Any], *, plot: bool) -> str:
     for _, columns, rows in tables(document):
         lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
                   *("| " + " | ".join(row) + " |" for row in rows), ""]
+    errors = measurement_errors(document)
+    if errors:
+        lines += ["Measurement errors (not results):", "", *(f"- {line}" for line in errors), ""]
     lines += [f"**Recommendation** ({document['recommendation']['basis']}): "
              f"{document['recommendation']['text']}", ""]
     lines += [f"- {note}" for note in document["recommendation"]["notes"]]

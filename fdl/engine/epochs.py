@@ -128,6 +128,8 @@ class EpochLog:
         samples = (epoch + 1) * len(self.trainer.train_data)
         done_here = samples - self.start_samples
         busiest = max((r.busy_s for r in per_rank), default=0.0)
+        # the communication proper of the averages and of DDP's all-reduce: the least over ranks
+        sync_s = sum(comm_ms) / 1000 + min((r.comm_s for r in per_rank), default=0.0)
         return EpochRecord(
             epoch=epoch + 1, samples=samples, train_loss=self.last_loss, eval=self.last_eval,
             samples_per_s=done_here / elapsed if elapsed > 0 else None,
@@ -136,7 +138,7 @@ class EpochLog:
             per_rank_samples_per_s=[_rate(r.samples, epoch_s) for r in per_rank],
             idle_fraction=[max(0.0, 1 - r.busy_s / epoch_s) if epoch_s > 0 else None
                            for r in per_rank],
-            sync_overhead=sum(comm_ms) / 1000 / busiest if comm_ms and busiest > 0 else None,
+            sync_overhead=sync_s / busiest if (comm_ms or sync_s) and busiest > 0 else None,
             anchor=state.anchor)
 
 

@@ -31,6 +31,7 @@ from fdl.engine.collectives import (
     pick_device,
 )
 from fdl.engine.config import EngineConfig
+from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.plan import PlanConfig, PlanState, initial_state
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
@@ -142,12 +143,16 @@ def _replica(script: Script, config: EngineConfig, membership: Membership, *,
     if distributed and policy.local_steps:
         refuse_collectives_in_steps(model, optimizer, policy=policy.name)
     step_model: nn.Module = model
+    comm_meter = None
     if distributed and policy.wraps_ddp:
         from torch.nn.parallel import DistributedDataParallel
 
         step_model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group.process_group)
+        # DDP's all-reduce is timed apart: sync, not compute (fdl.engine.ddp_comm)
+        comm_meter = DdpCommMeter.attach(step_model, process_group=group.process_group,
+                                         device=device)
     averager = Averager(model, rank=rank, world_size=world_size, backend=group.backend,
                         device=device, num_stats=NUM_STATS, group=group.process_group,
                         params=policy.averages_params) if distributed else None
@@ -159,6 +164,7 @@ def _replica(script: Script, config: EngineConfig, membership: Membership, *,
         config=config, schedule=script.schedule, timeline=Timeline(run_dir, rank=rank),
         averager=averager, on_epoch_end=epochs_log.epoch_end,
         slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
+        comm_meter=comm_meter,
         verify=os.environ.get("FDL_VERIFY_REPLICAS") == "1",
         progress=ProgressFile.from_env(run_dir, rank=rank, epochs=config.epochs,
                                        epoch_size=len(script.train_data),
@@ -251,12 +257,13 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
     return build_summary(
         config=config, world_size=world, devices=devices, wall_s=wall_s,
         samples=[int(r.samples) for r in per_rank], busy_s=[r.busy_s for r in per_rank],
-        comm_ms=totals.comm_ms, syncs=totals.syncs, eval_metrics=epochs_log.last_eval,
-        final_loss=epochs_log.last_loss,
+        comm_ms=totals.comm_ms, step_comm_s=[r.comm_s for r in per_rank], syncs=totals.syncs,
+        eval_metrics=epochs_log.last_eval, final_loss=epochs_log.last_loss,
         extra={"eval_s": epochs_log.eval_s, "seed": config.seed,
                "anchor_history": [list(item) for item in state.anchor_history],
                "final_anchor": state.anchor, "checksum": final_checksum,
                "emulated_sleep_s": [r.sleep_s for r in per_rank],
+               "ddp_comm_s": [r.comm_s for r in per_rank],
                "attempt": restart_attempt(), "resumed_from": resumed_from},
     )
 

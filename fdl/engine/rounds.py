@@ -9,7 +9,9 @@ One round, on every rank alike:
 1. ``plan = next_round(state)`` — the same plan everywhere (fdl.engine.plan).
 2. :func:`run_slice` runs this rank's steps on its slice of the epoch's stream, timing each
    *whole* step (fetching and collating the batch, the host-to-device copy, the LR call,
-   forward, backward, optimizer step): what the planner must balance is all of it.
+   forward, backward, optimizer step): what the planner must balance is all of it. Under
+   ``sync`` the time a step spends in DDP's gradient all-reduce (fdl.engine.ddp_comm) is
+   booked apart, as sync; the slowdown emulation sleeps on the rest (fdl.engine.speed).
 3. :func:`average` — the boundary. The rank's :class:`~fdl.engine.state.RoundReport` rides in
    the same collective as the weighted parameters (``w_r`` = samples in the round). ``cadence``
    waits for the average and loads it; ``async`` first collects the average it launched at the
@@ -43,6 +45,7 @@ from fdl.engine import guard
 from fdl.engine.averaging import Averager, checksum
 from fdl.engine.config import EngineConfig
 from fdl.engine.data import collate, epoch_permutation, slice_batches, to_device
+from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
 from fdl.engine.policies import Policy
 from fdl.engine.round_messages import CalibrationPool, ElasticSignal
@@ -70,13 +73,14 @@ class Totals:
     busy_s: float = 0.0
     sleep_s: float = 0.0
     wait_s: float = 0.0
+    comm_s: float = 0.0  # DDP's all-reduce inside the steps (sync)
     syncs: int = 0
     comm_ms: list[float] = field(default_factory=list)  # min-over-ranks wait per averaging
 
     def figures(self) -> RankFigures:
         """The totals so far as the figures ranks exchange (the loss is the epoch's business)."""
         return RankFigures(samples=self.samples, busy_s=self.busy_s, sleep_s=self.sleep_s,
-                           wait_s=self.wait_s)
+                           wait_s=self.wait_s, comm_s=self.comm_s)
 
 
 class CheckpointHook(Protocol):
@@ -113,6 +117,7 @@ class Replica:
     checkpointer: CheckpointHook | None = None
     progress: ProgressFile | None = None  # rank 0's live progress, when fdl run shows it
     slowdown: float = 1.0
+    comm_meter: DdpCommMeter | None = None  # times DDP's all-reduce in each step (sync)
     verify: bool = False
     rank_state: RankState = field(default_factory=RankState)
     totals: Totals = field(default_factory=Totals)
@@ -120,6 +125,10 @@ class Replica:
     # before a checkpoint is loaded (whose optimizer state holds the LR already scaled).
     base_lrs: list[float] = field(default_factory=list)
     lr_scale: float = 1.0
+    # The slowdown emulation's memory across rounds: the recent steps' compute (rank_state
+    # keeps its value for checkpoints) and the oversleep the next sleeps pay back.
+    compute_mean: RunningMean | None = None
+    sleep_owed_s: float = 0.0
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
     _checked: bool = False
 
@@ -209,10 +218,15 @@ class RoundTally:
 
     @classmethod
     def open(cls, replica: Replica) -> RoundTally:
-        rank_state = replica.rank_state
-        mean = RunningMean(rank_state.step_count, rank_state.step_total_s)
-        return cls(timer=StepTimer(slowdown=replica.slowdown, mean=mean, device=replica.device),
-                   warmup=StepTimer(slowdown=replica.slowdown, device=replica.device),
+        rank_state, mean = replica.rank_state, replica.compute_mean
+        if mean is None or mean.count != rank_state.step_count:  # a start, a resume
+            mean = RunningMean(rank_state.step_count, rank_state.step_total_s)
+            replica.compute_mean = mean
+        return cls(timer=StepTimer(slowdown=replica.slowdown, mean=mean,
+                                   device=replica.device,
+                                   comm=replica.comm_meter, owed_s=replica.sleep_owed_s),
+                   warmup=StepTimer(slowdown=replica.slowdown, device=replica.device,
+                                    comm=replica.comm_meter),
                    mean=mean, loss=torch.zeros((), dtype=torch.float64, device=replica.device))
 
     @property
@@ -234,6 +248,8 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
         for index in range(mine.steps):
             if index and signal.arrived(plan):
                 break
+            if replica.comm_meter is not None:  # DDP's mean is over the ranks with data
+                replica.comm_meter.ranks_with_data = sum(s.steps > index for s in plan.slices)
             _timed_step(replica, plan, state, tally, lambda: next(batches),
                         samples=min(batch_size, mine.num_samples - index * batch_size),
                         progress=state.samples_seen + plan.num_samples * index
@@ -303,6 +319,7 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
     timer.finish()
     tally.warmup.finish()
     rank_state.step_count, rank_state.step_total_s = tally.mean.count, tally.mean.total
+    replica.sleep_owed_s = timer.owed_s
     mine = plan.slices[replica.rank]
     used = mine.num_samples if plan.elastic != replica.rank else tally.timed_samples
     _book_round(replica, plan, used + tally.pool_batches * replica.config.batch_size, tally,
@@ -318,7 +335,8 @@ def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None
     totals, total = replica.totals, max(1, plan.num_samples)
     replica.progress.write(samples=samples, epoch=plan.epoch,
                           shares=[s.num_samples / total for s in plan.slices],
-                          anchor=plan.anchor, sync_s=totals.wait_s, busy_s=totals.busy_s)
+                          anchor=plan.anchor, sync_s=totals.wait_s + totals.comm_s,
+                          busy_s=totals.busy_s)
 
 
 def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally, *,
@@ -328,10 +346,13 @@ def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally,
     totals.steps += tally.steps
     totals.busy_s += timer.busy_s + warmup.busy_s
     totals.sleep_s += timer.sleep_s + warmup.sleep_s
+    totals.comm_s += timer.comm_s + warmup.comm_s
     replica.timeline.event("round", round=plan.round_index, epoch=plan.epoch, steps=tally.steps,
-                           samples=used, compute_s=compute_s, data_s=tally.data_s,
+                           samples=used, planned=plan.slices[replica.rank].num_samples,
+                           compute_s=compute_s, data_s=tally.data_s,
                            busy_s=timer.busy_s + warmup.busy_s, step_ms=timer.step_ms,
-                           sleep_s=timer.sleep_s + warmup.sleep_s, anchor=plan.anchor,
+                           sleep_s=timer.sleep_s + warmup.sleep_s,
+                           comm_s=timer.comm_s + warmup.comm_s, anchor=plan.anchor,
                            lr_scale=replica.lr_scale)
 
 

@@ -26,7 +26,7 @@ NO_DISTANCE = -1.0  # a report before any average measured one
 class RoundReport:
     """One rank's figures for one round."""
 
-    busy_ms: float  # whole steps: data, host work, compute, emulated slowdown
+    busy_ms: float  # whole steps (data, host work, compute, emulated slowdown) less DDP's comm
     samples: int  # the samples busy_ms covers
     wait_ms: float  # what this rank's previous average cost it (NaN: none yet)
     distance: float  # ||snapshot - average|| / ||average|| at the previous average, or -1
@@ -53,9 +53,10 @@ class RankFigures:
     a single SUM all-reduce (fdl.engine.collectives.exchange_rows), packed and unpacked here."""
 
     samples: float = 0.0  # samples trained
-    busy_s: float = 0.0  # whole steps, emulated sleep included
+    busy_s: float = 0.0  # whole steps, emulated sleep included, DDP's all-reduce not
     sleep_s: float = 0.0  # emulated slowdown
     wait_s: float = 0.0  # blocked at averages
+    comm_s: float = 0.0  # in DDP's gradient all-reduce inside the steps (sync)
     loss_sum: float = 0.0  # the stretch's summed step losses, and how many steps they are
     loss_steps: float = 0.0
 
@@ -108,8 +109,8 @@ class RankState:
     """Everything one rank keeps between rounds besides the model, the optimizer and the plan.
     Recovery saves it with :meth:`to_dict` and restores it with :meth:`from_dict`."""
 
-    step_count: int = 0  # slowdown emulation: the running mean of compute per step
-    step_total_s: float = 0.0
+    step_count: int = 0  # slowdown emulation: the running mean of compute per step,
+    step_total_s: float = 0.0  # as (count, count x mean) (fdl.engine.speed.RunningMean)
     epoch_loss: list[float] = field(default_factory=lambda: [0.0, 0])
     last_wait_ms: float = NAN
     last_distance: float = NO_DISTANCE

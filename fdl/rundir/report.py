@@ -6,16 +6,23 @@ A run that did not finish (interrupted, crashed, still running: no ``summary.jso
 reported from its timelines and metrics instead, with ``"complete": false`` and the
 ``"reason"`` (fdl.rundir.report_partial); a finished run's document has ``"complete": true``.
 
-Per rank: samples, share of the work, samples/s, mean step time, and the wall time split into
-compute (steps, including emulated slowdown), waiting at sync (the averaging boundaries),
-epoch boundaries (loss reduction, checkpoints and bookkeeping between the last round of an
-epoch and the next one; evaluation itself is excluded from the run's wall time), data loading
-(fetching and collating batches between steps: the rounds' ``data_s``) and unexplained (what
-remains: Python and scheduling).
+Per rank: samples, share of the work, samples/s, mean step time (compute and emulated sleep),
+and the wall time split into compute (the steps' own work), emulated (the sleep of
+``--simulate-slowdown``, the rounds' ``sleep_s``), sync (waiting at the averaging boundaries,
+and under ``sync`` DDP's gradient all-reduce inside the steps with the wait for the peers in
+it: the rounds' ``comm_s``), epoch boundaries (loss reduction, checkpoints and bookkeeping
+between the last round of an epoch and the next one; evaluation itself is excluded from the
+run's wall time), data loading (fetching and collating batches between steps: the rounds'
+``data_s``) and unexplained (what remains: Python and scheduling, and what the step loop spent
+outside its timed steps — a rank waiting there for its peers, as in the calibration pool's
+end while a peer is still starting). Compute is the rounds' timed steps (``busy_s``) less
+their data loading and emulated sleep; a round written before ``busy_s`` counted its loop's
+wall time (``compute_s``) instead.
 
 Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
-rate (``batch_size / step time``, from the measured step times) — what the ranks would deliver
-if none of them ever waited.
+rate (``batch_size / step time``, from the measured step times, communication excluded) — what
+the ranks would deliver if none of them ever waited or communicated. It means the same under
+every policy: sync's all-reduce is sync, not step time, as cadence's averages are.
 
 What is read back is checked, not trusted: ``summary.json`` and ``config.json`` by their own
 modules (fdl.rundir.summary, fdl.rundir.config), the timelines by fdl.rundir.timeline.
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.rundir import config as run_config
+from fdl.rundir.fields import is_finite
 from fdl.rundir.report_partial import load_partial_run
 from fdl.rundir.summary import HINT, has_summary, load_summary
 from fdl.rundir.timeline import RankTimeline, read_rank_timeline
@@ -123,22 +131,34 @@ def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict
     rounds = [e for e in events if e["kind"] == "round"]
     syncs = [e for e in events if e["kind"] == "sync"]
     steps = sum(e["steps"] for e in rounds)
-    data = sum(e.get("data_s", 0.0) for e in rounds)
-    compute = sum(e["compute_s"] for e in rounds) - data
-    waiting = sum(e["wait_s"] for e in syncs)
+    data, emulated, comm = (sum(e.get(key, 0.0) for e in rounds)
+                            for key in ("data_s", "sleep_s", "comm_s"))
+    compute = max(0.0, sum(timed_steps_s(e) for e in rounds) - data - emulated)
+    waiting = sum(e["wait_s"] for e in syncs) + comm
     boundary = _epoch_boundaries(events)
-    step_s = compute / steps if steps else None
+    busy = compute + emulated
+    step_s = busy / steps if steps else None
     samples = sum(e["samples"] for e in rounds)
     return {
         "samples": samples, "steps": steps,
         "samples_per_s": samples / wall if wall > 0 else None,
         "step_ms": step_s * 1000 if step_s else None,
         "solo_samples_per_s": batch_size / step_s if step_s else None,
-        "time_s": {"compute": compute, "sync_wait": waiting, "epoch_boundary": boundary,
-                   "data_loading": data,
-                   "unexplained": max(0.0, wall - compute - waiting - boundary - data)},
-        "idle_fraction": max(0.0, 1 - compute / wall) if wall > 0 else None,
+        "time_s": {"compute": compute, "emulated": emulated, "sync_wait": waiting,
+                   "epoch_boundary": boundary, "data_loading": data,
+                   "unexplained": max(0.0, wall - busy - waiting - boundary - data)},
+        "idle_fraction": max(0.0, 1 - busy / wall) if wall > 0 else None,
     }
+
+
+def timed_steps_s(event: dict[str, Any]) -> float:
+    """A round's timed steps — data, compute and emulated sleep, DDP's all-reduce not — in
+    seconds: its ``busy_s``, or for a round written before that field its loop's wall time
+    less its ``comm_s``."""
+    busy = event.get("busy_s")
+    if is_finite(busy):
+        return float(busy)
+    return max(0.0, event["compute_s"] - event.get("comm_s", 0.0))
 
 
 def _epoch_boundaries(events: list[dict[str, Any]]) -> float:

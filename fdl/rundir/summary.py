@@ -22,10 +22,15 @@ HINT = "summary.json and config.json are written by fdl run; restore them or re-
 def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
                   samples: list[int], busy_s: list[float], comm_ms: list[float], syncs: int,
                   eval_metrics: dict[str, float], final_loss: float | None,
-                  extra: dict[str, Any]) -> dict[str, Any]:
-    """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run."""
+                  extra: dict[str, Any],
+                  step_comm_s: list[float] | None = None) -> dict[str, Any]:
+    """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run;
+    ``comm_ms``: what each average cost, the communication proper (the least over ranks);
+    ``step_comm_s[r]``: rank r's time in DDP's all-reduce inside its steps (sync), whose least
+    over ranks is that communication proper and counts in the overhead with the averages."""
     busy = busy_s
     compute_s = max(busy) if busy else 0.0
+    sync_s = sum(comm_ms) / 1000 + (min(step_comm_s) if step_comm_s else 0.0)
     return {
         "policy": str(config.policy),
         "backend": config.backend,
@@ -42,7 +47,7 @@ def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: f
         "sync": {
             "rounds": syncs,
             "mean_ms": sum(comm_ms) / len(comm_ms) if comm_ms else None,
-            "overhead": (sum(comm_ms) / 1000) / compute_s if comm_ms and compute_s > 0 else None,
+            "overhead": sync_s / compute_s if (comm_ms or sync_s) and compute_s > 0 else None,
         },
         "idle_fraction": [max(0.0, 1 - b / wall_s) if wall_s > 0 else None for b in busy],
         "eval": eval_metrics,

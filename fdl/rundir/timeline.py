@@ -6,10 +6,14 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
 * ``start``  — ``attempt`` (0, or the elastic restart count), ``world_size``, ``resumed_from``
   (checkpoint name or null), ``epoch``, ``round``, ``skipped`` (invalid newer checkpoints)
 * ``round``  — ``round``, ``epoch``, ``steps``, ``samples`` (used: an elastic rank's may be
-  fewer than reserved), ``compute_s`` (the step loop's wall time), ``busy_s`` (the timed
-  steps, whole: data, compute, emulated sleep), ``data_s`` (fetching batches, inside both),
-  ``step_ms``, ``sleep_s`` (emulated slowdown), ``anchor``, ``lr_scale``; written when the
-  round's compute ends
+  fewer than reserved), ``planned`` (the samples the round's plan gave the rank: the elastic
+  rank's reservation; the calibration pool's batches not included), ``compute_s`` (the step
+  loop's wall time), ``busy_s`` (the timed steps, whole — data, compute, emulated sleep —
+  less DDP's communication), ``data_s``
+  (fetching batches, inside both), ``step_ms`` (``busy_s`` per step), ``sleep_s`` (emulated
+  slowdown, inside both), ``comm_s`` (sync: DDP's gradient all-reduce and the wait for the
+  peers in it, inside ``compute_s``, not ``busy_s``), ``anchor``, ``lr_scale``; written when
+  the round's compute ends
 * ``sync``   — ``round``, ``start``, ``end``, ``wait_s`` (time blocked), ``blocking``,
   ``bytes``, ``checksum`` (when FDL_VERIFY_REPLICAS=1)
 * ``anchor`` — ``round``, ``anchor``, ``previous``, ``reason`` (tuning and divergence-guard
@@ -44,8 +48,8 @@ SAMPLES_FILE = re.compile(r"samples-node(\d+)\.jsonl")
 # Every kind of event and the fields the engine writes with it (besides t, rank and kind).
 EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("attempt", "world_size", "resumed_from", "epoch", "round", "skipped"),
-    "round": ("round", "epoch", "steps", "samples", "compute_s", "data_s", "busy_s", "step_ms",
-              "sleep_s", "anchor", "lr_scale"),
+    "round": ("round", "epoch", "steps", "samples", "planned", "compute_s", "data_s", "busy_s",
+              "step_ms", "sleep_s", "comm_s", "anchor", "lr_scale"),
     "sync": ("round", "start", "end", "wait_s", "blocking", "bytes"),
     "anchor": ("round", "anchor", "previous", "reason"),
     "guard": ("round", "distance", "level", "streak", "halve", "released"),
@@ -58,11 +62,12 @@ _CHECKED: dict[str, dict[str, tuple[Any, str]]] = {
     "round": {"t": (is_finite, "a number >= 0"),
               "steps": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
               "samples": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
-              "compute_s": (is_finite, "a number >= 0"), "data_s": (is_finite, "a number >= 0")},
+              "compute_s": (is_finite, "a number >= 0"), "data_s": (is_finite, "a number >= 0"),
+              "sleep_s": (is_finite, "a number >= 0"), "comm_s": (is_finite, "a number >= 0")},
     "sync": {"t": (is_finite, "a number >= 0"), "wait_s": (is_finite, "a number >= 0")},
     "epoch": {"t": (is_finite, "a number >= 0")},
 }
-_OPTIONAL = {"data_s"}  # rounds written before the field existed
+_OPTIONAL = {"data_s", "sleep_s", "comm_s"}  # rounds written before the field existed
 NO_FINAL_EVENT = "no final event (cut off before the run ended)"
 
 

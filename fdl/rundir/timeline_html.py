@@ -3,7 +3,8 @@ self-contained page — open it from disk, mail it, attach it to an issue; it lo
 
 The page (``templates/timeline.html.tmpl``: inline CSS and JavaScript drawing on canvas) shows a
 header from ``summary.json`` (policy, world size, wall time, throughput, eval; or that the run
-did not finish), one swimlane per rank coloured by compute / data / sync / idle, event markers
+did not finish), one swimlane per rank coloured by compute / emulated (the slowdown emulation's
+sleep) / data / sync / idle, event markers
 with hover tooltips (epoch ends as dashed lines across the lanes, anchor changes, guard
 halvings, checkpoints, starts, restarts in red), a utilisation panel (CPU %, RAM % and each
 GPU's util % and memory % per node, when samples were recorded) and a table of the epochs.

@@ -20,13 +20,18 @@ covers (an event, a sample or the start of a span), or null when nothing was rec
 
 * ``ranks`` — the ranks that have a timeline file, ascending.
 * ``spans`` — ``{"rank", "kind", "start", "end", "round"}`` sorted by rank then start. A
-  ``round`` event (written when the rank's step loop ends) gives ``compute`` over
-  ``[t - compute_s, t]``; its ``data_s`` (batch fetching inside that loop, 0 when absent) is cut
-  from the front of that interval as a ``data`` span — the loop interleaves the two, and only
-  their totals are recorded, so the split shows the share, not the moment. A ``sync`` event
-  gives ``sync`` over ``[t - wait_s, t]``. ``idle`` spans (``round`` null) fill every gap on a
-  rank between its first and its last event: Python between rounds, epoch boundaries,
-  evaluation, checkpoints, a restart.
+  ``round`` event (written when the rank's step loop ends) covers ``[t - compute_s, t]``,
+  split from its start in the order a step runs: its ``data_s`` (batch fetching) as a ``data``
+  span, then ``compute`` (its timed steps, ``busy_s``, less data and sleep), then its
+  ``comm_s`` (sync: DDP's gradient all-reduce and the wait for the peers in it) as a ``sync``
+  span, then its ``sleep_s`` (the emulated slowdown) as an ``emulated`` span; each is 0 when
+  absent, and what the loop spent outside its timed steps (a wait for a peer) is left idle at
+  its end. A round written before ``busy_s`` counts its whole loop less ``comm_s``. The loop
+  interleaves them step by step and only their totals are recorded, so the split shows the
+  shares, not the moments. A ``sync`` event gives
+  ``sync`` over ``[t - wait_s, t]``. ``idle`` spans (``round`` null) fill every gap on a rank
+  between its first and its last event: Python between rounds, epoch boundaries, evaluation,
+  checkpoints, a restart.
 * ``events`` — every other event (``start``, ``anchor``, ``guard``, ``epoch``, ``checkpoint``,
   ``final`` and kinds this module does not know) with all its fields, ``t`` made relative,
   sorted by time.
@@ -172,8 +177,7 @@ def _earliest(by_rank: dict[int, list[dict[str, Any]]],
 
 def _duration(event: dict[str, Any]) -> float:
     field = {"round": "compute_s", "sync": "wait_s"}.get(event.get("kind"))
-    value = event.get(field) if field else None
-    return max(0.0, float(value)) if _is_finite(value) else 0.0
+    return _seconds(event.get(field)) if field else 0.0
 
 
 def _rel(t: float, t0: float | None) -> float:
@@ -190,13 +194,32 @@ def _busy_spans(events: list[dict[str, Any]], *, rank: int) -> list[dict[str, An
         if kind == "sync":
             spans.append(_span(rank, "sync", start, end, number))
             continue
-        data_s = event.get("data_s")
-        data_s = float(data_s) if _is_finite(data_s) else 0.0
-        split = round(min(end, start + max(0.0, data_s)), 6)
-        if split > start:
-            spans.append(_span(rank, "data", start, split, number))
-        spans.append(_span(rank, "compute", split, end, number))
+        spans += _round_spans(event, rank=rank, start=start, end=end)
     return spans
+
+
+def _round_spans(event: dict[str, Any], *, rank: int, start: float,
+                 end: float) -> list[dict[str, Any]]:
+    """A round's step loop as data, compute, sync (DDP's all-reduce), emulated (sleep), from
+    its start; what the loop spent outside its timed steps is left to the idle span after."""
+    data_s, comm_s, sleep_s = (_seconds(event.get(key)) for key in ("data_s", "comm_s",
+                                                                      "sleep_s"))
+    busy = event.get("busy_s")
+    steps_s = _seconds(busy) if _is_finite(busy) else end - start - comm_s
+    parts = (("data", data_s), ("compute", max(0.0, steps_s - data_s - sleep_s)),
+             ("sync", comm_s), ("emulated", sleep_s))
+    spans, cursor = [], start
+    for kind, seconds in parts:
+        stop = round(min(end, cursor + seconds), 6)
+        if stop > cursor or kind == "compute":
+            spans.append(_span(rank, kind, cursor, stop, event.get("round")))
+        cursor = stop
+    return spans
+
+
+def _seconds(value: Any) -> float:
+    """A duration field as seconds: 0 when it is absent, not a finite number or negative."""
+    return max(0.0, float(value)) if _is_finite(value) else 0.0
 
 
 def _with_idle(spans: list[dict[str, Any]], events: list[dict[str, Any]],

@@ -13,9 +13,10 @@ every rank and node shares one time axis; ``displayTimeUnit`` is ``"ms"``):
   google/perfetto#394), named ``rank R: DEVICE`` (``rank 0: cuda:0``) and sorted by rank. Its
   spans are complete events (``"ph": "X"``, category ``fdl.span``, ``args.round``, a
   chrome://tracing colour in ``cname``), one named thread per kind: :data:`SPAN_THREADS`.
-  ``data`` has a thread of its own: the merge cuts it from the front of the step loop because
-  only the loop's total fetch time is recorded, so it shows how much, not when; on the compute
-  thread it would read as a moment. Spans of one kind never overlap on their thread: one that
+  ``data`` and ``emulated`` (the slowdown emulation's sleep) have threads of their own: the
+  merge cuts them from the step loop because only the loop's totals are recorded, so they show
+  how much, not when; on the compute thread they would read as moments. A round's share of
+  DDP's all-reduce (sync) is on the ``sync`` thread with the averages. Spans of one kind never overlap on their thread: one that
   starts before the previous one ended (clock skew, a hand-edited file) starts where that one
   ends, or is dropped when nothing is left of it.
 * Instant events (``"ph": "i"``, ``"s": "p"``, category ``fdl.event``) on the rank's process:
@@ -49,11 +50,12 @@ from fdl.version import __version__
 
 TRACE_FILE = "trace.json"
 VIEWERS = "https://ui.perfetto.dev or chrome://tracing"
-SPAN_THREADS = {"compute": 1, "data": 2, "sync": 3, "idle": 4}
+SPAN_THREADS = {"compute": 1, "data": 2, "sync": 3, "idle": 4, "emulated": 5}
 NODE_PID_BASE = 1000
 _PROCESS_TID = 1  # process-wide records (names, instants, counters) sit on the first thread
 _COLOURS = {"compute": "thread_state_running", "data": "thread_state_iowait",
-            "sync": "thread_state_uninterruptible", "idle": "thread_state_sleeping"}
+            "sync": "thread_state_uninterruptible", "idle": "thread_state_sleeping",
+            "emulated": "thread_state_runnable"}
 _INSTANT_NAMES = {"anchor": "anchor", "guard": "guard", "epoch": "epoch end",
                   "checkpoint": "checkpoint", "final": "final"}
 _GIB = 1024 ** 3

@@ -1,4 +1,5 @@
-"""fdl bench's sweep report: aggregation over seeds, speedup and efficiency, Markdown, files."""
+"""fdl bench's sweep report: aggregation over seeds, speedup and efficiency, impossible figures
+flagged as measurement errors, Markdown, files."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from fdl.bench.sweep_report import build_report, loss_curve, render_markdown, wr
 from fdl.errors import FdlError
 
 ROW_KEYS = ["model", "mode", "policy", "backend", "seeds", "eval", "eval_std", "reference",
-            "wall_s", "samples_per_s", "speedup_vs_fast_solo", "efficiency_vs_ideal", "syncs",
-            "sync_overhead", "idle_fraction"]
+            "wall_s", "samples_per_s", "speedup_vs_fast_solo", "efficiency_vs_ideal",
+            "measurement_error", "syncs", "sync_overhead", "idle_fraction"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MACHINE = {"cpu_model": "Test CPU 9000", "logical_cores": 8, "gpus": [], "date": "2026-01-02"}
 
@@ -109,6 +110,42 @@ def test_multi_worker_rows_speedup_and_efficiency_against_1x_plus_2_5x():
     assert run_async["efficiency_vs_ideal"] == pytest.approx(0.9, rel=1e-12)
     assert run_async["speedup_vs_fast_solo"] == pytest.approx(1.26, rel=1e-12)
     assert (run_async["syncs"], run_async["idle_fraction"]) == (40.5, pytest.approx(0.01))
+
+
+def test_an_efficiency_above_the_ideal_is_a_measurement_error_never_a_result():
+    """The issue's quick bench: cadence at 102% and async at 108% of solo@1x + solo@2.5x. Each
+    row says why in one line, the table shows "measurement error" instead of the figure, and
+    the rows within the ideal are left as they are."""
+    records = [cell("mlp", "solo@1x", 0, eval_=0.9, sps=1000.0),
+               cell("mlp", "solo@2.5x", 0, eval_=0.9, sps=400.0),
+               cell("mlp", "sync-cpu", 0, eval_=0.9, sps=700.0, syncs=8),
+               cell("mlp", "cadence-cpu", 0, eval_=0.9, sps=1428.0, syncs=20),
+               cell("mlp", "async-cpu", 0, eval_=0.9, sps=1512.0, syncs=20)]
+    report = build_report(records, machine=MACHINE)
+    rows = rows_by_mode(report)
+    assert rows["sync-cpu"]["measurement_error"] is None
+    assert rows["cadence-cpu"]["measurement_error"] == (
+        "efficiency 102.0% of the ideal (the solo rows' samples/s at each worker's factor, "
+        "summed) is impossible: the solo baseline or this run was mis-measured; re-run")
+    assert rows["async-cpu"]["measurement_error"].startswith("efficiency 108.0% of the ideal")
+    assert all(rows[m]["measurement_error"] is None for m in ("solo@1x", "solo@2.5x"))
+    text = render_markdown(report, title_note="")
+    assert "| cadence-cpu | 0.9000 | 0.9800 | 10.0 | 1,428 | 1.43x | measurement error |" in text
+    assert "102.0%" not in text.split("Measurement errors")[0]
+    assert ("Measurement errors (not results):\n\n- cadence-cpu: efficiency 102.0% of the "
+            "ideal") in text
+    assert "| sync-cpu | 0.9000 | 0.9800 | 10.0 | 700 | 0.70x | 50.0% |" in text
+
+
+def test_a_seed_faster_than_its_own_runs_ideal_is_a_measurement_error():
+    records = [cell("mlp", "cadence-cpu", 0, eval_=0.9, sps=1100.0, syncs=20),
+               cell("mlp", "cadence-cpu", 1, eval_=0.9, sps=900.0, syncs=20)]
+    records[0]["ideal_samples_per_s"], records[1]["ideal_samples_per_s"] = 1000.0, 1000.0
+    row = rows_by_mode(build_report(records, machine={}))["cadence-cpu"]
+    assert row["efficiency_vs_ideal"] is None  # no solo rows
+    assert row["measurement_error"] == ("110.0% of the run's own ideal (its ranks' "
+                                        "solo-equivalent rates, summed) is impossible: a "
+                                        "measurement error; re-run")
 
 
 def test_missing_solo_row_one_seed_and_rerun_seed():

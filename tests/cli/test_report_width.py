@@ -18,7 +18,7 @@ from fdl.rundir.timeline_trace import trace_note
 WALL_S = 12345.678
 BATCH = 64
 HEADERS = [["rank", "samples", "steps", "samples/s", "share", "ms/step", "idle"],
-           ["rank", "compute", "sync wait", "epoch ends", "data", "other"]]
+           ["rank", "compute", "emulated", "sync", "epoch ends", "data", "other"]]
 TITLES = ["throughput", "where the time went, in seconds"]
 ANCHORS = [[4 * i, 2 ** i, f"overhead {0.1 * i:.2f} > 0.05 (measured over the last rounds)"]
            for i in range(1, 8)]
@@ -93,8 +93,8 @@ def rank_figures(row: dict) -> list[str]:
     time_s = row["time_s"]
     return [str(row["samples"]), str(row["steps"]), f"{row['samples_per_s']:.0f}",
             f"{row['share']:.1%}", f"{row['step_ms']:.1f}", f"{row['idle_fraction']:.1%}",
-            *(f"{time_s[key]:.2f}" for key in ("compute", "sync_wait", "epoch_boundary",
-                                               "data_loading", "unexplained"))]
+            *(f"{time_s[key]:.2f}" for key in ("compute", "emulated", "sync_wait",
+                                               "epoch_boundary", "data_loading", "unexplained"))]
 
 
 def run_figures(doc: dict) -> list[str]:

@@ -1,7 +1,8 @@
 """`fdl compare`'s figures and recommendation as pure functions of synthetic results: time to
-sync's final loss, the per-policy rows, the recommendation rule and its edge cases (no sync,
-sync's loss never reached, no eval metric, one seed, overlapping seeds, every run failed), and
-the table / markdown / PNG rendered from the document."""
+sync's final loss, the per-policy rows, impossible figures flagged as measurement errors, the
+recommendation rule and its edge cases (no sync, sync's loss never reached, no eval metric, one
+seed, overlapping seeds, every run failed, measurement errors), and the table / markdown / PNG
+rendered from the document."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from fdl.compare.figures import (
     build_document,
     build_rows,
     epochs_of,
+    gain_bound,
+    lockstep_gain,
     metric_direction,
     primary_metric,
     spread,
@@ -33,13 +36,15 @@ def curve(*points: tuple[float, float], metric: str | None = "accuracy",
 
 def outcome(policy: str, seed: int, points: tuple[tuple[float, float], ...], *,
             rate: float = 1000.0, accuracy: float | None = 0.9,
-            idle: float = 0.1, overhead: float | None = 0.02) -> CellOutcome:
+            idle: float = 0.1, overhead: float | None = 0.02,
+            slowdown: tuple[float, ...] | None = None, ideal: float | None = None) -> CellOutcome:
     evals = {} if accuracy is None else {"accuracy": accuracy, "loss": 0.5}
     result = RunResult(world_size=2, samples=100 * len(points),
                        wall_s=points[-1][0], samples_per_s=rate, idle_fraction=idle,
                        sync_overhead=overhead, eval=evals,
                        curve=curve(*points, metric="accuracy" if accuracy is not None else None,
-                                   final_eval=accuracy or 0.0))
+                                   final_eval=accuracy or 0.0),
+                       emulated_slowdown=slowdown, ideal_samples_per_s=ideal)
     return CellOutcome(f"{policy}-seed{seed}", policy, seed, f"/x/{policy}-seed{seed}", result)
 
 
@@ -140,6 +145,96 @@ def test_rows_without_sync_have_no_speedup_and_no_time_to_loss():
 def test_epochs_of_agreeing_runs():
     assert epochs_of([outcome("sync", 0, SYNC), failed("async", 0)]) == 2
     assert epochs_of([outcome("sync", 0, SYNC), outcome("async", 0, ((1.0, 1.0),))]) is None
+
+
+# --- measurement errors -------------------------------------------------------------------
+
+FAST = ((2.0, 1.0), (4.0, 0.45))  # reaches sync's final loss (SYNC: 0.5 at 20 s) at 4 s
+
+
+def test_the_lock_step_bound_of_emulated_factors():
+    assert lockstep_gain((1.0, 2.5)) == pytest.approx(1.75)  # (1 + 1/2.5) / (2 / 2.5)
+    assert lockstep_gain((1.0, 1.0)) == pytest.approx(1.0)
+    assert lockstep_gain((1.0, 1.5, 3.0)) == pytest.approx(3 * (1 + 1 / 1.5 + 1 / 3) / 3)
+
+
+def test_a_speedup_above_the_bound_is_a_measurement_error_and_not_recommended():
+    """The issue's figures: at 1,2.5 cadence 8.63x and async 7.63x sync, where 1.75x is the
+    most any policy can gain when communication is free and sync computes as fast as the
+    others — the bound when no run's ideal is known (timelines missing or incomplete). Both
+    are flagged with one line saying why, their speedups are never shown as results, and the
+    recommendation rests on sync alone."""
+    outcomes = [outcome("sync", 0, SYNC, rate=1000, slowdown=(1.0, 2.5)),
+                outcome("cadence", 0, FAST, rate=8630, slowdown=(1.0, 2.5)),
+                outcome("async", 0, FAST, rate=7630, slowdown=(1.0, 2.5))]
+    assert gain_bound(outcomes).value == pytest.approx(1.75)
+    sync, cadence, async_ = rows_of(outcomes)
+    assert sync.measurement_error is None
+    assert cadence.measurement_error == (
+        "8.63x sync's samples/s is above 1.75x, the most any policy can gain here (at factors "
+        "1,2.5, every rank busy at its own pace over sync's lock step), by more than the 10% a "
+        "timing moves: a measurement error, not a result; re-run")
+    assert async_.measurement_error.startswith("7.63x sync's samples/s is above 1.75x")
+    advice = recommend([sync, cadence, async_], epochs=2)
+    assert advice.policy == "sync" and advice.thin
+    assert "Left out as measurement errors: cadence, async" in advice.text
+    assert advice.notes[:2] == (f"cadence: left out: {cadence.measurement_error}",
+                                f"async: left out: {async_.measurement_error}")
+    document = document_of(outcomes, ("sync", "cadence", "async"))
+    assert document["rows"][1]["measurement_error"] == cadence.measurement_error
+    speed = tables(document)[0][2]
+    assert [row[3] for row in speed] == ["1.00x", "measurement error", "measurement error"]
+    markdown = render_markdown(document, plot=False)
+    assert f"Measurement errors (not results):\n\n- cadence: {cadence.measurement_error}\n" \
+        in markdown
+    assert "8.63x |" not in markdown
+
+
+def test_a_speedup_within_the_largest_measured_ideal_is_a_result():
+    """What fdl init's MLP did on the 2-core VM at 1,2.5 after the fix: sync's all-reduce and
+    its slower steps (blocking every step) left it at 0.38 of its own ideal, cadence ran at
+    4.29x sync and about 0.75 of its own ideal. Above the lock step's 1.75x, but below cadence's
+    ideal over sync's samples/s (5.8x): a result. A policy beyond that (6.5x, its own ideal not
+    known) would be faster than any run's ranks could go."""
+    outcomes = [outcome("sync", 0, SYNC, rate=1000, slowdown=(1.0, 2.5), ideal=2620),
+                outcome("cadence", 0, FAST, rate=4290, slowdown=(1.0, 2.5), ideal=5800),
+                outcome("async", 0, FAST, rate=6500, slowdown=(1.0, 2.5))]
+    bound = gain_bound(outcomes)
+    assert bound.value == pytest.approx(5.8) and bound.reason.startswith("cadence's ideal")
+    _, cadence, async_ = rows_of(outcomes)
+    assert cadence.measurement_error is None and cadence.speedup_vs_sync == pytest.approx(4.29)
+    assert cadence.efficiency.median == pytest.approx(4290 / 5800)
+    assert async_.measurement_error.startswith(
+        "6.50x sync's samples/s is above 5.80x, the most any policy can gain here (cadence's "
+        "ideal, the largest measured")
+    assert recommend(rows_of(outcomes), epochs=2).policy == "cadence"
+
+
+def test_a_speedup_within_the_timing_noise_of_the_bound_is_not_called_impossible():
+    sync = outcome("sync", 0, SYNC, rate=1000, slowdown=(1.0, 2.5))
+    near, beyond = (outcome(p, 0, FAST, rate=r, slowdown=(1.0, 2.5))
+                    for p, r in (("cadence", 1920), ("async", 1930)))
+    _, cadence, async_ = rows_of([sync, near, beyond])
+    assert cadence.measurement_error is None  # 1.92x: within 10% of 1.75x
+    assert async_.measurement_error.startswith("1.93x sync's samples/s is above 1.75x")
+
+
+def test_an_efficiency_above_one_is_a_measurement_error():
+    outcomes = [outcome("sync", 0, SYNC, rate=1000, ideal=2000),
+                outcome("cadence", 0, FAST, rate=1500, ideal=1400)]
+    sync, cadence = rows_of(outcomes, ("sync", "cadence"))
+    assert cadence.measurement_error.startswith("efficiency 107%: samples/s above the run's "
+                                                "own ideal")
+    assert recommend([sync, cadence], epochs=2).policy == "sync"
+
+
+def test_impossible_sync_figures_give_no_recommendation():
+    outcomes = [outcome("sync", 0, SYNC, rate=1000, ideal=900),
+                outcome("cadence", 0, FAST, rate=1500, ideal=2000)]
+    advice = recommend(rows_of(outcomes, ("sync", "cadence")), epochs=2)
+    assert advice.policy is None and advice.basis == "measurement error" and advice.thin
+    assert advice.text.startswith("no recommendation: sync's own figures")
+    assert advice.notes[0].startswith("sync: left out: efficiency 111%")
 
 
 # --- the recommendation ---------------------------------------------------------------------

@@ -3,8 +3,10 @@ RunningMean, ``finish()`` at the end of each round.
 
 A fake clock runs the steps: each step takes the compute time the test gives it, and the
 timer's emulated sleep moves the same clock, so every figure is exact and no test waits. For a
-step of compute ``e`` the timer sleeps ``(f - 1) x`` the rank's mean compute per step so far
-(``e`` included), not ``(f - 1) x e``: a real slower device does not amplify its host's noise.
+step of compute ``e`` the timer sleeps ``(f - 1) x`` the rank's mean compute per step over its
+recent steps (``e`` included), not ``(f - 1) x e``: a real slower device does not amplify its
+host's noise. What a step spends in communication (DDP's all-reduce under sync, faked here) is
+neither compute nor slowed.
 
 The CUDA path runs on a fake GPU driven by the same clock (the GPU is the one thing tests may
 fake): streams whose queued work ends at a known time, events that complete when the work queued
@@ -16,6 +18,7 @@ one does. The figures of both paths must agree wherever the GPU keeps up with th
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import pytest
@@ -30,10 +33,11 @@ class FakeClock:
     """``now`` moves only when the host works (``now +=``), sleeps or waits for the fake GPU;
     ``log`` records the calls in order."""
 
-    def __init__(self):
+    def __init__(self, *, oversleep: float = 0.0):
         self.now = 100.0
         self.sleeps: list[float] = []
         self.log: list[str] = []
+        self.oversleep = oversleep  # what each sleep lasts beyond what was asked
 
     def __call__(self) -> float:
         self.log.append("clock")
@@ -41,7 +45,7 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
-        self.now += seconds
+        self.now += seconds + self.oversleep
 
 
 @dataclass
@@ -111,9 +115,10 @@ class Rig:
     clock: FakeClock
     gpu: FakeGpu | None
 
-    def timer(self, *, slowdown: float, mean: RunningMean) -> StepTimer:
+    def timer(self, *, slowdown: float, mean: RunningMean, comm: FakeComm | None = None,
+              owed_s: float = 0.0) -> StepTimer:
         return StepTimer(slowdown=slowdown, mean=mean, clock=self.clock, sleep=self.clock.sleep,
-                         device=DEVICE if self.gpu else None)
+                         device=DEVICE if self.gpu else None, comm=comm, owed_s=owed_s)
 
     def compute(self, seconds: float) -> None:
         if self.gpu:
@@ -122,18 +127,126 @@ class Rig:
             self.clock.now += seconds
 
 
+class FakeComm:
+    """DDP's gradient all-reduce at the end of a step's backward pass, as
+    fdl.engine.ddp_comm.DdpCommMeter reports it: seconds on the host clock, or on the fake GPU
+    the events around the compute stream's wait for it."""
+
+    def __init__(self, rig: Rig):
+        self.rig = rig
+        self.step: float | tuple[FakeEvent, FakeEvent] | None = None
+
+    def begin_step(self) -> None:
+        self.step = None
+
+    def all_reduce(self, seconds: float) -> None:
+        gpu = self.rig.gpu
+        if gpu is None:
+            self.rig.clock.now += seconds
+            self.step = seconds
+            return
+        handed, done = gpu.event(enable_timing=True), gpu.event(enable_timing=True)
+        handed.record(gpu.compute)
+        gpu.launch(seconds)  # the compute stream waits for the collective
+        done.record(gpu.compute)
+        self.step = (handed, done)
+
+    def end_step(self) -> float | tuple[FakeEvent, FakeEvent] | None:
+        return self.step
+
+
 @pytest.fixture(params=["cpu", "cuda"])
 def rig(request, gpu) -> Rig:
     return Rig(gpu.clock, gpu if request.param == "cuda" else None)
 
 
-def run_round(rig: Rig, timer: StepTimer, compute_s: list[float]) -> StepTimer:
+def run_round(rig: Rig, timer: StepTimer, compute_s: list[float],
+              comm_s: float = 0.0) -> StepTimer:
     for seconds in compute_s:
         timer.start()
         rig.compute(seconds)
+        if timer.comm is not None:
+            timer.comm.all_reduce(comm_s)
         timer.stop()
     timer.finish()
     return timer
+
+
+def run_rounds(rig: Rig, rounds: list[list[float]], *, slowdown: float, comm_s: float = 0.0,
+               ) -> list[tuple[StepTimer, float]]:
+    """Rounds as the round loop runs them: one timer each, the mean and the owed sleep carried
+    from one to the next; each timer with the wall time its round took."""
+    mean, owed, timed = RunningMean(), 0.0, []
+    comm = FakeComm(rig) if comm_s else None
+    for compute_s in rounds:
+        began = rig.clock.now
+        timer = run_round(rig, rig.timer(slowdown=slowdown, mean=mean, comm=comm, owed_s=owed),
+                          compute_s, comm_s)
+        owed = timer.owed_s
+        timed.append((timer, rig.clock.now - began))
+    return timed
+
+
+def test_a_slowed_rank_s_communication_is_neither_slowed_nor_compute(rig):
+    """Sync on steps of 1 ms with 2 ms in DDP's all-reduce (the collective and the wait for the
+    peer): the rank at 2.5x sleeps 1.5 ms a step, on its compute alone, and the 2 ms are booked
+    apart (comm_s), outside busy_s. Multiplying the step whole slept 4.5 ms."""
+    [(timer, wall)] = run_rounds(rig, [[0.001] * 10], slowdown=2.5, comm_s=0.002)
+    assert rig.clock.sleeps == pytest.approx([0.0015] * 10)
+    assert timer.step_times_s == pytest.approx([0.001] * 10)
+    assert timer.comm_s == pytest.approx(0.020)
+    assert timer.busy_s == pytest.approx(0.025)
+    assert wall == pytest.approx(timer.busy_s + timer.comm_s)
+
+
+def test_the_factor_holds_after_slow_first_steps(rig):
+    """Ten steps of 50 ms (allocations, a busy host), then steps of 1 ms: a round later the rank
+    at 2.5x takes 2.5 ms a step again. The mean over the whole run that the emulation slept on
+    before kept the first steps: the 1 ms steps slept ~4 ms each, 5x instead of 2.5x."""
+    timed = run_rounds(rig, [[0.050] * 10, *[[0.001] * 50] * 4], slowdown=2.5)
+    timer, wall = timed[-1]
+    assert wall / sum(timer.step_times_s) == pytest.approx(2.5, rel=0.02)
+
+
+def test_oversleep_is_paid_back_so_short_steps_keep_their_factor(rig):
+    """Every sleep lasts 0.3 ms more than asked (the OS wakes a sleeper late; on a 1 ms step
+    that is a third of the sleep): the next sleeps are shortened by it, so over rounds of 1 ms
+    steps the rank at 2 x takes 2 ms a step, not 2.3 ms, and its sleep is booked as slept."""
+    rig.clock.oversleep = 0.0003
+    timed = run_rounds(rig, [[0.001] * 40] * 3, slowdown=2.0)
+    for timer, wall in timed[1:]:
+        assert wall / sum(timer.step_times_s) == pytest.approx(2.0, rel=0.02)
+        assert timer.busy_s == pytest.approx(wall)
+
+
+def test_the_factor_holds_on_short_steps_of_a_sync_run(rig):
+    """All at once, as fdl init's MLP under sync at 1,2.5 had it: slow first steps, then steps
+    of 0.8 ms with 1.5 ms in DDP's all-reduce and sleeps that overshoot by 0.1 ms. Each later
+    round of the slow rank is 2.5 x its compute plus its communication (2.9 ms against 0.8 ms,
+    3.6x, before)."""
+    rig.clock.oversleep = 0.0001
+    timed = run_rounds(rig, [[0.020] * 5, *[[0.0008] * 50] * 5], slowdown=2.5, comm_s=0.0015)
+    for timer, wall in timed[2:]:
+        compute = sum(timer.step_times_s)
+        assert compute == pytest.approx(0.0008 * 50)
+        assert timer.comm_s == pytest.approx(0.0015 * 50)
+        assert (wall - timer.comm_s) / compute == pytest.approx(2.5, rel=0.02)
+        assert timer.busy_s == pytest.approx(wall - timer.comm_s)
+
+
+def test_a_host_stall_in_a_sleep_is_paid_back_over_a_few_steps_only(rig):
+    """A sleep that lasts a whole second (the host stalled) leaves the owed sleep at four steps'
+    worth: the rank skips the next four sleeps and sleeps again from the sixth step on, not
+    after a thousand steps."""
+    timer = rig.timer(slowdown=2.0, mean=RunningMean())
+    rig.clock.oversleep = 1.0
+    run_round(rig, timer, [0.001])
+    assert timer.owed_s == pytest.approx(-0.004)
+    rig.clock.oversleep = 0.0
+    run_round(rig, timer, [0.001] * 6)
+    assert [s for s in rig.clock.sleeps if s > 1e-9] == pytest.approx([0.001] * 3)
+    assert timer.owed_s == pytest.approx(0.0, abs=1e-9)
+    assert timer.sleep_s == pytest.approx(1.003)
 
 
 def test_the_emulated_sleep_follows_the_running_mean_across_rounds(rig):
@@ -148,7 +261,7 @@ def test_the_emulated_sleep_follows_the_running_mean_across_rounds(rig):
     assert first.step_ms == pytest.approx(40.0)
 
     second = run_round(rig, rig.timer(slowdown=3.0, mean=mean), [0.030])
-    # the next round's timer starts from the same mean: (0.010 + 0.020 + 0.030) / 3 = 0.020
+    # the next round's timer goes on with the same mean: of 0.010, 0.020 and 0.030, 0.020
     assert rig.clock.sleeps[2:] == pytest.approx([0.040])
     assert (second.steps, second.sleep_s) == (1, pytest.approx(0.040))
     assert second.step_ms == pytest.approx(70.0)
@@ -174,10 +287,13 @@ def test_no_slowdown_or_a_speedup_never_sleeps_and_still_feeds_the_mean(rig, slo
 
 
 def test_a_checkpointed_mean_goes_on_where_it_stopped(rig):
-    """A resumed rank restores its mean as RunningMean(count, total): the first sleep after the
-    resume is on the whole run's mean, not on the first step alone."""
-    run_round(rig, rig.timer(slowdown=2.0, mean=RunningMean(4, 0.200)), [0.010])
-    assert rig.clock.sleeps == pytest.approx([0.210 / 5])
+    """A resumed rank restores its mean as RunningMean(count, count x mean) (older checkpoints
+    kept the sum: the same): the first sleep after the resume is on that value with the new
+    step, not on the new step alone."""
+    mean = RunningMean(4, 0.200)
+    run_round(rig, rig.timer(slowdown=2.0, mean=mean), [0.010])
+    assert rig.clock.sleeps == pytest.approx([(0.050 + 0.010) / 2])
+    assert (mean.count, mean.total) == (5, pytest.approx(5 * 0.030))
 
 
 def test_step_ms_is_nan_without_steps(rig):
@@ -197,7 +313,7 @@ def test_finish_is_a_no_op_on_the_cpu():
     timer.finish()
     assert (timer.steps, timer.busy_s, timer.sleep_s, timer.step_times_s) == figures
     assert figures == (1, pytest.approx(0.020), pytest.approx(0.010), [pytest.approx(0.010)])
-    assert clock.log == log == ["clock", "clock"]
+    assert clock.log == log == ["clock"] * 4  # the step's start and stop, the sleep's
 
 
 @pytest.mark.parametrize(("host_s", "gpu_s", "step_times_s"), [
@@ -224,7 +340,8 @@ def test_cuda_steps_are_queued_and_read_once_at_finish(gpu, host_s, gpu_s, step_
     assert clock.now == pytest.approx(gpu.compute.done_at)  # the round's kernels are done
     assert timer.step_times_s == pytest.approx(step_times_s)
     assert timer.busy_s == pytest.approx(clock.now - 100.0)  # the round's wall time
-    assert (mean.count, mean.total) == (len(gpu_s), pytest.approx(timer.busy_s))
+    assert mean.count == len(gpu_s)
+    assert mean.value == pytest.approx(statistics.fmean(step_times_s))
     timer.finish()
     assert clock.log == ["event.synchronize"]
     assert gpu.devices and set(gpu.devices) == {DEVICE}
@@ -263,7 +380,7 @@ def test_a_cuda_slowdown_waits_for_each_step_before_it_sleeps(gpu):
         gpu.launch(seconds)
         timer.stop()
         assert clock.now == pytest.approx(gpu.compute.done_at + clock.sleeps[-1])
-    assert clock.log == ["event.synchronize"] * 2
+    assert clock.log == ["event.synchronize", "clock", "clock"] * 2  # the sleep is measured
     assert clock.sleeps == pytest.approx([0.010, 0.020])
     assert timer.busy_s == pytest.approx(0.040 + 0.030)  # readable without finish()
 
@@ -277,4 +394,5 @@ def test_the_default_clock_measures_real_work():
         timer.stop()
     timer.finish()
     assert timer.steps == mean.count == 3
-    assert timer.busy_s > 0 and timer.busy_s == pytest.approx(mean.total)
+    assert timer.busy_s > 0 and timer.busy_s == pytest.approx(sum(timer.step_times_s))
+    assert mean.value == pytest.approx(statistics.fmean(timer.step_times_s))

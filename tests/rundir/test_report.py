@@ -53,11 +53,11 @@ def test_report_numbers_from_a_hand_made_run(tmp_path):
     assert fast["samples"] == 300 and slow["samples"] == 100
     assert fast["share"] == pytest.approx(0.75) and slow["share"] == pytest.approx(0.25)
     assert fast["step_ms"] == pytest.approx(8000 / 30) and slow["step_ms"] == pytest.approx(850)
-    assert fast["time_s"] == pytest.approx({"compute": 8.0, "sync_wait": 1.5,
+    assert fast["time_s"] == pytest.approx({"compute": 8.0, "emulated": 0.0, "sync_wait": 1.5,
                                             "epoch_boundary": 0.5, "data_loading": 0.0,
                                             "unexplained": 0.0})
     # rank 1's second round started at 110.5 - 4.5 = 106.0, half a second after its epoch event
-    assert slow["time_s"] == pytest.approx({"compute": 8.5, "sync_wait": 0.5,
+    assert slow["time_s"] == pytest.approx({"compute": 8.5, "emulated": 0.0, "sync_wait": 0.5,
                                             "epoch_boundary": 0.5, "data_loading": 0.5,
                                             "unexplained": 0.0})
     assert fast["idle_fraction"] == pytest.approx(0.2)
@@ -69,6 +69,57 @@ def test_report_numbers_from_a_hand_made_run(tmp_path):
     assert doc["incomplete"] == []
 
 
+def test_ddp_communication_is_sync_and_the_emulated_sleep_its_own_part(tmp_path):
+    """A sync run at 1,2.5 (hand-made): each step computes 10 ms on both ranks, the slow rank
+    sleeps 15 ms after it, and the fast rank spends the slow one's sleep in DDP's all-reduce,
+    waiting. That wait is sync, not step time: both ranks' solo-equivalent rates are their own
+    (10 and 25 ms a step), and the efficiency is what sync's lock step gives, 2 / 3.5 of the
+    ideal — not ~1, as when the wait counted as the fast rank's compute."""
+    summary = {**SUMMARY, "policy": "sync", "samples": 200, "wall_s": 2.6,
+               "throughput": {"samples_per_s": 200 / 2.6, "per_rank_samples_per_s":
+                              [100 / 2.6, 100 / 2.6]}}
+    fast = {"t": 102.5, "kind": "round", "steps": 100, "samples": 100, "compute_s": 2.5,
+            "sleep_s": 0.0, "comm_s": 1.6}
+    slow = {**fast, "sleep_s": 1.5, "comm_s": 0.1}
+    run = make_run(tmp_path)
+    (run / "summary.json").write_text(json.dumps(summary))
+    for rank, event in enumerate([fast, slow]):
+        (run / "timeline" / f"rank{rank}.jsonl").write_text(
+            json.dumps(event) + "\n" + json.dumps({"t": 102.6, "kind": "final"}) + "\n")
+    doc = build_report(*load_run(run)[:2], batch_size=1)
+    times = [rank["time_s"] for rank in doc["ranks"]]
+    assert times[0] == pytest.approx({"compute": 0.9, "emulated": 0.0, "sync_wait": 1.6,
+                                      "epoch_boundary": 0.0, "data_loading": 0.0,
+                                      "unexplained": 0.1})
+    assert times[1] == pytest.approx({"compute": 0.9, "emulated": 1.5, "sync_wait": 0.1,
+                                      "epoch_boundary": 0.0, "data_loading": 0.0,
+                                      "unexplained": 0.1})
+    assert [r["step_ms"] for r in doc["ranks"]] == pytest.approx([9.0, 24.0])
+    assert doc["ideal_samples_per_s"] == pytest.approx(1000 / 9 + 1000 / 24)
+    assert doc["efficiency"] == pytest.approx((200 / 2.6) / (1000 / 9 + 1000 / 24))
+    assert doc["efficiency"] < 0.6
+
+
+def test_a_wait_in_the_step_loop_is_not_compute(tmp_path):
+    """An async run's slow rank whose calibration round waited 0.2 s for its peer to start (the
+    pool's end) inside its step loop: 0.26 s of loop, 0.06 s of timed steps (busy_s). The wait
+    is not step time, so it neither lowers the rank's solo-equivalent rate (the ideal) nor
+    counts as compute; it is left to 'unexplained'. Counting it made a run's efficiency 104%."""
+    run = make_run(tmp_path)
+    rank1 = [{"t": 100.26, "kind": "round", "steps": 18, "samples": 180, "compute_s": 0.26,
+              "busy_s": 0.06, "data_s": 0.005, "sleep_s": 0.035, "comm_s": 0.0},
+             {"t": 110.6, "kind": "final"}]
+    (run / "timeline" / "rank1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rank1))
+    summary = {**SUMMARY, "throughput": {"samples_per_s": 48.0,
+                                         "per_rank_samples_per_s": [30.0, 18.0]}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    slow = build_report(*load_run(run)[:2], batch_size=10)["ranks"][1]
+    assert slow["time_s"]["compute"] == pytest.approx(0.02)
+    assert slow["time_s"]["emulated"] == pytest.approx(0.035)
+    assert slow["step_ms"] == pytest.approx(1000 * 0.055 / 18)
+    assert slow["time_s"]["unexplained"] == pytest.approx(10.0 - 0.055 - 0.005)
+
+
 def test_cli_report_json_and_text(tmp_path):
     run = make_run(tmp_path)
     proc = run_fdl("report", str(run), "--json")
@@ -76,6 +127,7 @@ def test_cli_report_json_and_text(tmp_path):
     assert json.loads(proc.stdout)["ranks"][0]["samples"] == 300
     text = run_fdl("report", str(run)).stdout
     assert "efficiency" in text and "accuracy 0.9000" in text
+    assert "emulated" in text.split("where the time went")[1].splitlines()[2]
 
 
 def test_report_of_a_directory_without_summary(tmp_path):

@@ -21,9 +21,9 @@ RANK0 = [
     {"t": 1001.5, "kind": "anchor", "round": 0, "anchor": 6, "previous": 4,
      "reason": "overhead 0.2 > 0.05"},
     {"t": 1002.0, "kind": "epoch", "epoch": 1, "train_loss": 0.5, "eval": {"accuracy": 0.75}},
-    # no data_s: a file written before the field existed
+    # no data_s: a file written before the field existed; 0.125 s in DDP's all-reduce
     {"t": 1003.0, "kind": "round", "round": 1, "epoch": 1, "steps": 6, "samples": 96,
-     "compute_s": 0.5, "step_ms": 83.3, "sleep_s": 0.0, "anchor": 6},
+     "compute_s": 0.5, "step_ms": 83.3, "sleep_s": 0.0, "comm_s": 0.125, "anchor": 6},
     {"t": 1003.25, "kind": "sync", "round": 1, "wait_s": 0.25, "bytes": 800, "blocking": True,
      "start": 19.0, "end": 19.25},
 ]
@@ -56,8 +56,9 @@ EPOCH = {"epoch": 1, "samples": 192, "train_loss": 0.5, "eval": {"accuracy": 0.7
 EXPECTED_SPANS = [
     (0, "idle", 0.0, 0.25, None), (0, "data", 0.25, 0.5, 0), (0, "compute", 0.5, 1.0, 0),
     (0, "idle", 1.0, 1.25, None), (0, "sync", 1.25, 1.5, 0), (0, "idle", 1.5, 2.5, None),
-    (0, "compute", 2.5, 3.0, 1), (0, "sync", 3.0, 3.25, 1),
-    (1, "idle", 0.5, 0.75, None), (1, "compute", 0.75, 1.25, 0), (1, "sync", 1.25, 1.5, 0),
+    (0, "compute", 2.5, 2.875, 1), (0, "sync", 2.875, 3.0, 1), (0, "sync", 3.0, 3.25, 1),
+    (1, "idle", 0.5, 0.75, None), (1, "compute", 0.75, 1.0, 0), (1, "emulated", 1.0, 1.25, 0),
+    (1, "sync", 1.25, 1.5, 0),
     (1, "idle", 1.5, 4.5, None), (1, "data", 4.5, 4.625, 2), (1, "compute", 4.625, 5.0, 2),
     (1, "idle", 5.0, 5.5, None),
 ]
@@ -84,11 +85,27 @@ def make_run(tmp_path: Path, *, finished: bool = True) -> Path:
 
 
 def test_spans_are_compute_data_sync_with_idle_filling_each_ranks_gaps(tmp_path):
+    """A round's loop is split as a step runs: data, compute, DDP's all-reduce (sync), the
+    emulated slowdown's sleep (emulated), which is never drawn as compute."""
     doc = merge_timeline(make_run(tmp_path))
     assert doc["schema"] == 1 and doc["t0"] == T0 and doc["ranks"] == [0, 1]
     spans = [(s["rank"], s["kind"], s["start"], s["end"], s["round"]) for s in doc["spans"]]
     assert spans == EXPECTED_SPANS
     assert doc["duration"] == 5.5
+
+
+def test_a_wait_in_the_step_loop_is_drawn_idle_not_compute(tmp_path):
+    """A round whose loop took 1 s but whose timed steps (busy_s) took 0.5 s, 0.25 s of it the
+    emulated sleep: data, compute and emulated from the loop's start, the wait left idle."""
+    run = tmp_path / "run"
+    (run / "timeline").mkdir(parents=True)
+    write_lines(run / "timeline" / "rank0.jsonl", [
+        {"t": 1000.0, "kind": "start", "rank": 0},
+        {"t": 1001.0, "kind": "round", "rank": 0, "round": 0, "compute_s": 1.0, "busy_s": 0.5,
+         "data_s": 0.125, "sleep_s": 0.25, "comm_s": 0.0}])
+    spans = [(s["kind"], s["start"], s["end"]) for s in merge_timeline(run)["spans"]]
+    assert spans == [("data", 0.0, 0.125), ("compute", 0.125, 0.25), ("emulated", 0.25, 0.5),
+                     ("idle", 0.5, 1.0)]
 
 
 def test_events_keep_their_fields_with_relative_times_and_restarts_visible(tmp_path):
@@ -124,16 +141,16 @@ def test_csv_has_fixed_columns_and_one_row_per_span_event_and_sample(tmp_path):
     rows = list(csv.DictReader(io.StringIO(timeline_csv(doc))))
     assert tuple(rows[0].keys()) == CSV_COLUMNS
     records = [row["record"] for row in rows]
-    assert records == ["span"] * 15 + ["event"] * 7 + ["sample"] * 2
+    assert records == ["span"] * 17 + ["event"] * 7 + ["sample"] * 2
     data = rows[1]
     assert (data["kind"], data["rank"], data["round"], data["t"], data["end"],
             data["duration_s"], data["detail"]) == ("data", "0", "0", "0.25", "0.5", "0.25", "")
-    checkpoint = rows[21]
+    checkpoint = rows[23]
     assert (checkpoint["kind"], checkpoint["rank"], checkpoint["round"], checkpoint["t"]) == (
         "checkpoint", "1", "2", "5.5")
     assert json.loads(checkpoint["detail"]) == {"epoch": 1, "name": "round-2", "bytes": 4096,
                                                 "write_s": 0.01}
-    sample = rows[22]
+    sample = rows[24]
     assert (sample["node"], sample["t"], sample["cpu_percent"], sample["ram_used_bytes"],
             sample["ram_total_bytes"]) == ("0", "0.25", "50.0", "4", "16")
     assert json.loads(sample["detail"])["gpus"][0]["util_percent"] == 90.0

@@ -1,0 +1,107 @@
+"""Timing DDP's gradient all-reduce, so that sync's communication is booked as sync, not compute.
+
+Under ``sync`` every step's ``backward()`` all-reduces the gradients: DDP hands each bucket of
+gradients to a communication hook as soon as the bucket is ready and, before ``backward()``
+returns, waits for every bucket's future. :class:`DdpCommMeter` is that hook
+(``DistributedDataParallel.register_comm_hook``, torch's public API for it). It does what DDP's
+default hook does (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``:
+divide, then a SUM all-reduce) and times it: when the step's last bucket was handed over — the
+backward pass has computed every gradient by then — and when the all-reduces had completed. The
+time between is the step's communication that no compute overlaps: the collective itself and
+the wait for the slowest peer in it. A bucket reduced while the backward pass still computes is
+hidden behind it and stays compute, as it would on any device. The round loop's
+:class:`~fdl.engine.speed.StepTimer` takes this time out of the step's compute: it is booked as
+sync (the round's ``comm_s``) and the slowdown emulation does not multiply it.
+
+On the CPU (gloo) the hook reads ``time.perf_counter`` at the hand-over and in the future's
+callback, which runs when the all-reduce has completed; DDP waits for the future the callback
+returns, so both are read when ``backward()`` returns. On CUDA a collective's future completes
+when the collective is queued, not when it is done: the hook records an event on the current
+(compute) stream at the hand-over and one in the callback, which torch runs on a stream that
+waits for the collective; :class:`~fdl.engine.speed.StepTimer` reads the two with the step's own
+events, and nothing here waits for the device.
+
+What is not timed: DDP's broadcast of module buffers at the start of each forward (models with
+BatchNorm; ``broadcast_buffers``) and its one-off bucket rebuild in the second step. They stay in
+the step's compute.
+
+Division: DDP's own (hook-less) all-reduce divides by the ranks that still have data when some
+rank has run out of it in a round (``join(divide_by_initial_world_size=False)``: an epoch's
+uneven last round); with a hook DDP leaves the division to the hook, so the round loop sets
+:attr:`DdpCommMeter.ranks_with_data` before each step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fdl.engine.speed import StepComm
+
+
+class DdpCommMeter:
+    """The communication hook of one DDP model, and what it timed in the current step."""
+
+    def __init__(self, *, process_group: Any, device: torch.device):
+        self.process_group = process_group  # None: the default group
+        self.world_size = dist.get_world_size(process_group)
+        self.ranks_with_data = self.world_size
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._handed: float | torch.cuda.Event | None = None  # the last bucket handed over
+        self._done: float | torch.cuda.Event | None = None  # its all-reduce (CPU: all) done
+
+    @classmethod
+    def attach(cls, model: DistributedDataParallel, *, process_group: Any,
+               device: torch.device) -> DdpCommMeter:
+        """A meter registered as ``model``'s communication hook (before its first backward)."""
+        meter = cls(process_group=process_group, device=device)
+        model.register_comm_hook(meter, DdpCommMeter.hook)
+        return meter
+
+    # Not annotated: DDP checks the hook's annotations against the real classes, and this
+    # module's (``from __future__ import annotations``) are strings.
+    def hook(self, bucket):
+        """DDP's default all-reduce of ``bucket`` (the mean over the ranks with data), timed."""
+        tensor = bucket.buffer()
+        tensor.div_(self.ranks_with_data)
+        self._handed = self._mark()
+        work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
+
+        def done(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            self._completed()
+            return future.value()[0]
+
+        return work.get_future().then(done)
+
+    def begin_step(self) -> None:
+        self._handed = self._done = None
+
+    def end_step(self) -> StepComm:
+        """The step's exposed communication: seconds on the CPU, the pair of events that bracket
+        it on CUDA; None when the step handed over no bucket."""
+        if self._handed is None or self._done is None:
+            return None
+        if self._cuda:
+            return (self._handed, self._done)
+        return max(0.0, self._done - self._handed)
+
+    def _mark(self) -> float | torch.cuda.Event:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _completed(self) -> None:
+        """An all-reduce finished (CPU: in gloo's thread; CUDA: queued after the collective)."""
+        mark = self._mark()
+        if self._cuda or self._done is None:
+            self._done = mark  # CUDA: NCCL reduces the buckets in order, the last ends last
+        else:
+            self._done = max(self._done, mark)
+
