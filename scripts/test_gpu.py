@@ -11,11 +11,12 @@ table of what ran, how it ended and its key figure.
    mixed group agreed on (``cpu``: host averaging over gloo).
 3. With two GPUs or more: each policy on two GPUs over NCCL.
 
+``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path).
 ``--rehearse`` runs parts 2 and 3's plumbing on a machine without a GPU (the "GPU" worker is a
 CPU worker, the CPU one is emulated 4x slower), to check the script itself before a GPU is lent;
 its figures mean nothing.
 
-    python scripts/test_gpu.py [--out DIR] [--rehearse]
+    python scripts/test_gpu.py [--out DIR] [--runs-only] [--rehearse]
 
 Exit status: 0 when every check passed (skips allowed), 1 otherwise.
 """
@@ -74,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="where logs and test-gpu.json go")
     parser.add_argument("--rehearse", action="store_true", help="no GPU: check the plumbing")
+    parser.add_argument("--runs-only", action="store_true",
+                        help="the fdl runs alone, without the gpu tests")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="fdl-test-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts = machine(rehearse=args.rehearse)
     print(f"test-gpu: {facts['gpus']} GPU(s) {', '.join(facts['names']) or ''}; torch "
           f"{facts['torch']}; logs in {out}", flush=True)
-    rows = [] if args.rehearse else gpu_tests(out)
+    rows = [] if args.rehearse or args.runs_only else gpu_tests(out)
     rows += pair_runs(out, rehearse=args.rehearse)
     if facts["gpus"] >= 2:
         rows += nccl_runs(out)
