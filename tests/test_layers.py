@@ -333,7 +333,7 @@ def test_graph_sees_lazy_type_checking_relative_and_dynamic_imports(tmp_path):
     ("fdl.compare.run", "fdl.bench.results", False),
     ("fdl.bench.sweep", "fdl.compare.run", False),
     ("fdl.system.facts", "fdl.launch.child", False),
-    ("fdl.engine.fit", "fdl.rundir.summary", True),
+    ("fdl.engine.loop", "fdl.rundir.summary", True),
     ("fdl.rundir.report", "fdl.engine.state", False),
     ("fdl.rundir.config", "fdl.settings", True),
     ("fdl.launch.spec", "fdl.rundir.layout", True),

@@ -36,11 +36,12 @@ if TYPE_CHECKING:
 
 
 class Script(Protocol):
-    """What an epoch's end needs of fdl.Trainer (a protocol: the trainer imports this module)."""
+    """What an epoch's end needs of the run (fdl.engine.loop.Run: a protocol, the loop imports
+    this module)."""
 
     train_data: Any
     eval_data: Any
-    evaluate: Any
+    evaluate_fn: Any
     history: list[dict[str, Any]]
 
 
@@ -58,6 +59,7 @@ class EpochLog:
     start_elapsed_s: float = 0.0  # training time of the attempts before this one
     started: float = field(default_factory=time.perf_counter)
     tensorboard: ScalarWriter | None = None
+    _replica: Replica | None = None
     _epoch_started: float = field(default_factory=time.perf_counter)
     _mark: RankFigures = field(default_factory=RankFigures)  # totals at the last epoch's end
     _mark_syncs: int = 0  # averages done by the last epoch's end
@@ -72,6 +74,7 @@ class EpochLog:
     def begin(self, replica: Replica) -> None:
         """Training starts now: the clocks start, and rank 0 opens TensorBoard if asked."""
         self.started = self._epoch_started = time.perf_counter()
+        self._replica = replica
         self._mark, self._mark_syncs = replica.totals.figures(), len(replica.totals.comm_ms)
         if self.rank == 0 and self.config.tensorboard is not None:
             self.tensorboard = ScalarWriter.open(self.config.tensorboard, run_dir=self.run_dir,
@@ -86,9 +89,9 @@ class EpochLog:
         steps = sum(r.loss_steps for r in per_rank)
         self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
         begin = time.perf_counter()
-        if self.trainer.eval_data is not None and self.trainer.evaluate is not None:
+        if self.trainer.eval_data is not None and self.trainer.evaluate_fn is not None:
             self.last_eval = evaluate_model(
-                replica.model, self.trainer.eval_data, self.trainer.evaluate,
+                replica.model, self.trainer.eval_data, self.trainer.evaluate_fn,
                 batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
                 world_size=self.world_size)
         self.eval_s += time.perf_counter() - begin
@@ -104,6 +107,11 @@ class EpochLog:
                 self.tensorboard.epoch(record)
             _progress_line(record, self.config.epochs)
         self._epoch_started = time.perf_counter()
+
+    def scalars(self, means: dict[str, float]) -> None:
+        """A round's means of what the script logged, to TensorBoard (rank 0)."""
+        if self.tensorboard is not None and self._replica is not None:
+            self.tensorboard.scalars(means, samples=int(self._replica.position))
 
     def close(self) -> None:
         if self.tensorboard is not None:

@@ -154,6 +154,7 @@ class Resumed:
     checkpoint: Checkpoint
     state: PlanState
     history: list[dict[str, Any]]
+    user_state: dict[str, Any]  # run.state's objects' state_dicts, by name
 
 
 def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) -> Resumed:
@@ -180,7 +181,9 @@ def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) ->
     if checkpoint.world_size != replica.world_size:
         restored.epoch_loss = [0.0, 0]
     replica.rank_state = restored
-    return Resumed(checkpoint, PlanState.from_dict(engine, plan_config), list(engine["history"]))
+    user = rank_state.get("user")
+    return Resumed(checkpoint, PlanState.from_dict(engine, plan_config), list(engine["history"]),
+                   user if isinstance(user, dict) else {})
 
 
 @dataclass
@@ -195,6 +198,7 @@ class Checkpointer:
     run_dir: Path
     every: CheckpointEvery
     history: list[dict[str, Any]]
+    user_state: dict[str, Any] = field(default_factory=dict)  # run.state's objects, by name
     last: float = field(default_factory=time.perf_counter)
 
     def since_last_s(self) -> float:
@@ -226,7 +230,7 @@ class Checkpointer:
             self.run_dir, round_index=state.round_index, rank=replica.rank,
             world_size=replica.world_size,
             model_state=replica.model.state_dict() if replica.rank == 0 else None,
-            rank_state=_rank_state(replica), engine_state={**state.to_dict(), "history": self.history},
+            rank_state=_rank_state(replica, self.user_state), engine_state={**state.to_dict(), "history": self.history},
             gather=_gatherer(replica.world_size))
         replica.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
                               position=state.position, name=path.name, bytes=_size(path),
@@ -245,12 +249,13 @@ def _gatherer(world_size: int) -> Any:
     return gather
 
 
-def _rank_state(replica: Replica) -> dict[str, Any]:
+def _rank_state(replica: Replica, user_state: dict[str, Any]) -> dict[str, Any]:
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if replica.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(replica.device)
     return {"optimizer": replica.optimizer.state_dict(), "rng": rng,
-            "rank_state": replica.rank_state.to_dict()}
+            "rank_state": replica.rank_state.to_dict(),
+            "user": {name: obj.state_dict() for name, obj in user_state.items()}}
 
 
 def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:

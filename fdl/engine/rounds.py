@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,8 +44,9 @@ from torch import nn
 from fdl.engine import guard
 from fdl.engine.averaging import Averager, checksum
 from fdl.engine.config import EngineConfig
-from fdl.engine.data import collate, epoch_permutation, slice_batches, to_device
+from fdl.engine.data import collate, epoch_permutation, to_device
 from fdl.engine.ddp_comm import DdpCommMeter
+from fdl.engine.grad_sync import GradSync
 from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
 from fdl.engine.policies import Policy
 from fdl.engine.round_messages import CalibrationPool, ElasticSignal
@@ -59,7 +60,7 @@ from fdl.engine.state import (
     largest_distance,
     round_stats,
 )
-from fdl.errors import UsageError
+from fdl.engine.steps import Logged, StepWatch
 from fdl.rundir.progress import ProgressFile
 from fdl.rundir.timeline import Timeline
 
@@ -107,30 +108,35 @@ class Replica:
     model: nn.Module
     step_model: nn.Module  # DDP wrapper under sync, else the model
     optimizer: torch.optim.Optimizer
-    train_step: Callable[[nn.Module, Any], torch.Tensor]
     dataset: Any
     config: EngineConfig
-    schedule: Callable[[float], float] | None
     timeline: Timeline
     averager: Averager | None
     on_epoch_end: Callable[[int, Replica, PlanState], None]
     checkpointer: CheckpointHook | None = None
     progress: ProgressFile | None = None  # rank 0's live progress, when fdl run shows it
     slowdown: float = 1.0
-    comm_meter: DdpCommMeter | None = None  # times DDP's all-reduce in each step (sync)
+    # Times each step's gradient all-reduce under sync: DDP's comm hook (fdl.Trainer) or the
+    # optimizer's pre-step all-reduce (a loop script; fdl.engine.grad_sync).
+    comm_meter: DdpCommMeter | GradSync | None = None
+    steps: StepWatch | None = None  # the optimizer steps the user's code took
+    accumulate: int = 1  # batches per optimizer step
+    logged: Logged = field(default_factory=Logged)  # run.log's scalars, summed on the device
+    position: float = 0.0  # samples of the run done, as this rank's share of the round stands
     verify: bool = False
     rank_state: RankState = field(default_factory=RankState)
     totals: Totals = field(default_factory=Totals)
-    # Each param group's LR as the optimizer factory made it: the schedule scales these. Taken
-    # before a checkpoint is loaded (whose optimizer state holds the LR already scaled).
+    # Each param group's LR as the optimizer was made: the LR scale the guard divides by is
+    # the current LR over these. Taken before a checkpoint is loaded (whose optimizer state
+    # holds the LR already scaled).
     base_lrs: list[float] = field(default_factory=list)
     lr_scale: float = 1.0
     # The slowdown emulation's memory across rounds: the recent steps' compute (rank_state
     # keeps its value for checkpoints) and the oversleep the next sleeps pay back.
     compute_mean: RunningMean | None = None
     sleep_owed_s: float = 0.0
+    on_scalars: Callable[[dict[str, float]], None] | None = None  # each round's logged means
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
-    _checked: bool = False
 
     @property
     def policy(self) -> Policy:
@@ -143,12 +149,13 @@ class Replica:
         return self._orders[epoch]
 
 
-def train(replica: Replica, state: PlanState) -> PlanState:
-    """Run every round of the plan; returns the finished state."""
+def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState]:
+    """Every round of the plan, as the batches this rank trains on (on its device); the
+    caller's code between two batches is the step. Returns the finished state."""
     policy, pending, last_reports = replica.policy, None, []
     while not state.finished:
         plan = next_round(state)
-        done = run_slice(replica, plan, state)
+        done = yield from run_slice(replica, plan, state)
         reports: list[RoundReport] | None = None
         consensus = replica.averager is None
         if replica.averager is not None and policy.averages_at(plan):
@@ -178,14 +185,15 @@ def train(replica: Replica, state: PlanState) -> PlanState:
     return state
 
 
-def run_slice(replica: Replica, plan: RoundPlan, state: PlanState) -> SliceResult:
+def run_slice(replica: Replica, plan: RoundPlan,
+              state: PlanState) -> Generator[Any, None, SliceResult]:
     """This rank's part of the round: its own steps (:func:`_own_steps`), then the calibration
     pool's (:func:`_pool_steps`), then its report (:func:`_close_slice`). In the calibration
     round the run's very first step (allocations, lazy initialisation) is timed apart and left
     out of the report, so it does not pass for the rank's speed."""
     tally = RoundTally.open(replica)
-    elastic_used = _own_steps(replica, plan, state, tally)
-    pool_used = _pool_steps(replica, plan, state, tally)
+    elastic_used = yield from _own_steps(replica, plan, state, tally)
+    pool_used = yield from _pool_steps(replica, plan, state, tally)
     return SliceResult(_close_slice(replica, plan, tally), elastic_used, pool_used)
 
 
@@ -203,14 +211,12 @@ class SliceResult:
 @dataclass
 class RoundTally:
     """What one round's steps add up to on this rank while they run: the step timers, the
-    samples their time covers, the time spent fetching batches and the loss, summed on the
-    device and read once, after the round (reading it each step would make the host wait for
-    the GPU every step and stop it queueing work ahead)."""
+    samples their time covers and the time spent fetching batches (the scalars the script
+    logs are summed on the device in ``Replica.logged`` and read once, after the round)."""
 
     timer: StepTimer  # the timed steps; their running mean drives the slowdown emulation
     warmup: StepTimer  # the run's very first step, timed apart (its sleep follows its own time)
     mean: RunningMean
-    loss: torch.Tensor
     started: float = field(default_factory=time.perf_counter)
     timed_samples: int = 0
     data_s: float = 0.0
@@ -227,7 +233,7 @@ class RoundTally:
                                    comm=replica.comm_meter, owed_s=replica.sleep_owed_s),
                    warmup=StepTimer(slowdown=replica.slowdown, device=replica.device,
                                     comm=replica.comm_meter),
-                   mean=mean, loss=torch.zeros((), dtype=torch.float64, device=replica.device))
+                   mean=mean)
 
     @property
     def steps(self) -> int:
@@ -235,72 +241,87 @@ class RoundTally:
 
 
 def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
-               tally: RoundTally) -> int | None:
+               tally: RoundTally) -> Generator[Any, None, int | None]:
     """The rank's planned steps on its slice of the epoch's stream; the elastic rank stops
     early once the slowest rank has posted that it is done. Returns the samples the elastic
     rank used (None: the round is not elastic)."""
-    mine, batch_size = plan.slices[replica.rank], replica.config.batch_size
-    batches = slice_batches(replica.dataset, replica.order(plan.epoch), start=mine.start,
-                            stop=mine.stop, batch_size=batch_size)
+    mine, step_size = plan.slices[replica.rank], replica.config.batch_size
+    order = replica.order(plan.epoch)
     warm_first = plan.calibration and state.samples_seen == 0
     signal = ElasticSignal.open(plan, rank=replica.rank)
     with _joined_if_uneven(replica, plan):
         for index in range(mine.steps):
             if index and signal.arrived(plan):
                 break
-            if replica.comm_meter is not None:  # DDP's mean is over the ranks with data
+            if replica.comm_meter is not None:  # the mean is over the ranks with data
                 replica.comm_meter.ranks_with_data = sum(s.steps > index for s in plan.slices)
-            _timed_step(replica, plan, state, tally, lambda: next(batches),
-                        samples=min(batch_size, mine.num_samples - index * batch_size),
-                        progress=state.samples_seen + plan.num_samples * index
-                        / max(1, mine.steps), warm=warm_first and index == 0)
+            low = mine.start + index * step_size
+            yield from _timed_step(replica, plan, state, tally, order[low:min(low + step_size, mine.stop)],
+                                   progress=state.samples_seen + plan.num_samples * index
+                                   / max(1, mine.steps), warm=warm_first and index == 0)
+        _shadow_steps(replica, plan)
     return signal.close(plan, rank=replica.rank, used=tally.timed_samples)
+
+
+def _shadow_steps(replica: Replica, plan: RoundPlan) -> None:
+    """A loop script under sync averages gradients in its optimizer step: a rank with fewer
+    steps than the others in an epoch's cut last round joins their remaining all-reduces with
+    zeros (what DDP's ``join`` does for fdl.Trainer)."""
+    shadow = getattr(replica.comm_meter, "shadow", None)
+    if shadow is None or not replica.policy.wraps_ddp or replica.world_size == 1:
+        return
+    for index in range(plan.slices[replica.rank].steps, max(s.steps for s in plan.slices)):
+        shadow(ranks_with_data=sum(s.steps > index for s in plan.slices))
 
 
 def _joined_if_uneven(replica: Replica, plan: RoundPlan) -> contextlib.AbstractContextManager:
     """DDP needs every rank in every gradient all-reduce: a rank left without samples in an
     epoch's cut last round joins (shadows the collectives) instead of hanging the others; the
     gradient is divided by the ranks that have data, as a plain DDP step on them would be."""
-    if replica.policy.wraps_ddp and replica.world_size > 1 and \
+    join = getattr(replica.step_model, "join", None)
+    if join is not None and replica.policy.wraps_ddp and replica.world_size > 1 and \
             any(s.steps == 0 for s in plan.slices):
-        return replica.step_model.join(divide_by_initial_world_size=False)
+        return join(divide_by_initial_world_size=False)
     return contextlib.nullcontext()
 
 
 def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
-                tally: RoundTally) -> int | None:
-    """Whole batches of the calibration round's pool, taken one at a time after the rank's
-    own steps until every rank is done; returns how many the ranks took (None: no pool)."""
-    batch_size, order = replica.config.batch_size, replica.order(plan.epoch)
+                tally: RoundTally) -> Generator[Any, None, int | None]:
+    """Whole steps of the calibration round's pool, taken one at a time after the rank's own
+    steps until every rank is done; returns how many the ranks took (None: no pool)."""
+    step_size, order = replica.config.batch_size, replica.order(plan.epoch)
     pool = CalibrationPool.open(plan, world_size=replica.world_size)
     while (j := pool.take()) is not None:
-        low = plan.pool_start + j * batch_size
-        _timed_step(replica, plan, state, tally,
-                    lambda low=low: collate(replica.dataset, order[low:low + batch_size]),
-                    samples=batch_size, progress=state.samples_seen + low - state.position,
-                    warm=False)
+        low = plan.pool_start + j * step_size
+        yield from _timed_step(replica, plan, state, tally, order[low:low + step_size],
+                               progress=state.samples_seen + low - state.position, warm=False)
         tally.pool_batches += 1
     return pool.close()
 
 
 def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: RoundTally,
-                fetch: Callable[[], Any], *, samples: int, progress: float, warm: bool) -> None:
-    """One whole step, timed as the planner must balance it: fetching and collating the
-    batch, the host-to-device copy, the LR call, forward, backward, optimizer step."""
+                indices: torch.Tensor, *, progress: float, warm: bool) -> Generator[Any, None, None]:
+    """One whole optimizer step on the samples ``indices``, timed as the planner must balance
+    it: fetching and collating its batches, the host-to-device copies, and the caller's code
+    for each (forward, backward, the optimizer step). With ``accumulate`` k the step is k
+    batches (the samples split as evenly as they go), and the step must end on the
+    optimizer's step: a round never ends between the batches of one."""
+    parts = replica.accumulate
+    if len(indices) < parts:  # an epoch's last few samples, too few for a step of k batches
+        return
     clock = tally.warmup if warm else tally.timer
     clock.start()
-    fetched = time.perf_counter()
-    batch = to_device(fetch(), replica.device)
-    tally.data_s += time.perf_counter() - fetched
-    if replica.schedule is not None:
-        total = replica.config.epochs * len(replica.dataset)
-        _set_lr(replica, replica.schedule(min(1.0, progress / total)))
-    loss = _step(replica, batch)
+    replica.position = progress
+    for part, chunk in enumerate(indices.tensor_split(parts)):
+        fetched = time.perf_counter()
+        batch = to_device(collate(replica.dataset, chunk), replica.device)
+        tally.data_s += time.perf_counter() - fetched
+        yield batch
+        if replica.steps is not None:
+            replica.steps.check(after=part + 1, of=parts)
     clock.stop()
     if not warm:
-        tally.timed_samples += samples
-    tally.loss += loss
-    replica.rank_state.epoch_loss[1] += 1
+        tally.timed_samples += len(indices)
     if replica.progress is not None and replica.progress.due():
         mine = plan.slices[replica.rank]
         _show_progress(replica, plan, samples=min(
@@ -312,10 +333,18 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
     """Read the round's loss and step times (the one wait for the device per round), book the
     round and build the rank's report."""
     rank_state, timer = replica.rank_state, tally.timer
-    round_sum = float(tally.loss)
-    rank_state.epoch_loss[0] += round_sum
-    if replica.progress is not None and tally.steps:
-        replica.progress.loss = round_sum / tally.steps
+    means = replica.logged.read()
+    loss = means.get("loss")
+    if loss is not None:  # the epoch's loss: a sum over steps (a script may log none)
+        rank_state.epoch_loss[0] += loss * tally.steps
+        rank_state.epoch_loss[1] += tally.steps
+    if replica.progress is not None and loss is not None:
+        replica.progress.loss = loss
+    if means:
+        replica.timeline.event("scalars", round=plan.round_index, values=means)
+        if replica.on_scalars is not None:
+            replica.on_scalars(means)
+    replica.lr_scale = _lr_scale(replica)
     timer.finish()
     tally.warmup.finish()
     rank_state.step_count, rank_state.step_total_s = tally.mean.count, tally.mean.total
@@ -356,28 +385,12 @@ def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally,
                            lr_scale=replica.lr_scale)
 
 
-def _step(replica: Replica, batch: Any) -> torch.Tensor:
-    replica.optimizer.zero_grad(set_to_none=True)
-    loss = replica.train_step(replica.step_model, batch)
-    if not replica._checked:
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise UsageError(
-                "train_step must return a scalar loss tensor that requires grad, got "
-                + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                   else type(loss).__name__),
-                hint="return e.g. torch.nn.functional.cross_entropy(model(x), y)")
-        replica._checked = True
-    loss.backward()
-    if replica.config.max_grad_norm is not None:
-        nn.utils.clip_grad_norm_(replica.model.parameters(), replica.config.max_grad_norm)
-    replica.optimizer.step()
-    return loss.detach()
-
-
-def _set_lr(replica: Replica, multiplier: float) -> None:
-    replica.lr_scale = multiplier
-    for group, base in zip(replica.optimizer.param_groups, replica.base_lrs, strict=True):
-        group["lr"] = base * multiplier
+def _lr_scale(replica: Replica) -> float:
+    """The optimizer's LR now over its LR when the run began (the first param group's): what
+    the divergence guard divides the replicas' drift by."""
+    if not replica.base_lrs or not replica.base_lrs[0]:
+        return 1.0
+    return float(replica.optimizer.param_groups[0]["lr"]) / replica.base_lrs[0]
 
 
 def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any, *,

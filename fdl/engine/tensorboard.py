@@ -13,6 +13,8 @@ in ``metrics.jsonl``, fdl.rundir.metrics.EpochRecord, under the field named)::
     idle/rank<r>                idle_fraction[r]
     sync/overhead               sync_overhead
     elche/anchor                anchor
+    step/<name>                 run.log(name=...): the round's mean (per round, not per epoch;
+                                not flushed until the epoch's end)
 
 The ``tensorboard`` package comes with ``pip install 'fdl[tensorboard]'``; fdl run checks for it
 before any worker starts.
@@ -60,6 +62,11 @@ class ScalarWriter:
         for tag, value in record.scalars().items():
             self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()
+
+    def scalars(self, values: dict[str, float], *, samples: int) -> None:
+        """One round's means of the scalars the script logged (``run.log``)."""
+        for name, value in values.items():
+            self.writer.add_scalar(f"step/{name}", value, global_step=samples)
 
     def close(self) -> None:
         self.writer.close()

@@ -13,6 +13,7 @@ docs/elche.md for the policies, the plan and the formulas.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fdl.engine.collectives import Membership
-from fdl.engine.config import EngineConfig, resolve_config
-from fdl.engine.fit import fit
+from fdl.engine.loop import Run, RunResult, init
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS
 
@@ -80,30 +79,77 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train to the end (every rank under ``fdl run``; in-process alone) and return the
         consensus model, the final evaluation, the epoch history and the summary."""
-        config = resolve_config(script={
-            "policy": self.policy, "backend": self.backend, "epochs": self.epochs,
-            "batch_size": self.batch_size, "seed": self.seed,
-            "checkpoint_every": self.checkpoint_every, "tensorboard": self.tensorboard},
-            max_grad_norm=self.max_grad_norm)
-        membership = Membership.from_env()
-        self._validate(config, membership.world_size)
-        fitted = fit(self, config, membership)
-        return TrainResult(fitted.model, fitted.metrics, list(self.history), fitted.summary,
-                           fitted.run_dir)
+        self._validate()
+        run = init(policy=self.policy, backend=self.backend, seed=self.seed,
+                   batch_size=self.batch_size, epochs=self.epochs,
+                   checkpoint_every=self.checkpoint_every, tensorboard=self.tensorboard,
+                   max_grad_norm=self.max_grad_norm)
+        try:
+            result = self._train(run)
+        except BaseException:
+            run.abandon()
+            raise
+        self.history[:] = result.history
+        result.model.cpu()
+        return TrainResult(result.model, result.metrics, list(result.history), result.summary,
+                           result.run_dir)
 
-    def _validate(self, config: EngineConfig, world_size: int) -> None:
+    def _train(self, run: Run) -> RunResult:
+        """The Trainer's loop on fdl.init's API: what a loop script writes by hand."""
+        run.check_data(self.train_data)
+        model = self.model().to(run.device)  # fdl.init seeded torch: the same on every rank
+        optimizer = build_optimizer(self.optimizer, model)
+        base_lrs = [group["lr"] for group in optimizer.param_groups]  # before any resume
+        if self.eval_data is not None:
+            run.evaluate(self.eval_data, self.evaluate)
+        clip = run.config.max_grad_norm
+        checked = False
+        for batch in run.batches(self.train_data, model=model, optimizer=optimizer,
+                                 ddp=True):
+            if self.schedule is not None:
+                scale = self.schedule(run.progress)
+                for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+                    group["lr"] = base * scale
+            optimizer.zero_grad(set_to_none=True)
+            with run.autocast():
+                loss = self.train_step(run.step_model, batch)
+            if not checked:
+                _check_loss(loss)
+                checked = True
+            loss.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            run.log(loss=loss.detach())
+        return run.finish()
+
+    def _validate(self) -> None:
         if not callable(self.model) or not callable(self.optimizer) or not callable(self.train_step):
             raise UsageError("model, optimizer and train_step must be callables",
                              hint="model=lambda: nn.Linear(4, 1), optimizer=lambda p: "
                                   "torch.optim.SGD(p, lr=0.1), train_step=fn(model, batch)")
         if (self.eval_data is None) != (self.evaluate is None):
             raise UsageError("eval_data and evaluate go together: give both or neither")
-        needed = world_size * config.batch_size
-        if len(self.train_data) < needed:
-            raise UsageError(f"train_data has {len(self.train_data)} samples, fewer than one "
-                             f"batch per worker ({world_size} x {config.batch_size} = {needed})",
-                             hint="use a smaller batch_size or more data")
-        slowdown = config.simulate_slowdown
-        if slowdown is not None and len(slowdown) != world_size:
-            raise UsageError(f"simulate_slowdown has {len(slowdown)} factor(s) for "
-                             f"{world_size} worker(s)")
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise UsageError(
+            "train_step must return a scalar loss tensor that requires grad, got "
+            + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+               else type(loss).__name__),
+            hint="return e.g. torch.nn.functional.cross_entropy(model(x), y)")
+
+
+def build_optimizer(factory: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``factory`` makes for ``model``. A factory whose one parameter is named
+    ``model`` gets the model itself (recipes that group parameters by module type:
+    ``optimizer=lambda model: ...``); any other gets the model's parameters as a list, which it
+    may walk more than once (nanoGPT's ``configure_optimizers`` walks them twice, decay for
+    matrices and none for the rest: given a one-shot generator, its second group came out
+    empty and those parameters never trained, silently)."""
+    try:
+        names = list(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: parameters, as before
+        names = []
+    return factory(model if names[:1] == ["model"] else list(model.parameters()))

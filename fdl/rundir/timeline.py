@@ -20,6 +20,8 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
   halvings)
 * ``guard``  — ``round``, ``distance`` (max over ranks), ``level`` (drift over its usual level),
   ``streak``, ``halve``, ``released`` (the anchor's ceiling lifted)
+* ``scalars`` — ``round``, ``values`` (the means over the round of what the script logged with
+  ``run.log``: ``{"loss": 0.41, ...}``)
 * ``epoch``  — ``epoch``, ``samples``, ``train_loss``, ``eval``
 * ``checkpoint`` — ``round``, ``epoch``, ``position`` (in the epoch's stream), ``name``,
   ``bytes``, ``write_s``
@@ -53,6 +55,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "sync": ("round", "start", "end", "wait_s", "blocking", "bytes"),
     "anchor": ("round", "anchor", "previous", "reason"),
     "guard": ("round", "distance", "level", "streak", "halve", "released"),
+    "scalars": ("round", "values"),
     "epoch": ("epoch", "train_loss", "eval"),
     "checkpoint": ("round", "epoch", "position", "name", "bytes", "write_s"),
     "final": ("checksum", "anchor"),

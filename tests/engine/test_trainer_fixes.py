@@ -19,7 +19,7 @@ from helpers import clean_env, run_fdl, started
 
 from fdl.engine.collectives import agreed_backend
 from fdl.engine.data import epoch_permutation
-from fdl.engine.fit import rank_seed
+from fdl.engine.loop import rank_seed
 from fdl.engine.plan import PlanConfig, RoundStats, advance, initial_state, next_round
 from fdl.rundir.checkpoints import latest_checkpoint
 from fdl.rundir.timeline import read_events

@@ -1,5 +1,5 @@
 """One rank of a real 2-process group where one worker has a GPU and the other none (CUDA hidden
-from it): each picks its device and joins with backend ``auto`` as fdl.engine.fit does
+from it): each picks its device and joins with backend ``auto`` as fdl.engine.loop does
 (fdl.engine.collectives), then both take one blocking average of a small model through the
 engine's Averager with the backend they agreed on. Writes OUT/rank<r>.json with the device, the
 backend and the checksum of the averaged model. torchrun's variables (RANK, WORLD_SIZE,

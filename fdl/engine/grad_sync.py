@@ -1,0 +1,92 @@
+"""``sync`` in the user's own loop: the gradients are averaged in the optimizer's step.
+
+fdl.Trainer calls the model through DDP, whose hooks all-reduce gradient buckets during
+backward. A loop script calls its own model, so there is no DDP forward to hook; instead an
+optimizer pre-step hook (public API) all-reduces every gradient in one flat buffer, divided by
+the ranks with data, just before the step: the same arithmetic as DDP's mean, once per
+optimizer step (an accumulating loop reduces once per k batches, as DDP under ``no_sync``).
+
+On CUDA with NCCL the buffer lives on the GPU and the all-reduce is queued on the stream:
+nothing waits for the device. Over gloo (``--backend cpu``) a GPU's gradients go through host
+memory. Each step's all-reduce is timed apart from compute (sync, not compute), as
+fdl.engine.ddp_comm does for DDP: :class:`GradSync` is the step timer's ``CommClock``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fdl.engine.speed import StepComm
+
+
+class GradSync:
+    """The pre-step all-reduce of one optimizer's gradients, and what it timed this step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 device: torch.device, via_host: bool, process_group: Any = None):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.process_group = process_group
+        self.ranks_with_data = dist.get_world_size(process_group)
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._buffer_device = torch.device("cpu") if via_host else device
+        self._comm: StepComm = None
+        self._handle = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        started = self._mark()
+        flat = torch.cat([self._grad(p).reshape(-1) for p in self.params]).to(
+            self._buffer_device, torch.float32 if not self.params else self._dtype())
+        self._reduce(flat)
+        offset = 0
+        for param in self.params:
+            count = param.numel()
+            reduced = flat[offset:offset + count].view_as(param).to(param.device, param.dtype)
+            if param.grad is None:
+                param.grad = reduced
+            else:
+                param.grad.copy_(reduced)
+            offset += count
+        self._comm = self._span(started, self._mark())
+
+    def shadow(self, *, ranks_with_data: int) -> None:
+        """Join one all-reduce of the ranks that still step, with zeros (this rank has no data
+        left in the round)."""
+        self.ranks_with_data = ranks_with_data
+        numel = sum(p.numel() for p in self.params)
+        self._reduce(torch.zeros(numel, dtype=self._dtype(), device=self._buffer_device))
+
+    def _reduce(self, flat: torch.Tensor) -> None:
+        flat.div_(self.ranks_with_data)
+        dist.all_reduce(flat, group=self.process_group)
+
+    def _grad(self, param: nn.Parameter) -> torch.Tensor:
+        return param.grad if param.grad is not None else torch.zeros_like(param)
+
+    def _dtype(self) -> torch.dtype:
+        return torch.float64 if any(p.dtype == torch.float64 for p in self.params) \
+            else torch.float32
+
+    def begin_step(self) -> None:
+        self._comm = None
+
+    def end_step(self) -> StepComm:
+        return self._comm
+
+    def _mark(self) -> float | torch.cuda.Event:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _span(self, start: Any, end: Any) -> StepComm:
+        return (start, end) if self._cuda else max(0.0, end - start)
+
+    def close(self) -> None:
+        self._handle.remove()

@@ -1,0 +1,511 @@
+"""El Che in the user's own training loop: ``fdl.init()``, ``run.batches(...)``, ``run.finish()``.
+
+::
+
+    import fdl
+    run = fdl.init()                     # under fdl run: joins the group; alone: solo
+    model = build_model().to(run.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for batch in run.batches(train_set, model=model, optimizer=optimizer, batch_size=64,
+                             epochs=3):
+        with run.autocast():             # this rank's precision
+            loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+        run.log(loss=loss)               # summed on the device, read once per round
+    result = run.finish()                # result.model: the consensus, identical on every rank
+
+``run.batches`` is the engine (fdl.engine.rounds): it yields this rank's share of each round on
+``run.device``, the script's code between two batches is the step, and between rounds it
+averages ``model`` (blocking or in the background, by policy). A round ends on an optimizer
+step (fdl.engine.steps), so ``accumulate=k`` makes every step k batches. ``fdl.Trainer``
+(fdl.engine.trainer) is a loop written on this API. On entry, every rank takes rank 0's weights
+and then draws its own random streams; ``run.progress`` is the run's fraction done, equal on
+every rank, what a schedule must use (ranks run different numbers of steps).
+
+What a run is made of, in the order ``batches`` builds it: the settings (``fdl run`` flags >
+``FDL_*`` > fdl.toml > the values given here > defaults), the group (at ``init``), the replica
+(the model with rank 0's weights, DDP or the gradient all-reduce under sync, the averaging
+buffers), the start (fresh, or a checkpoint's with ``fdl run --resume`` or after a restart),
+the round loop, and at ``finish`` the summary, the consensus model and the group's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fdl.engine.averaging import Averager, checksum
+from fdl.engine.collectives import (
+    Group,
+    Membership,
+    broadcast_from_rank0,
+    device_label,
+    exchange_rows,
+    gather_labels,
+    join_group,
+    leave_group,
+    pick_device,
+)
+from fdl.engine.config import EngineConfig, resolve_config
+from fdl.engine.ddp_comm import DdpCommMeter
+from fdl.engine.epochs import EpochLog
+from fdl.engine.grad_sync import GradSync
+from fdl.engine.plan import PlanConfig, PlanState, initial_state
+from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
+from fdl.engine.rounds import NUM_STATS, Replica, rounds
+from fdl.engine.state import RankFigures
+from fdl.engine.steps import StepWatch
+from fdl.errors import UsageError
+from fdl.rundir import config as run_config
+from fdl.rundir import metrics
+from fdl.rundir.checkpoints import CheckpointEvery
+from fdl.rundir.model import save_model
+from fdl.rundir.progress import ProgressFile
+from fdl.rundir.summary import build_summary, write_summary
+from fdl.rundir.timeline import Timeline
+
+
+@dataclass
+class RunResult:
+    """What ``run.finish()`` returns on every rank."""
+
+    model: nn.Module  # the consensus model (the script's own module, on its device)
+    metrics: dict[str, float]  # the last evaluation
+    history: list[dict[str, Any]]  # one record per epoch
+    summary: dict[str, Any]  # as written to summary.json
+    run_dir: Path | None
+
+
+def init(*, policy: str | None = None, backend: str | None = None, seed: int | None = None,
+         batch_size: int | None = None, epochs: int | None = None,
+         checkpoint_every: int | str | None = None, tensorboard: str | None = None,
+         max_grad_norm: float | None = None) -> Run:
+    """Join the run: under ``fdl run`` this worker's place in the process group (torchrun's
+    environment), alone a solo run on the best device. The values given here are the
+    script's; ``fdl run`` flags, ``FDL_*`` and fdl.toml win over them (docs/run.md). Seeds
+    torch with the run's seed, so a model built next is the same on every rank (rank 0's is
+    broadcast anyway when ``batches`` starts)."""
+    script = {"policy": policy, "backend": backend, "seed": seed, "batch_size": batch_size,
+              "epochs": epochs, "checkpoint_every": checkpoint_every,
+              "tensorboard": tensorboard}
+    config = resolve_config(script=script, max_grad_norm=max_grad_norm)
+    membership = Membership.from_env()
+    device = pick_device(membership.local_rank, config.backend)
+    group = join_group(config.backend, device, membership.world_size)
+    torch.manual_seed(config.seed)
+    return Run(script=script, config=config, membership=membership, device=device, group=group)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random streams after initialisation (rank 0 keeps ``seed``,
+    so a solo run draws what it always drew)."""
+    return seed + 1_000_003 * rank
+
+
+@dataclass
+class _Evaluation:
+    data: Any
+    fn: Callable[[nn.Module, Any], dict[str, float]]
+
+
+@dataclass(eq=False)
+class Run:
+    """One worker's part of a run; made by :func:`init`.
+
+    * ``device``, ``rank``, ``world_size``: where this worker trains and its place in the group.
+    * ``progress``: the run's fraction done, in [0, 1], equal on every rank at the same point of
+      a round: drive schedules with it (``lr = base * cosine(run.progress)``).
+    * ``batches(data, model=, optimizer=, batch_size=, epochs=, accumulate=)``: the engine.
+    * ``log(**scalars)``: per-step scalars (the ``loss`` is the epoch's train loss and shown
+      live); summed on the device and read once per round.
+    * ``evaluate(data, fn)``: evaluate the consensus model at every epoch's end, sharded over
+      the ranks; ``fn(model, batch) -> {name: mean over the batch}``.
+    * ``state(**objects)``: objects with ``state_dict``/``load_state_dict`` (an EMA, a
+      GradScaler, a scheduler) saved in checkpoints and loaded on resume.
+    * ``finish()``: the summary, the consensus model and the group's end; a :class:`RunResult`.
+    """
+
+    script: dict[str, Any]
+    config: EngineConfig
+    membership: Membership
+    device: torch.device
+    group: Group
+    history: list[dict[str, Any]] = field(default_factory=list)
+    replica: Replica | None = None
+    state_objects: dict[str, Any] = field(default_factory=dict)
+    _evaluation: _Evaluation | None = None
+    _epochs_log: EpochLog | None = None
+    _final: PlanState | None = None
+    _started: float = 0.0
+    _resumed_from: str | None = None
+    _user_state: dict[str, Any] | None = None  # a checkpoint's, for objects registered later
+    _sampler: Any = None
+    _finished: RunResult | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.membership.world_size
+
+    @property
+    def progress(self) -> float:
+        replica = self.replica
+        if replica is None:
+            return 0.0
+        if self._final is not None:
+            return 1.0
+        total = replica.config.epochs * len(replica.dataset)
+        return min(1.0, replica.position / total) if total else 0.0
+
+    @property
+    def step_model(self) -> nn.Module:
+        """The module a step calls: DDP's wrapper under sync in fdl.Trainer, else the model."""
+        if self.replica is None:
+            raise UsageError("run.step_model exists once run.batches(...) has started")
+        return self.replica.step_model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """This rank's precision for the forward pass (fp32: nothing changes)."""
+        return contextlib.nullcontext()
+
+    def log(self, **scalars: Any) -> None:
+        """Per-step scalars: a number or a one-element tensor each (no wait for the device)."""
+        if self.replica is None:
+            raise UsageError("run.log(...) is for the steps of run.batches(...)")
+        for name, value in scalars.items():
+            self.replica.logged.add(name, value)
+
+    def evaluate(self, data: Any, fn: Callable[[nn.Module, Any], dict[str, float]]) -> None:
+        """Evaluate the consensus model on ``data`` with ``fn`` at every epoch's end (before
+        ``batches`` starts). The means over every sample go to the epoch's record, the
+        timeline, TensorBoard and ``result.metrics``."""
+        if not callable(fn):
+            raise UsageError("run.evaluate(data, fn) takes fn(model, batch) -> dict of means")
+        if self.replica is not None:
+            raise UsageError("call run.evaluate(...) before run.batches(...) starts")
+        self._evaluation = _Evaluation(data, fn)
+
+    def state(self, **objects: Any) -> None:
+        """Put objects with ``state_dict``/``load_state_dict`` into this rank's checkpoints;
+        on resume each is loaded (now, when the checkpoint is already read)."""
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise UsageError(f"run.state({name}=...) takes an object with state_dict() and "
+                                 f"load_state_dict(), got {type(obj).__name__}")
+            self.state_objects[name] = obj
+            if self._user_state is not None and name in self._user_state:
+                obj.load_state_dict(self._user_state[name])
+
+    # ---- the engine ---------------------------------------------------------------------
+
+    def batches(self, data: Any, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                batch_size: int | None = None, epochs: int | None = None,
+                accumulate: int = 1, ddp: bool = False) -> Iterator[Any]:
+        """This rank's batches of every round, on ``run.device``; ``model`` is averaged
+        between rounds. ``accumulate=k``: the loop steps the optimizer every k batches (a
+        step, and the plan's unit, is k batches). ``ddp=True`` (fdl.Trainer): under sync the
+        step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
+        optimizer's step."""
+        if self.replica is not None:
+            raise UsageError("run.batches(...) runs once per run")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        given = {"batch_size": batch_size, "epochs": epochs}
+        self.config = self._configured(**{k: v for k, v in given.items() if v is not None})
+        self.check_data(data, accumulate=accumulate)
+        return self._rounds(data, model, optimizer, accumulate=accumulate, ddp=ddp)
+
+    def _configured(self, **script: Any) -> EngineConfig:
+        config = resolve_config(script={**self.script, **script},
+                                max_grad_norm=self.config.max_grad_norm)
+        # the group is joined: the backend it agreed on stays
+        return replace(config, backend=self.config.backend)
+
+    def check_data(self, data: Any, *, accumulate: int = 1) -> None:
+        """Raise UsageError unless ``data`` can feed every worker a step of this run."""
+        try:
+            size = len(data)
+            data[0]
+        except (TypeError, AttributeError, KeyError, IndexError, NotImplementedError):
+            raise UsageError(f"run.batches takes a map-style dataset (len() and [i]), got "
+                             f"{type(data).__name__}",
+                             hint="e.g. a torch.utils.data.TensorDataset or Dataset") from None
+        needed = self.world_size * self.config.batch_size * accumulate
+        if size < needed:
+            raise UsageError(f"the training data has {size} samples, fewer than one batch per "
+                             f"worker ({self.world_size} x {self.config.batch_size}"
+                             + (f" x {accumulate}" if accumulate > 1 else "") + f" = {needed})",
+                             hint="use a smaller batch_size or more data")
+        slowdown = self.config.simulate_slowdown
+        if slowdown is not None and len(slowdown) != self.world_size:
+            raise UsageError(f"simulate_slowdown has {len(slowdown)} factor(s) for "
+                             f"{self.world_size} worker(s)")
+
+    def _rounds(self, data: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                accumulate: int, ddp: bool) -> Iterator[Any]:
+        config, run_dir = self.config, self.config.run_dir
+        if run_dir is not None and self.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_config.merge_engine(run_dir, {**config.to_dict(),
+                                              "resolved_backend": self.group.backend})
+        self._sampler = _node_sampler(run_dir, self.membership, device=self.device)
+        self._epochs_log = EpochLog(self, config, run_dir if self.rank == 0 else None,
+                                    self.rank, self.world_size)
+        replica = self.replica = self._replica(data, model, optimizer, accumulate=accumulate,
+                                               ddp=ddp)
+        plan_config = PlanConfig(world_size=self.world_size,
+                                 batch_size=config.batch_size * accumulate,
+                                 dataset_size=len(data), epochs=config.epochs,
+                                 policy=config.policy, overhead_target=config.overhead_target)
+        state = self._start(replica, plan_config)
+        self._started = time.perf_counter()
+        self._epochs_log.begin(replica)
+        try:
+            self._final = yield from rounds(replica, state)
+        finally:
+            self._epochs_log.close()
+
+    def _replica(self, data: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 accumulate: int, ddp: bool) -> Replica:
+        """This rank's replica: ``model`` with rank 0's weights, the sync policy's gradient
+        all-reduce, the averaging buffers; from here on each rank draws its own random
+        streams (dropout, augmentation: the same masks on every rank would waste replicas)."""
+        config, group, device = self.config, self.group, self.device
+        rank, world_size = self.rank, self.world_size
+        if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError("run.batches(..., model=, optimizer=) takes the nn.Module and the "
+                             "torch.optim.Optimizer the loop trains with")
+        distributed, policy = self.membership.distributed, config.policy
+        if distributed:
+            broadcast_from_rank0([t.data for t in (*model.parameters(), *model.buffers())],
+                                 via_host=group.backend != "nccl", group=group.process_group)
+        torch.manual_seed(rank_seed(config.seed, rank))
+        if distributed and policy.local_steps:
+            refuse_collectives_in_steps(model, optimizer, policy=policy.name)
+        step_model: nn.Module = model
+        comm_meter: DdpCommMeter | GradSync | None = None
+        if distributed and policy.wraps_ddp and ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            step_model = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=group.process_group)
+            # DDP's all-reduce is timed apart: sync, not compute (fdl.engine.ddp_comm)
+            comm_meter = DdpCommMeter.attach(step_model, process_group=group.process_group,
+                                             device=device)
+        elif distributed and policy.wraps_ddp:
+            comm_meter = GradSync(model, optimizer, device=device,
+                                  via_host=group.backend != "nccl",
+                                  process_group=group.process_group)
+        averager = Averager(model, rank=rank, world_size=world_size, backend=group.backend,
+                            device=device, num_stats=NUM_STATS, group=group.process_group,
+                            params=policy.averages_params) if distributed else None
+        run_dir = config.run_dir
+        return Replica(
+            rank=rank, world_size=world_size, device=device, model=model,
+            step_model=step_model, optimizer=optimizer,
+            base_lrs=[g["lr"] for g in optimizer.param_groups], dataset=data, config=config,
+            timeline=Timeline(run_dir, rank=rank), averager=averager,
+            on_epoch_end=self._epochs_log.epoch_end if self._epochs_log else _no_epoch_end,
+            slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
+            comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
+            verify=_verify(),
+            on_scalars=self._epochs_log.scalars if self._epochs_log else None,
+            progress=ProgressFile.from_env(run_dir, rank=rank, epochs=config.epochs,
+                                           epoch_size=len(data), world_size=world_size),
+        )
+
+    def _start(self, replica: Replica, plan_config: PlanConfig) -> PlanState:
+        """The state training starts from — fresh, or a checkpoint's after a crash or with
+        ``fdl run --resume`` (see fdl.engine.recovery). Logs a ``start`` event either way."""
+        config, attempt = self.config, restart_attempt()
+        run_dir = config.run_dir
+        checkpoint, skipped = find_resume_checkpoint(run_dir, rank=replica.rank,
+                                                     world_size=replica.world_size)
+        state = initial_state(plan_config)
+        if checkpoint is not None:
+            resumed = resume(checkpoint, replica, plan_config)
+            if resumed.state.epoch >= plan_config.epochs:
+                raise UsageError(f"{checkpoint.path} is at epoch {resumed.state.epoch} and this "
+                                 f"run has {plan_config.epochs} epochs: nothing left to train",
+                                 hint=f"pass --epochs N with N > {resumed.state.epoch}")
+            state, self._resumed_from = resumed.state, checkpoint.name
+            self.history[:] = resumed.history
+            assert self._epochs_log is not None
+            self._epochs_log.restore(resumed.history, start_samples=state.samples_seen)
+            self._user_state = resumed.user_state
+            self.state(**self.state_objects)  # load what is registered already
+        if replica.rank == 0 and (attempt > 0 or checkpoint is not None) and run_dir is not None:
+            metrics.rewrite_epochs(run_dir, self.history)
+            for line in skipped:
+                _console().warn(f"checkpoint skipped: {line}")
+            if checkpoint is not None:
+                _console().info(f"resuming from {checkpoint.path} (epoch {state.epoch}, round "
+                                f"{state.round_index})")
+        replica.timeline.event("start", attempt=attempt, world_size=replica.world_size,
+                               resumed_from=self._resumed_from, epoch=state.epoch,
+                               round=state.round_index, skipped=skipped)
+        every = CheckpointEvery.parse(config.checkpoint_every)
+        if every is not None and run_dir is not None:
+            replica.checkpointer = Checkpointer(run_dir, every, self.history,
+                                                user_state=self.state_objects)
+        return state
+
+    # ---- the end ------------------------------------------------------------------------
+
+    def finish(self) -> RunResult:
+        """After the last batch: every rank's figures into ``summary.json``, the consensus
+        model saved (rank 0), the group left. Returns the same :class:`RunResult` when called
+        again."""
+        if self._finished is not None:
+            return self._finished
+        replica, state, epochs_log = self.replica, self._final, self._epochs_log
+        if replica is None or state is None or epochs_log is None:
+            raise UsageError("run.finish() comes after the last batch of run.batches(...)",
+                             hint="iterate run.batches(...) to its end (set epochs or a "
+                                  "budget instead of leaving the loop early)")
+        try:
+            result = self._summarise(replica, state, epochs_log)
+        finally:
+            self._close()
+        self._finished = result
+        return result
+
+    def _summarise(self, replica: Replica, state: PlanState, epochs_log: EpochLog) -> RunResult:
+        wall_s = time.perf_counter() - self._started - epochs_log.eval_s
+        replica.step_model = replica.model  # drop DDP before the process group goes
+        final_checksum = checksum(replica.model)
+        replica.timeline.event("final", checksum=final_checksum, anchor=state.anchor)
+        replica.timeline.close()
+        summary = _summary(replica, replace(self.config, backend=self.group.backend),
+                           wall_s=wall_s, state=state, final_checksum=final_checksum,
+                           epochs_log=epochs_log, resumed_from=self._resumed_from)
+        run_dir = self.config.run_dir
+        if run_dir is not None and self.rank == 0:
+            write_summary(run_dir, summary)
+            save_model(run_dir, replica.model)
+        return RunResult(replica.model, epochs_log.last_eval, list(self.history), summary,
+                         run_dir)
+
+    def _close(self) -> None:
+        for part in (self.replica.steps if self.replica else None,
+                     getattr(self.replica, "comm_meter", None)):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
+        leave_group(self.group)
+
+    def abandon(self) -> None:
+        """Leave the group without a summary (the script failed)."""
+        if self._finished is None:
+            if self._epochs_log is not None:
+                self._epochs_log.close()
+            self._close()
+
+    # What the epoch's end (fdl.engine.epochs) reads of the script.
+    @property
+    def eval_data(self) -> Any:
+        return self._evaluation.data if self._evaluation else None
+
+    @property
+    def evaluate_fn(self) -> Any:
+        return self._evaluation.fn if self._evaluation else None
+
+    @property
+    def train_data(self) -> Any:
+        return self.replica.dataset if self.replica else ()
+
+
+def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> None:
+    return None
+
+
+def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                                policy: str) -> None:
+    """Under cadence and async ranks run different numbers of steps between averages, so a
+    collective inside a step (SyncBatchNorm's statistics, a sharded optimizer's broadcasts)
+    waits for a peer that is not there and hangs the run. Refuse what fdl can see, before any
+    step: every rank runs this on the same model and stops alike."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sync_bn = next((name for name, module in model.named_modules()
+                    if isinstance(module, nn.SyncBatchNorm)), None)
+    if sync_bn is not None:
+        raise UsageError(f"the model's {sync_bn or 'top module'} is a SyncBatchNorm, whose "
+                         f"collective in every step hangs under --policy {policy} (ranks run "
+                         "different numbers of steps)",
+                         hint="use nn.BatchNorm (fdl averages its statistics with the model) "
+                              "or --policy sync")
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise UsageError(f"ZeroRedundancyOptimizer's collectives in every step hang under "
+                         f"--policy {policy} (ranks run different numbers of steps)",
+                         hint="use a plain optimizer (fdl averages the replicas) or "
+                              "--policy sync")
+
+
+def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: PlanState,
+             final_checksum: str, epochs_log: EpochLog,
+             resumed_from: str | None) -> dict[str, Any]:
+    """summary.json's document, with every rank's figures for the run (one collective)."""
+    world = replica.world_size
+    rows = exchange_rows(replica.totals.figures().to_row(), rank=replica.rank,
+                         world_size=world, device=replica.device)
+    per_rank = [RankFigures.from_row(row) for row in rows]
+    devices = gather_labels(device_label(replica.device), world_size=world) if world > 1 \
+        else [str(replica.device)]
+    totals = replica.totals
+    return build_summary(
+        config=config, world_size=world, devices=devices, wall_s=wall_s,
+        samples=[int(r.samples) for r in per_rank], busy_s=[r.busy_s for r in per_rank],
+        comm_ms=totals.comm_ms, step_comm_s=[r.comm_s for r in per_rank], syncs=totals.syncs,
+        eval_metrics=epochs_log.last_eval, final_loss=epochs_log.last_loss,
+        extra={"eval_s": epochs_log.eval_s, "seed": config.seed,
+               "anchor_history": [list(item) for item in state.anchor_history],
+               "final_anchor": state.anchor, "checksum": final_checksum,
+               "emulated_sleep_s": [r.sleep_s for r in per_rank],
+               "ddp_comm_s": [r.comm_s for r in per_rank],
+               "accumulate": replica.accumulate,
+               "attempt": restart_attempt(), "resumed_from": resumed_from},
+    )
+
+
+def _verify() -> bool:
+    import os
+
+    return os.environ.get("FDL_VERIFY_REPLICAS") == "1"
+
+
+def _node_sampler(run_dir: Path | None, membership: Membership, *,
+                  device: torch.device) -> Any:
+    """Local rank 0's utilisation sampler (fdl.engine.sampler). It must never stop
+    training: a run directory it cannot write to only costs the utilisation curves."""
+    from fdl.engine.sampler import start_node_sampler
+
+    try:
+        return start_node_sampler(run_dir, local_rank=membership.local_rank,
+                                  node=membership.node, device=device,
+                                  local_world_size=membership.local_world_size)
+    except OSError as exc:
+        _console().warn(f"utilisation sampler not started: {exc}")
+        return None
+
+
+def _console() -> Any:
+    from fdl import console
+
+    return console
