@@ -1,0 +1,89 @@
+"""A loop script on fdl.init's API, in the shape the docs teach: accumulation, clipping, a cosine
+LR on run.progress, an autocast region, run.log, run.state, run.evaluate. Settings come from
+fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what it saw).
+
+Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--batch-norm] [--plain] [--never-step]
+
+``--plain``: no schedule, no clipping (the step plain DDP's reference takes); ``--never-step``:
+a loop that forgets optimizer.step() (the engine must say so).
+
+It checks, batch by batch, the contract a loop relies on: the weights never change between two
+batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
+back. Its ``Counter`` goes through run.state, so a resumed run continues the count.
+"""
+
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import build_model, evaluate, make_data
+
+import fdl
+
+
+def flag(name, default):
+    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+class Counter:
+    """The steps this rank's optimizer took, across resumes (through run.state)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+out, accumulate = sys.argv[1], flag("--accumulate", 1)
+plain, never_step = "--plain" in sys.argv, "--never-step" in sys.argv
+run = fdl.init(seed=7)
+model = build_model("--batch-norm" in sys.argv).to(run.device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+counter = Counter()
+run.state(counter=counter)
+run.evaluate(make_data(256, seed=2), evaluate)
+seen = {"batches": 0, "mid_step_changes": 0, "progress_back": 0, "resumed_steps": None,
+        "autocast_dtypes": []}
+last_progress, after = 0.0, None
+for index, (features, labels) in enumerate(run.batches(
+        make_data(1024, seed=1), model=model, optimizer=optimizer, batch_size=32,
+        epochs=flag("--epochs", 2), accumulate=accumulate)):
+    if seen["resumed_steps"] is None:
+        seen["resumed_steps"] = counter.steps
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if index % accumulate and not torch.equal(weights, after):
+        seen["mid_step_changes"] += 1
+    if run.progress < last_progress:
+        seen["progress_back"] += 1
+    last_progress = run.progress
+    for group in optimizer.param_groups:
+        group["lr"] = 0.1 if plain else 0.1 * 0.5 * (1 + math.cos(math.pi * run.progress))
+    with run.autocast():
+        logits = model(features)
+        if len(seen["autocast_dtypes"]) < 1:
+            seen["autocast_dtypes"].append(str(logits.dtype))
+    loss = F.cross_entropy(logits.float(), labels)
+    (loss / accumulate).backward()
+    run.log(loss=loss)
+    seen["batches"] += 1
+    if (index + 1) % accumulate == 0 and not never_step:
+        if not plain:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        counter.steps += 1
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+result = run.finish()
+rank = os.environ.get("RANK", "0")
+torch.save(result.model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+    json.dump({**seen, "steps": counter.steps, "metrics": result.metrics,
+               "history": result.history, "summary": result.summary,
+               "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}, handle)

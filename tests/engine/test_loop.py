@@ -1,0 +1,109 @@
+"""El Che in a loop script (fdl.init, run.batches, run.finish): `fdl run` with 2 real gloo
+workers on loopback, the script tests/engine/scripts/loop_train.py.
+
+Each policy on the loop: sync equals plain torch DDP; cadence and async end with the identical
+model on both ranks while the fast rank trains on more batches; accumulation over 2 batches never
+sees an average between the two; user state goes into checkpoints and comes back on resume; a
+loop that never steps is told so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import clean_env, run_fdl
+
+from fdl.rundir.checkpoints import latest_checkpoint
+from fdl.rundir.timeline import read_events
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def loop_run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = (),
+             name: str = "run") -> tuple[Path, Path, list[dict]]:
+    out, run_dir = tmp_path / f"out-{name}", tmp_path / name
+    out.mkdir(exist_ok=True)
+    proc = run_fdl("run", "--nproc-per-node", "2", *flags,
+                   *(() if "--resume" in flags else ("--run-dir", str(run_dir))),
+                   str(SCRIPTS / "loop_train.py"), str(out), *script_args, cwd=tmp_path,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out, run_dir, seen
+
+
+def same_models(out: Path) -> None:
+    first, second = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_a_loop_under_sync_equals_plain_torch_ddp(tmp_path):
+    out, _, seen = loop_run(tmp_path, "--policy", "sync", "--simulate-slowdown", "1,2.5",
+                            script_args=("--plain",))
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
+                           str(SCRIPTS / "ddp_reference.py"), str(ref)], capture_output=True,
+                          text=True, timeout=240, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, theirs = torch.load(out / "rank0.pt"), torch.load(ref / "rank0.pt")
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name], atol=1e-6, rtol=0), name
+    same_models(out)
+    assert seen[0]["batches"] == seen[1]["batches"] == 32  # 2 epochs of 1024 / (2 x 32)
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, policy):
+    # 1,4: a margin wide enough that a busy machine's noise cannot turn the shares around
+    out, run_dir, seen = loop_run(tmp_path, "--policy", policy, "--simulate-slowdown", "1,4",
+                                  script_args=("--accumulate", "2"))
+    same_models(out)
+    fast, slow = seen
+    for rank in seen:
+        assert rank["mid_step_changes"] == 0  # no average between the 2 batches of a step
+        assert rank["progress_back"] == 0
+        assert rank["batches"] == 2 * rank["steps"]
+    # the planner gives the fast rank the larger share once the speeds are known (round 0
+    # calibrates): what it decided, not what a clock measured
+    planned = [sum(e["planned"] for e in read_events(run_dir, r)
+                   if e["kind"] == "round" and e["round"] > 0) for r in (0, 1)]
+    assert planned[0] > planned[1]
+    assert fast["batches"] + slow["batches"] == 2 * 1024 // 32  # every sample once per epoch
+    assert fast["summary"]["accumulate"] == 2
+    assert fast["summary"]["policy"] == policy
+    assert fast["metrics"]["accuracy"] > 0.7
+    syncs = [e for e in read_events(run_dir, 0) if e["kind"] == "sync"]
+    assert len(syncs) >= 3  # averaged more than once per epoch: rounds within epochs
+    logged = [e for e in read_events(run_dir, 0) if e["kind"] == "scalars"]
+    assert logged and all("loss" in e["values"] for e in logged)
+    assert fast["history"][-1]["train_loss"] is not None
+
+
+def test_a_loop_s_own_state_is_checkpointed_and_back_on_resume(tmp_path):
+    _, run_dir, first = loop_run(tmp_path, "--policy", "cadence", "--checkpoint-every", "1",
+                                 "--epochs", "2")
+    checkpoint, _ = latest_checkpoint(run_dir)
+    assert checkpoint is not None
+    saved = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=True)["user"]
+             ["counter"]["steps"] for r in (0, 1)]
+    assert 0 < saved[0] < first[0]["steps"]  # the epoch-1 checkpoint, mid-run
+    _, _, resumed = loop_run(tmp_path, "--resume", str(run_dir), "--epochs", "3",
+                             name="again")
+    assert [r["resumed_steps"] for r in resumed] == saved
+    assert resumed[0]["history"][-1]["epoch"] == 3
+
+
+def test_a_loop_that_never_steps_is_told_on_its_first_batch(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "loop_train.py"), str(tmp_path),
+                           "--never-step"], capture_output=True, text=True, timeout=120,
+                          env=clean_env(), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "the optimizer did not step after 1 batch(es)" in proc.stderr
