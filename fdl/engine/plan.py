@@ -155,10 +155,10 @@ def epoch_size(config: PlanConfig, epoch: int) -> int:
 
 def samples_budget(*, max_steps: int | None, max_samples: int | None, world_size: int,
                    batch_size: int, accumulate: int = 1) -> int | None:
-    """The sample budget ``PlanConfig.max_samples`` takes for a step and a sample budget: one
+    """``PlanConfig.max_samples`` for a run given a step budget, a sample budget or both: one
     step is a global step of plain DDP, ``world_size * batch_size * accumulate`` samples; with
-    both budgets the smaller, with neither None. ``PlanConfigError`` naming a field that is
-    not a positive integer (the budgets may also be None)."""
+    both the smaller, with neither None. ``PlanConfigError`` naming an argument that is not a
+    positive integer (the budgets may also be None)."""
     for name, value in (("world_size", world_size), ("batch_size", batch_size),
                         ("accumulate", accumulate)):
         _check_int(name, value, 1)
