@@ -38,6 +38,18 @@ first (an elastic rank's reservation last), so every sample is used exactly once
 Once at most ``TAIL_MERGE`` (1.5) full rounds are left, the next round takes all of them, split
 so that the last rank to finish finishes soonest: no sliver of a round at the epoch's end that
 pays an average of its own and idles a rank on its rounding.
+
+**Budgets.** A run is ``num_samples = min(epochs * dataset_size, max_samples)`` sample
+positions, epoch after epoch, in ``num_epochs = ceil(num_samples / dataset_size)`` epochs; the
+epoch that reaches the budget is cut there (:func:`epoch_size`: its rounds take positions
+``[0, num_samples - e * dataset_size)``) and ends exactly as a whole one does, tail merge and
+balanced split included: the round that reaches the cut is ``last_in_epoch`` and the run is
+finished after it (``epoch == num_epochs``, ``samples_seen == num_samples``). A step budget is a
+sample budget (:func:`samples_budget`): one *step* is one global step of plain DDP,
+``world_size * batch_size * accumulate`` samples, so ``max_steps=100`` trains the data 100 DDP
+iterations would, however El Che spreads it over the ranks (a fast rank runs more than 100 of
+its own steps, a slow one fewer). Data without ``len()`` is planned as one epoch of
+``max_samples`` positions: ``PlanConfig(dataset_size=max_samples, epochs=1)``.
 """
 
 from __future__ import annotations
@@ -76,12 +88,15 @@ class PlanConfig:
     relative change in a rank's ideal share below which its share is left as it was;
     ``calibration_steps`` the batches every rank runs while a speed is still unknown.
     ``policy`` may be given by name; it is looked up here, once, and held as the object.
+    ``max_samples`` is the run's sample budget: the run ends mid-epoch once it has used that
+    many (:attr:`num_samples`, :func:`epoch_size`); None: ``epochs`` whole epochs.
     """
 
     world_size: int
     batch_size: int
     dataset_size: int
     epochs: int
+    max_samples: int | None = None
     policy: Policy = DEFAULT_POLICY
     initial_anchor: int = 4
     calibration_steps: int = 2
@@ -97,8 +112,12 @@ class PlanConfig:
     def __post_init__(self) -> None:
         for name in ("world_size", "batch_size", "epochs", "min_anchor", "calibration_steps"):
             _check_int(name, getattr(self, name), 1)
-        _check_int("dataset_size", self.dataset_size, self.world_size * self.batch_size,
+        one_batch_each = self.world_size * self.batch_size
+        _check_int("dataset_size", self.dataset_size, one_batch_each,
                    why="world_size * batch_size: one batch per worker")
+        if self.max_samples is not None:
+            _check_int("max_samples", self.max_samples, one_batch_each,
+                       why="world_size * batch_size: one batch per worker; or None")
         _check_int("max_anchor", self.max_anchor, self.min_anchor, why="min_anchor")
         _check_int("initial_anchor", self.initial_anchor, self.min_anchor, self.max_anchor,
                    why="[min_anchor, max_anchor]")
@@ -110,6 +129,46 @@ class PlanConfig:
             object.__setattr__(self, "policy", policy_named(self.policy))
         except ValueError as exc:
             raise PlanConfigError(f"policy = {self.policy!r} is not allowed; {exc}") from None
+
+    @property
+    def num_samples(self) -> int:
+        """The run's sample positions: ``min(epochs * dataset_size, max_samples)``."""
+        full = self.epochs * self.dataset_size
+        return full if self.max_samples is None else min(full, self.max_samples)
+
+    @property
+    def num_epochs(self) -> int:
+        """The epochs the run starts: ``ceil(num_samples / dataset_size)``, the last one cut
+        short when the budget ends it (:func:`epoch_size`)."""
+        return -(-self.num_samples // self.dataset_size)
+
+
+def epoch_size(config: PlanConfig, epoch: int) -> int:
+    """The sample positions epoch ``epoch`` runs: ``dataset_size``, except in the run's last
+    epoch when ``max_samples`` cuts it: ``num_samples - epoch * dataset_size``, its positions
+    ``[0, that)``. ``ValueError`` for an epoch the run does not have."""
+    if not (isinstance(epoch, int) and 0 <= epoch < config.num_epochs):
+        raise ValueError(f"epoch_size: epoch {epoch!r} is not one of the run's "
+                         f"{config.num_epochs} epochs")
+    return min(config.dataset_size, config.num_samples - epoch * config.dataset_size)
+
+
+def samples_budget(*, max_steps: int | None, max_samples: int | None, world_size: int,
+                   batch_size: int, accumulate: int = 1) -> int | None:
+    """``PlanConfig.max_samples`` for a run given a step budget, a sample budget or both: one
+    step is a global step of plain DDP, ``world_size * batch_size * accumulate`` samples; with
+    both the smaller, with neither None. ``PlanConfigError`` naming an argument that is not a
+    positive integer (the budgets may also be None)."""
+    for name, value in (("world_size", world_size), ("batch_size", batch_size),
+                        ("accumulate", accumulate)):
+        _check_int(name, value, 1)
+    for name, value in (("max_steps", max_steps), ("max_samples", max_samples)):
+        if value is not None:
+            _check_int(name, value, 1, why="or None")
+    budgets = [] if max_samples is None else [max_samples]
+    if max_steps is not None:
+        budgets.append(max_steps * world_size * batch_size * accumulate)
+    return min(budgets, default=None)
 
 
 def _is_real(value: object) -> bool:
@@ -224,7 +283,9 @@ class PlanState:
 
     @property
     def finished(self) -> bool:
-        return self.epoch == self.config.epochs
+        """Whether the run's ``num_samples`` are used (a state restored under a smaller budget
+        than it was saved with may be past it: finished too)."""
+        return self.samples_seen >= self.config.num_samples
 
     @property
     def calibrated(self) -> bool:
@@ -232,9 +293,11 @@ class PlanState:
 
     @property
     def samples_seen(self) -> int:
-        """``epoch * dataset_size + position``; LR schedules use ``progress = samples_seen /
-        (epochs * dataset_size)``, never per-rank step counts."""
-        return self.epoch * self.config.dataset_size + self.position
+        """``epoch * dataset_size + position``, at most ``num_samples`` once the run is over (its
+        last epoch may be cut short); LR schedules use ``progress = samples_seen /
+        config.num_samples``, never per-rank step counts."""
+        config = self.config
+        return min(self.epoch * config.dataset_size, config.num_samples) + self.position
 
     def to_dict(self) -> dict[str, Any]:
         """The state as a checkpoint keeps it (``engine.json``): every field, and the facts of
@@ -246,7 +309,8 @@ class PlanState:
                 "prev_shares": list(self.prev_shares) if self.prev_shares else None,
                 "ceiling": self.ceiling, "policy": config.policy.name,
                 "world_size": config.world_size, "dataset_size": config.dataset_size,
-                "batch_size": config.batch_size, "epochs": config.epochs}
+                "batch_size": config.batch_size, "epochs": config.epochs,
+                "max_samples": config.max_samples}
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any], config: PlanConfig) -> PlanState:
@@ -303,6 +367,10 @@ _SAVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "batch_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
     "epochs": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
 }
+# Fields a state saved before them lacks: absent reads as the default (None: no budget).
+_SAVED_SINCE: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_samples": (lambda v: v is None or (_count(v) and v >= 1), "an integer >= 1 or null"),
+}
 
 
 def saved_state_problem(saved: Any) -> str | None:
@@ -310,8 +378,10 @@ def saved_state_problem(saved: Any) -> str | None:
     field, a value of the wrong type or range, or parts that do not fit each other."""
     if not isinstance(saved, Mapping):
         return f"the plan state is a {type(saved).__name__}, not an object"
-    for name, (valid, allowed) in _SAVED.items():
+    for name, (valid, allowed) in (_SAVED | _SAVED_SINCE).items():
         if name not in saved:
+            if name in _SAVED_SINCE:
+                continue
             return f"the plan state has no {name!r}"
         if not valid(saved[name]):
             return f"the plan state's {name!r} is {saved[name]!r:.40}, expected {allowed}"
@@ -383,10 +453,12 @@ def shares(*, anchor: int, batch_size: int, ms_per_sample: Sequence[float | None
 def next_round(state: PlanState) -> RoundPlan:
     """The plan every rank computes from ``state``; ``ValueError`` once the run is finished."""
     if state.finished:
-        raise ValueError(f"next_round: the run is finished ({state.config.epochs} epochs)")
+        raise ValueError(f"next_round: the run is finished ({state.config.num_samples} "
+                         f"samples, {state.config.num_epochs} epochs)")
     config = state.config
     planned = _planned_shares(state)
-    remaining = config.dataset_size - state.position
+    size = epoch_size(config, state.epoch)
+    remaining = size - state.position
     elastic = None
     if _ends_epoch(state, planned, remaining):
         samples = _balanced_split(remaining, state.ms_per_sample,  # type: ignore[arg-type]
@@ -416,7 +488,7 @@ def next_round(state: PlanState) -> RoundPlan:
     pool = _calibration_pool(state, remaining - sum(samples))
     return RoundPlan(round_index=state.round_index, epoch=state.epoch, anchor=state.anchor,
                      counts=tuple(s.steps for s in slices), slices=tuple(slices),
-                     last_in_epoch=elastic is None and not pool and start == config.dataset_size,
+                     last_in_epoch=elastic is None and not pool and start == size,
                      calibration=_calibrating(state),
                      elastic=None if elastic is None else elastic[0],
                      signal_from=None if elastic is None else elastic[1], pool=pool)
@@ -559,7 +631,7 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
         raise ValueError(f"advance: {pool_used} batches taken from a round without a pool")
     epoch, position = state.epoch, state.position + used
     if plan.last_in_epoch:
-        assert position == config.dataset_size
+        assert position == epoch_size(config, epoch)
         epoch, position = epoch + 1, 0
     # A measurement's weight is the share of the rank's *own* full round it covers: weighed
     # against the largest share, every round of a slow rank counted as a partial one, and its

@@ -51,6 +51,7 @@ class Profile:
     batch_size: int = 128
     dataset_size: int = 50_000
     epochs: int = 3
+    max_samples: int | None = None  # the run's sample budget (PlanConfig.max_samples)
 
     @property
     def reduce_ms(self) -> float:
@@ -98,7 +99,8 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
     rng = random.Random(seed)
     world = len(profile.batch_ms)
     config = PlanConfig(world_size=world, batch_size=profile.batch_size,
-                        dataset_size=profile.dataset_size, epochs=profile.epochs, policy=policy)
+                        dataset_size=profile.dataset_size, epochs=profile.epochs,
+                        max_samples=profile.max_samples, policy=policy)
     if overhead_target is not None:
         config = replace(config, overhead_target=overhead_target)
     rule = config.policy
@@ -193,16 +195,17 @@ def _compute(profile: Profile, plan: RoundPlan, rank: int, start_ms: float,
 
 def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random) -> SimResult:
     state, wall, world = initial_state(config), 0.0, config.world_size
-    busy_total = [0.0] * world
+    busy_total, trained = [0.0] * world, 0
     while not state.finished:
         plan = next_round(state)
+        trained += plan.num_samples
         steps = [profile.step_ms(r, s.num_samples, rng) if s.steps else 0.0
                  for r, s in enumerate(plan.slices)]
         for r in range(world):
             busy_total[r] += steps[r]
         wall += max(steps) + DDP_EXPOSED * profile.reduce_ms
         state = advance(state, plan, RoundStats.unknown(world))
-    return SimResult(profile.name, config.policy.name, config.epochs * config.dataset_size,
+    return SimResult(profile.name, config.policy.name, trained,
                      wall / 1000, profile.ideal_samples_per_s, 0, 1,
                      tuple(1 - b / wall for b in busy_total))
 

@@ -30,9 +30,11 @@ from fdl.engine.plan import (
     RoundPlan,
     RoundStats,
     advance,
+    epoch_size,
     halve_anchor,
     initial_state,
     next_round,
+    samples_budget,
     saved_state_problem,
     shares,
     update_speed,
@@ -94,6 +96,10 @@ def run_round(state: PlanState, stats: RoundStats, *, used: int | None = None) -
     ("dead_zone", -0.1),
     ("dead_zone", 1.0),
     ("dead_zone", "0.1"),
+    ("max_samples", 0),
+    ("max_samples", 19),  # below world_size * batch_size, as dataset_size
+    ("max_samples", 100.0),
+    ("max_samples", True),
 ])
 def test_config_rejects_bad_field_naming_it(field, value):
     with pytest.raises(ValueError, match=rf"^{field} = {re.escape(repr(value))} is not allowed"):
@@ -417,6 +423,114 @@ def test_next_round_refuses_a_finished_run():
 
 
 # ---------------------------------------------------------------------------------------------
+# Sample budgets: max_samples, epoch_size, samples_budget
+
+
+def whole_run(config: PlanConfig, *ms: float) -> list[RoundPlan]:
+    """Every plan of a run at steady speeds ``ms`` (elastic ranks use their reservation, half
+    the pool is taken)."""
+    state, plans = replace(initial_state(config), ms_per_sample=ms), []
+    while not state.finished:
+        plan = next_round(state)
+        plans.append(plan)
+        state = run_round(state, measured(*ms)) if not plan.pool else advance(
+            state, plan, measured(*ms), pool_used=plan.pool // 2)
+    assert state.samples_seen == config.num_samples and state.epoch == config.num_epochs
+    return plans
+
+
+def epoch_ends(plans: list[RoundPlan]) -> dict[int, int]:
+    """Per epoch, the last position its rounds reached."""
+    ends: dict[int, int] = {}
+    for plan in plans:
+        ends[plan.epoch] = max(ends.get(plan.epoch, 0), *(s.stop for s in plan.slices))
+    return ends
+
+
+def test_a_budget_cuts_the_last_epoch_short():
+    budgeted = config(dataset_size=1000, epochs=3, max_samples=2500)
+    assert (budgeted.num_samples, budgeted.num_epochs) == (2500, 3)
+    assert [epoch_size(budgeted, e) for e in range(3)] == [1000, 1000, 500]
+    plans = whole_run(budgeted, 0.4, 1.0)
+    assert epoch_ends(plans) == {0: 1000, 1: 1000, 2: 500}
+    assert [p.epoch for p in plans if p.last_in_epoch] == [0, 1, 2]
+    assert plans[-1].last_in_epoch and plans[-1].epoch == 2
+
+
+def test_a_budget_on_an_epochs_end_or_beyond_the_epochs_cuts_nothing():
+    assert config(dataset_size=1000, epochs=3, max_samples=2000).num_epochs == 2
+    assert epoch_size(config(dataset_size=1000, epochs=3, max_samples=2000), 1) == 1000
+    for max_samples in (3000, 3001, None):
+        whole = config(dataset_size=1000, epochs=3, max_samples=max_samples)
+        assert (whole.num_samples, whole.num_epochs) == (3000, 3)
+        assert epoch_ends(whole_run(whole, 0.4, 1.0)) == {0: 1000, 1: 1000, 2: 1000}
+
+
+@pytest.mark.parametrize("epoch", [-1, 3, 1.0, None])
+def test_epoch_size_refuses_an_epoch_the_run_does_not_have(epoch):
+    with pytest.raises(ValueError, match=r"^epoch_size: epoch .* not one of the run's 3"):
+        epoch_size(config(dataset_size=1000, epochs=3, max_samples=2500), epoch)
+
+
+def test_the_round_that_reaches_the_cut_is_the_tail_merged_last_one():
+    """The cut ends the epoch as an epoch of that size ends: 240 left within TAIL_MERGE x 170
+    is one balanced round (as in test_the_epochs_last_round_takes_what_is_left_balanced_by_
+    speed), and the run is finished after it."""
+    state = replace(calibrated(0.3, 1.0, dataset_size=5000, epochs=2, max_samples=6240),
+                    epoch=1, position=1000)
+    plan = next_round(state)
+    assert plan.elastic is None and plan.last_in_epoch
+    assert plan.slices == (RankSlice(0, 19, 1000, 1190), RankSlice(1, 5, 1190, 1240))
+    state = advance(state, plan, measured(0.3, 1.0))
+    assert state.finished and (state.epoch, state.position, state.samples_seen) == (2, 0, 6240)
+    with pytest.raises(ValueError, match=r"finished \(6240 samples, 2 epochs\)"):
+        next_round(state)
+
+
+def test_the_elastic_reservation_stops_short_of_the_cut():
+    # as test_reservation_leaves_the_epochs_last_round_half_a_full_one, at a cut
+    state = replace(calibrated(0.3, 1.0, dataset_size=9000, max_samples=1240), position=940)
+    plan = next_round(state)
+    assert plan.elastic == 0 and not plan.last_in_epoch
+    assert plan.slices == (RankSlice(0, 17, 980, 1150), RankSlice(1, 4, 940, 980))
+
+
+def test_a_cut_of_a_few_samples_is_one_round():
+    plans = whole_run(config(dataset_size=1000, epochs=2, max_samples=1003), 0.4, 1.0)
+    assert epoch_ends(plans) == {0: 1000, 1: 3}
+    assert plans[-1].epoch == 1 and plans[-1].num_samples == 3 and plans[-1].last_in_epoch
+
+
+def test_streaming_data_is_one_epoch_of_the_budget():
+    """Data without len(): ``PlanConfig(dataset_size=max_samples, epochs=1)``."""
+    stream = config(dataset_size=2500, epochs=1)
+    assert (stream.num_samples, stream.num_epochs, epoch_size(stream, 0)) == (2500, 1, 2500)
+    plans = whole_run(stream, 0.4, 1.0)
+    assert epoch_ends(plans) == {0: 2500} and plans[-1].last_in_epoch
+
+
+def test_a_step_is_a_global_ddp_step():
+    assert samples_budget(max_steps=100, max_samples=None, world_size=2, batch_size=32) == 6400
+    assert samples_budget(max_steps=100, max_samples=None, world_size=2, batch_size=32,
+                          accumulate=4) == 25_600
+    assert samples_budget(max_steps=100, max_samples=5000, world_size=2, batch_size=32) == 5000
+    assert samples_budget(max_steps=10, max_samples=5000, world_size=2, batch_size=32) == 640
+    assert samples_budget(max_steps=None, max_samples=5000, world_size=2, batch_size=32) == 5000
+    assert samples_budget(max_steps=None, max_samples=None, world_size=2, batch_size=32) is None
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_steps", 0), ("max_steps", 1.5), ("max_samples", -1), ("max_samples", True),
+    ("world_size", 0), ("batch_size", None), ("accumulate", 0),
+])
+def test_samples_budget_names_a_bad_value(field, value):
+    arguments = {"max_steps": 10, "max_samples": None, "world_size": 2, "batch_size": 32,
+                 "accumulate": 1, field: value}
+    with pytest.raises(PlanConfigError, match=rf"^{field} = {re.escape(repr(value))} is not"):
+        samples_budget(**arguments)
+
+
+# ---------------------------------------------------------------------------------------------
 # advance: positions, speeds, the anchor tuner
 
 
@@ -665,14 +779,28 @@ def test_the_plan_imports_nothing_impure(module):
 
 @st.composite
 def configs(draw, policies=("sync", "cadence", "async")) -> PlanConfig:
+    """A third of them without a sample budget, half with one that cuts an epoch short
+    (any epoch, anywhere in it: a last epoch of one sample too), the rest with one beyond
+    the epochs' samples (no effect)."""
     world, batch = draw(st.integers(1, 6)), draw(st.integers(1, 16))
     min_anchor = draw(st.integers(1, 4))
     initial = draw(st.integers(min_anchor, min_anchor + 8))
+    dataset_size = world * batch * draw(st.integers(1, 30)) + draw(st.integers(0, world * batch))
+    epochs = draw(st.integers(1, 3))
+    budget = draw(st.sampled_from(("none", "none", "cut", "cut", "cut", "beyond")))
+    max_samples = None
+    if budget == "cut":  # at least one batch per rank, as PlanConfig asks of any budget
+        epoch = epochs - 1 - draw(st.integers(0, epochs - 1))  # the last one most often
+        cut = epoch * dataset_size + draw(st.integers(1, dataset_size))
+        max_samples = max(world * batch, cut)
+    elif budget == "beyond":
+        max_samples = epochs * dataset_size + draw(st.integers(0, dataset_size))
     return PlanConfig(
         world_size=world,
         batch_size=batch,
-        dataset_size=world * batch * draw(st.integers(1, 30)) + draw(st.integers(0, world * batch)),
-        epochs=draw(st.integers(1, 3)),
+        dataset_size=dataset_size,
+        epochs=epochs,
+        max_samples=max_samples,
         policy=draw(st.sampled_from(policies)),
         calibration_steps=draw(st.integers(1, 3)),
         initial_anchor=initial,
@@ -745,10 +873,14 @@ class Round:
 
 
 def run_to_the_end(config: PlanConfig, base_ms, weather) -> tuple[PlanState, list[Round]]:
-    """Every round of a whole run, with the weather cycled."""
-    state, rounds = initial_state(config), []
-    while not state.finished:
+    """Every round of a whole run, with the weather cycled. Every rank holds its own state,
+    from its own config as each worker builds one, and advances it with the stats the ranks
+    exchanged: every rank plans every round as rank 0 does (the rounds returned are rank 0's)."""
+    states, rounds = [initial_state(replace(config)) for _ in range(config.world_size)], []
+    while not states[0].finished:
+        state = states[0]
         plan = next_round(state)
+        assert all(next_round(other) == plan for other in states[1:])
         today = weather[plan.round_index % len(weather)]
         used = None
         if plan.elastic is not None:
@@ -761,21 +893,28 @@ def run_to_the_end(config: PlanConfig, base_ms, weather) -> tuple[PlanState, lis
                      for r, n in enumerate(samples))
         stats = RoundStats(busy_ms=busy, samples=samples, sync_ms=today.sync_ms)
         taken = min(plan.pool, math.floor(today.elastic_fraction * (plan.pool + 1)))
-        after = advance(state, plan, stats, elastic_used=used,
-                        pool_used=taken if plan.pool else None)
-        rounds.append(Round(state, plan, used, stats, after, taken))
-        state = after
-        if today.guard == "halve":
-            halved = halve_anchor(state, reason="diverged")
-            if config.policy.name == "sync":
-                assert halved == state
-            else:
-                assert halved.anchor == halved.ceiling == max(1, state.anchor // 2)
-            state = halved
-        elif today.guard == "lift":
-            state = with_ceiling(state, None)
-            assert state.ceiling is None
-    return state, rounds
+        states = [advance(s, plan, stats, elastic_used=used,
+                          pool_used=taken if plan.pool else None) for s in states]
+        rounds.append(Round(state, plan, used, stats, states[0], taken))
+        states = [guarded(s, today.guard) for s in states]
+    assert all(s == states[0] for s in states)
+    return states[0], rounds
+
+
+def guarded(state: PlanState, guard: str) -> PlanState:
+    """``state`` after the divergence guard did ``guard`` ("halve", "lift" or nothing)."""
+    if guard == "halve":
+        halved = halve_anchor(state, reason="diverged")
+        if state.config.policy.name == "sync":
+            assert halved == state
+        else:
+            assert halved.anchor == halved.ceiling == max(1, state.anchor // 2)
+        return halved
+    if guard == "lift":
+        lifted = with_ceiling(state, None)
+        assert lifted.ceiling is None
+        return lifted
+    return state
 
 
 def check_layout(step: Round) -> None:
@@ -788,15 +927,16 @@ def check_layout(step: Round) -> None:
     assert [s.rank for s in plan.slices] == list(range(config.world_size))
     order = [r for r in range(config.world_size) if r != plan.elastic]
     laid = [plan.slices[r] for r in order + ([] if plan.elastic is None else [plan.elastic])]
+    size = epoch_size(config, state.epoch)  # the epoch's end, or the budget's cut
     assert laid[0].start == state.position
     assert all(a.stop == b.start for a, b in pairwise(laid))
-    assert laid[-1].stop <= config.dataset_size
+    assert laid[-1].stop <= size
     assert plan.last_in_epoch == (plan.elastic is None and not plan.pool
-                                  and laid[-1].stop == config.dataset_size)
+                                  and laid[-1].stop == size)
     if plan.pool:  # the calibration round's pool: right after the slices, short of the end
         assert plan.calibration and config.world_size > 1 and config.policy.name != "sync"
         assert plan.pool_start == laid[-1].stop
-        assert plan.pool_start + plan.pool * config.batch_size < config.dataset_size
+        assert plan.pool_start + plan.pool * config.batch_size < size
     assert plan.counts == tuple(s.steps for s in plan.slices)
     assert all(s.steps == -(-s.num_samples // config.batch_size) for s in plan.slices)
     assert plan.weights() == (1 / config.world_size,) * config.world_size
@@ -813,7 +953,7 @@ def check_shares(step: Round) -> None:
         assert planned == (config.batch_size,) * config.world_size
     elif not plan.calibration:
         check_shares_follow_speeds(state, planned)
-    remaining = config.dataset_size - state.position
+    remaining = epoch_size(config, state.epoch) - state.position
     samples = [s.num_samples for s in plan.slices]
     if plan.elastic is not None:
         check_elastic(state, plan, planned, remaining)
@@ -956,8 +1096,17 @@ def check_anchor(step: Round) -> None:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), speeds=speeds_ms, weather=st.lists(weathers, min_size=1, max_size=6))
 def test_whole_run_uses_every_sample_of_every_epoch_exactly_once(config, speeds, weather):
-    """Including elastic rounds whose elastic rank uses anything in (0, reserved]."""
+    """Including elastic rounds whose elastic rank uses anything in (0, reserved], and a sample
+    budget that cuts the last epoch: its positions below the cut are used once, none beyond."""
     final, rounds = run_to_the_end(config, speeds, weather)
+    # the documented budget, computed here: min(epochs x dataset_size, max_samples) samples,
+    # every epoch whole but the last, which ends at the cut
+    total = min(config.epochs * config.dataset_size, config.max_samples or math.inf)
+    sizes = [min(config.dataset_size, total - e * config.dataset_size)
+             for e in range(math.ceil(total / config.dataset_size))]
+    assert (config.num_samples, config.num_epochs) == (total, len(sizes))
+    assert [epoch_size(config, e) for e in range(len(sizes))] == sizes
+    assert sum(sizes) == total and min(sizes) >= 1
     used: dict[int, list[tuple[int, int]]] = {}
     seen = 0
     for step in rounds:
@@ -970,14 +1119,16 @@ def test_whole_run_uses_every_sample_of_every_epoch_exactly_once(config, speeds,
         seen += sum(stop - start for start, stop in ranges)
         assert step.after.samples_seen == seen
         used.setdefault(step.plan.epoch, []).extend(r for r in ranges if r[1] > r[0])
-    assert sorted(used) == list(range(config.epochs))
-    for ranges in used.values():
+    assert sorted(used) == list(range(len(sizes)))
+    for epoch, ranges in used.items():
         ranges.sort()
-        assert ranges[0][0] == 0 and ranges[-1][1] == config.dataset_size
+        assert ranges[0][0] == 0 and ranges[-1][1] == sizes[epoch]  # to the cut, none beyond
         assert all(a[1] == b[0] for a, b in pairwise(ranges))  # disjoint, no gaps
-    assert sum(step.plan.last_in_epoch for step in rounds) == config.epochs
-    assert final.finished and final.epoch == config.epochs and final.position == 0
-    assert final.samples_seen == config.epochs * config.dataset_size
+    assert [step.plan.epoch for step in rounds if step.plan.last_in_epoch] == list(
+        range(len(sizes)))
+    assert not any(step.state.finished for step in rounds)
+    assert final.finished and final.epoch == len(sizes) and final.position == 0
+    assert final.samples_seen == seen == total
     with pytest.raises(ValueError):
         next_round(final)
 
@@ -1008,7 +1159,7 @@ def test_steady_speeds_balance_every_round_after_one_calibration_round(config, s
                            tuple(samples), sync_ms)
         after = advance(state, plan, stats, elastic_used=used,
                         pool_used=plan.pool // 2 if plan.pool else None)
-        remaining = config.dataset_size - state.position
+        remaining = epoch_size(config, state.epoch) - state.position
         if plan.elastic is not None and state.anchor >= 2:
             planned, batch = after.prev_shares, config.batch_size
             capped = batch * math.ceil(planned[fast] * ELASTIC_CAP / batch)
@@ -1022,6 +1173,24 @@ def test_steady_speeds_balance_every_round_after_one_calibration_round(config, s
                 assert abs(n * m - slowest) <= config.batch_size * m / 2 + 1e-6 * slowest
         state = after
     assert num_calibrations == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs(), speeds=speeds_ms, weather=st.lists(weathers, min_size=1, max_size=6),
+       fraction=st.floats(0.0, 1.0))
+def test_a_cut_plans_the_epoch_as_an_epoch_of_its_size(config, speeds, weather, fraction):
+    """One epoch cut at ``max_samples`` is planned round for round as an epoch of
+    ``max_samples`` samples (which is how data without len() is planned): tail merge, balanced
+    split, elastic reservations and calibration pool all look at the cut as at an epoch's end."""
+    low = config.world_size * config.batch_size
+    cut = low + math.floor(fraction * (config.dataset_size - low))
+    budgeted = replace(config, epochs=1, max_samples=cut)
+    stream = replace(config, epochs=1, dataset_size=cut, max_samples=None)
+    final, rounds = run_to_the_end(budgeted, speeds, weather)
+    final_stream, rounds_stream = run_to_the_end(stream, speeds, weather)
+    assert [step.plan for step in rounds] == [step.plan for step in rounds_stream]
+    assert final == replace(final_stream, config=budgeted)
+    assert final.samples_seen == cut
 
 
 @settings(max_examples=200, deadline=None)
@@ -1051,6 +1220,34 @@ def test_every_state_of_a_run_comes_back_from_its_saved_form(config, speeds, wea
         restored = PlanState.from_dict(saved, config)
         assert restored == step.state
         assert next_round(restored) == step.plan
+
+
+def test_the_saved_state_keeps_the_budget_and_one_saved_before_budgets_loads():
+    config = PlanConfig(world_size=2, batch_size=4, dataset_size=100, epochs=3, max_samples=250)
+    state = replace(initial_state(config), round_index=7, epoch=2, position=16, anchor=5,
+                    ms_per_sample=(1.0, 2.5), prev_shares=(48, 20))
+    saved = json.loads(json.dumps(state.to_dict()))
+    assert saved["max_samples"] == 250
+    assert PlanState.from_dict(saved, config) == state
+    unbudgeted = replace(config, max_samples=None)
+    old = {k: v for k, v in initial_state(unbudgeted).to_dict().items() if k != "max_samples"}
+    assert saved_state_problem(old) is None
+    assert PlanState.from_dict(old, unbudgeted) == initial_state(unbudgeted)
+    for bad in (0, -1, 2.5, True, "250"):
+        problem = saved_state_problem({**saved, "max_samples": bad})
+        assert problem == (f"the plan state's 'max_samples' is {bad!r}, expected an integer "
+                           ">= 1 or null")
+
+
+def test_a_state_saved_past_a_smaller_budget_is_finished_under_it():
+    """A run resumed with a budget its checkpoint has already used up has nothing to plan."""
+    config = PlanConfig(world_size=2, batch_size=4, dataset_size=100, epochs=3)
+    saved = replace(initial_state(config), epoch=2, position=60).to_dict()
+    for max_samples, finished in ((250, True), (260, True), (261, False), (None, False)):
+        state = PlanState.from_dict(saved, replace(config, max_samples=max_samples))
+        assert state.finished == finished
+        assert state.samples_seen == 260
+    assert next_round(PlanState.from_dict(saved, replace(config, max_samples=261))).num_samples == 1
 
 
 def test_a_resume_with_other_ranks_or_another_policy_measures_again():

@@ -55,6 +55,14 @@ def test_every_sample_of_every_epoch_is_trained_once(policy):
     assert simulate(profile, policy).samples == 2 * 10_007
 
 
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_a_sample_budget_ends_the_simulated_run_mid_epoch(policy):
+    whole = replace(PAIR, dataset_size=10_007, epochs=2)
+    cut = simulate(replace(whole, max_samples=15_000), policy)
+    assert cut.samples == 15_000
+    assert cut.wall_s < simulate(whole, policy).wall_s
+
+
 def test_el_che_beats_sync_on_the_pair_it_was_made_for():
     sync, cadence, run_async = (simulate(PAIR, p) for p in ("sync", "cadence", "async"))
     assert sync.efficiency < 0.6 < 0.9 < cadence.efficiency <= run_async.efficiency <= 1.0
