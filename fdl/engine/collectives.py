@@ -134,6 +134,15 @@ def all_reduce_sum(values: Sequence[float], *, device: torch.device) -> list[flo
     return tensor.tolist()
 
 
+def all_reduce_max(value: float, *, world_size: int, device: torch.device) -> float:
+    """The largest of the ranks' ``value`` (``value`` when not distributed)."""
+    if world_size == 1 or not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=collective_device(device))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
 def exchange_rows(row: Sequence[float], *, rank: int, world_size: int,
                   device: torch.device) -> list[list[float]]:
     """Every rank's ``row`` (all of one length), on every rank, in one collective: each rank

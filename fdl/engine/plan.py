@@ -706,3 +706,17 @@ def halve_anchor(state: PlanState, *, reason: str) -> PlanState:
 def with_ceiling(state: PlanState, ceiling: int | None) -> PlanState:
     """``state`` with the anchor's cap set to ``ceiling`` (None lifts it)."""
     return replace(state, ceiling=ceiling)
+
+
+def cut_after_next_round(state: PlanState) -> PlanState:
+    """``state`` with the run's sample budget cut where the round after it ends, so that round
+    is the run's last (and its epoch's last: a blocking average, the epoch's end) — how a time
+    budget ends a run, decided alike on every rank."""
+    if state.finished:
+        return state
+    config = state.config
+    cut = max(state.samples_seen + next_round(state).num_samples,
+              config.world_size * config.batch_size)
+    if cut >= config.num_samples:
+        return state
+    return replace(state, config=replace(config, max_samples=cut))

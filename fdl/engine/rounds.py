@@ -47,7 +47,15 @@ from fdl.engine.config import EngineConfig
 from fdl.engine.data import collate, epoch_permutation, to_device
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.grad_sync import GradSync
-from fdl.engine.plan import PlanState, RoundPlan, RoundStats, advance, next_round
+from fdl.engine.collectives import all_reduce_max
+from fdl.engine.plan import (
+    PlanState,
+    RoundPlan,
+    RoundStats,
+    advance,
+    cut_after_next_round,
+    next_round,
+)
 from fdl.engine.policies import Policy
 from fdl.engine.round_messages import CalibrationPool, ElasticSignal
 from fdl.engine.speed import RunningMean, StepTimer
@@ -65,6 +73,7 @@ from fdl.rundir.progress import ProgressFile
 from fdl.rundir.timeline import Timeline
 
 NUM_STATS = len(REPORT_FIELDS)
+SYNC_CLOCK_ROUNDS = 16  # under sync with max_time, the ranks compare clocks this often
 
 
 @dataclass
@@ -123,6 +132,8 @@ class Replica:
     accumulate: int = 1  # batches per optimizer step
     logged: Logged = field(default_factory=Logged)  # run.log's scalars, summed on the device
     position: float = 0.0  # samples of the run done, as this rank's share of the round stands
+    started: float = field(default_factory=time.perf_counter)  # the training clock's zero
+    time_up: bool = False  # max_time passed: the next round is the last
     verify: bool = False
     rank_state: RankState = field(default_factory=RankState)
     totals: Totals = field(default_factory=Totals)
@@ -141,6 +152,9 @@ class Replica:
     @property
     def policy(self) -> Policy:
         return self.config.policy
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
 
     def order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
@@ -172,6 +186,7 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
             replica.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
         state = _guarded(replica, advanced, plan, reports or [])
+        state = _within_time(replica, state, plan, reports)
         last_reports = reports or last_reports
         if plan.last_in_epoch:
             replica.on_epoch_end(plan.epoch, replica, state)
@@ -356,7 +371,7 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
     since = replica.checkpointer.since_last_s() if replica.checkpointer is not None else 0.0
     return rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,
                              samples=tally.timed_samples if timer.steps else 0,
-                             since_checkpoint_s=since)
+                             since_checkpoint_s=since, elapsed_s=replica.elapsed_s())
 
 
 def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None:
@@ -458,6 +473,30 @@ def _guarded(replica: Replica, state: PlanState, plan: RoundPlan,
         replica.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
                               previous=before, reason="divergence guard")
     return state
+
+
+def _within_time(replica: Replica, state: PlanState, plan: RoundPlan,
+                 reports: list[RoundReport] | None) -> PlanState:
+    """``max_time``: once the ranks' training clocks (the largest, from the reports every rank
+    holds alike; under sync, which exchanges no reports mid-epoch, from a sum every
+    ``SYNC_CLOCK_ROUNDS`` rounds) pass it, the next round is the run's last: the sample budget
+    is cut at its end, so it ends an epoch with a blocking average, like any last round."""
+    limit = replica.config.max_time
+    if limit is None or state.finished or replica.time_up:
+        return state
+    if not reports:
+        if plan.round_index % SYNC_CLOCK_ROUNDS:
+            return state
+        elapsed = all_reduce_max(replica.elapsed_s(), world_size=replica.world_size,
+                                 device=replica.device)
+    else:
+        elapsed = max(r.elapsed_s for r in reports)
+    if elapsed < limit:
+        return state
+    replica.time_up = True
+    replica.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
+                           previous=state.anchor, reason=f"max_time {limit:g}s reached")
+    return cut_after_next_round(state)
 
 
 def final_consensus(replica: Replica, pending: Any) -> None:

@@ -31,6 +31,7 @@ class RoundReport:
     wait_ms: float  # what this rank's previous average cost it (NaN: none yet)
     distance: float  # ||snapshot - average|| / ||average|| at the previous average, or -1
     since_checkpoint_s: float  # this rank's clock since the last checkpoint (or the start)
+    elapsed_s: float = 0.0  # this rank's training clock since the run began (max_time)
 
     def to_row(self) -> list[float]:
         return [float(getattr(self, name)) for name in REPORT_FIELDS]
@@ -117,9 +118,11 @@ class RankState:
     last_blocking_ms: float = 0.0
     guard: GuardState = field(default_factory=GuardState)
 
-    def report(self, *, busy_ms: float, samples: int, since_checkpoint_s: float) -> RoundReport:
+    def report(self, *, busy_ms: float, samples: int, since_checkpoint_s: float,
+               elapsed_s: float = 0.0) -> RoundReport:
         return RoundReport(busy_ms=busy_ms, samples=samples, wait_ms=self.last_wait_ms,
-                           distance=self.last_distance, since_checkpoint_s=since_checkpoint_s)
+                           distance=self.last_distance, since_checkpoint_s=since_checkpoint_s,
+                           elapsed_s=elapsed_s)
 
     def after_sync(self, elapsed_ms: float, *, blocking: bool) -> None:
         """Book what an average cost this rank. A background average still costs its full

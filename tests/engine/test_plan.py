@@ -30,6 +30,7 @@ from fdl.engine.plan import (
     RoundPlan,
     RoundStats,
     advance,
+    cut_after_next_round,
     epoch_size,
     halve_anchor,
     initial_state,
@@ -485,6 +486,21 @@ def test_the_round_that_reaches_the_cut_is_the_tail_merged_last_one():
     assert state.finished and (state.epoch, state.position, state.samples_seen) == (2, 0, 6240)
     with pytest.raises(ValueError, match=r"finished \(6240 samples, 2 epochs\)"):
         next_round(state)
+
+
+@pytest.mark.parametrize("position", [0, 1000, 4000])
+def test_a_time_budget_cut_makes_the_next_round_the_runs_last(position):
+    """max_time: once the clocks pass it, the round after the boundary ends the run, as an
+    epoch's last round (a blocking average, the epoch's end), and no sample is planned twice."""
+    state = replace(calibrated(0.3, 1.0, dataset_size=5000, epochs=3), epoch=1,
+                    position=position)
+    cut = cut_after_next_round(state)
+    plan = next_round(cut)
+    assert plan.last_in_epoch and plan.epoch == 1
+    assert plan.slices[0].start == position
+    after = advance(cut, plan, measured(0.3, 1.0))
+    assert after.finished and after.samples_seen == state.samples_seen + plan.num_samples
+    assert cut_after_next_round(after) is after
 
 
 def test_the_elastic_reservation_stops_short_of_the_cut():
