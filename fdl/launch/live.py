@@ -2,7 +2,7 @@
 a few times a second from rank 0's progress snapshot (fdl.rundir.progress)::
 
     epoch 2/5 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 73%  1:02 left
-    7,120 samples/s  loss 0.4623  sync 1.8%  anchor 20  ranks 71% 29%
+    7,120 samples/s  loss 0.4623  sync 1.8%  anchor 20  ranks 71% 29%  precision bf16 fp32
 
 The launcher reads; the workers only write a small file when it is due, so the display costs
 rank 0 a clock read per step and a file write per :data:`INTERVAL_S` (docs/run.md "Live
@@ -10,6 +10,10 @@ progress" has the measurement). The per-epoch lines still scroll above it; off a
 with ``--quiet``, there are only those lines; a script that does not train with fdl.Trainer
 writes no snapshot, and nothing is shown. A file that is missing, torn, oversized or not
 what rank 0 writes shows nothing new: the display is never worth stopping a run for.
+
+``precision`` is each rank's, in rank order (the order of ``ranks``), or one word when every
+rank trains in the same; a snapshot without precisions (an engine that gives none) leaves it
+out.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ def format_status(snapshot: dict[str, Any], *, width: int) -> str:
     shares = snapshot.get("shares")
     if isinstance(shares, list) and len(shares) > 1:
         parts.append("ranks " + " ".join(_share(share) for share in shares))
+    precisions = snapshot.get("precisions")
+    if isinstance(precisions, list) and precisions:
+        shown = [_word(value) for value in precisions]
+        parts.append("precision " + " ".join(shown if len(set(shown)) > 1 else shown[:1]))
     return first[:width] + "\n" + "  ".join(parts)[:width]
 
 
@@ -73,6 +81,12 @@ def _grouped(value: Any) -> str:
 def _share(value: Any) -> str:
     number = _number(value, low=0.0)
     return f"{number:.0%}" if number is not None and number <= 1 else "?"
+
+
+def _word(value: Any) -> str:
+    """A precision's name (letters and digits, a few of them), else ``?``."""
+    ok = isinstance(value, str) and value.isascii() and value.isalnum() and len(value) <= 8
+    return value if ok else "?"
 
 
 def _duration(value: Any) -> str:

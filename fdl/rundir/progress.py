@@ -13,7 +13,9 @@ The document (``schema`` 1): ``t`` (seconds since the epoch), ``epoch`` (1-based
 the round from rank 0's own steps: the plan makes every rank finish a round together),
 ``elapsed_s`` (this attempt), ``samples_per_s`` (over the last :data:`WINDOW_S` seconds),
 ``eta_s``, ``shares`` (each rank's share of the round's samples), ``loss``, ``sync_overhead``
-(time in averages / compute, rank 0), ``anchor`` and ``world_size``.
+(time in averages / compute, rank 0), ``anchor`` and ``world_size``; ``precisions`` (what each
+rank trains in: ``fp32``, ``bf16``, ``fp16``) once the engine has given them — a snapshot
+without it is still schema 1, shown without precisions.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ProgressFile:
     epoch_size: int
     world_size: int
     loss: float | None = None
+    precisions: list[str] | None = None  # each rank's; set once, or given to write()
     _started: float = field(default_factory=time.monotonic)
     _next: float = 0.0
     _points: deque[tuple[float, float]] = field(default_factory=deque)
@@ -68,9 +71,12 @@ class ProgressFile:
         return time.monotonic() >= self._next
 
     def write(self, *, samples: float, epoch: int, shares: list[float], anchor: int,
-              sync_s: float, busy_s: float) -> None:
+              sync_s: float, busy_s: float, precisions: list[str] | None = None) -> None:
         """A snapshot at stream position ``samples`` (the run's, counted from its first epoch);
-        an unwritable run directory only costs the display."""
+        ``precisions``, when given, are each rank's from now on (:attr:`precisions`). An
+        unwritable run directory only costs the display."""
+        if precisions is not None:
+            self.precisions = list(precisions)
         now = time.monotonic()
         self._next = now + self.interval_s
         with contextlib.suppress(OSError):
@@ -87,7 +93,7 @@ class ProgressFile:
         (t0, s0) = self._points[0]
         rate = (samples - s0) / (now - t0) if now > t0 and samples > s0 else None
         position = samples - epoch * self.epoch_size
-        return {
+        document = {
             "schema": SCHEMA, "t": round(time.time(), 3), "epoch": epoch + 1,
             "epochs": self.epochs,
             "epoch_fraction": min(1.0, max(0.0, position / self.epoch_size)),
@@ -98,6 +104,9 @@ class ProgressFile:
             "sync_overhead": sync_s / busy_s if busy_s > 0 else None,
             "anchor": anchor, "world_size": self.world_size,
         }
+        if self.precisions is not None:
+            document["precisions"] = list(self.precisions)
+        return document
 
 
 def read_snapshot(run_dir: Path) -> dict[str, Any] | None:

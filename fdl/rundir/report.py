@@ -6,18 +6,19 @@ A run that did not finish (interrupted, crashed, still running: no ``summary.jso
 reported from its timelines and metrics instead, with ``"complete": false`` and the
 ``"reason"`` (fdl.rundir.report_partial); a finished run's document has ``"complete": true``.
 
-Per rank: samples, share of the work, samples/s, mean step time (compute and emulated sleep),
-and the wall time split into compute (the steps' own work), emulated (the sleep of
-``--simulate-slowdown``, the rounds' ``sleep_s``), sync (waiting at the averaging boundaries,
-and under ``sync`` DDP's gradient all-reduce inside the steps with the wait for the peers in
-it: the rounds' ``comm_s``), epoch boundaries (loss reduction, checkpoints and bookkeeping
-between the last round of an epoch and the next one; evaluation itself is excluded from the
-run's wall time), data loading (fetching and collating batches between steps: the rounds'
-``data_s``) and unexplained (what remains: Python and scheduling, and what the step loop spent
-outside its timed steps — a rank waiting there for its peers, as in the calibration pool's
-end while a peer is still starting). Compute is the rounds' timed steps (``busy_s``) less
-their data loading and emulated sleep; a round written before ``busy_s`` counted its loop's
-wall time (``compute_s``) instead.
+Per rank: its device and precision (``fp32``, ``bf16``, ``fp16``; None where summary.json does
+not say: an older run, or a run that did not finish), samples, share of the work, samples/s,
+mean step time (compute and emulated sleep), and the wall time split into compute (the steps'
+own work), emulated (the sleep of ``--simulate-slowdown``, the rounds' ``sleep_s``), sync
+(waiting at the averaging boundaries, and under ``sync`` DDP's gradient all-reduce inside the
+steps with the wait for the peers in it: the rounds' ``comm_s``), epoch boundaries (loss
+reduction, checkpoints and bookkeeping between the last round of an epoch and the next one;
+evaluation itself is excluded from the run's wall time), data loading (fetching and collating
+batches between steps: the rounds' ``data_s``) and unexplained (what remains: Python and
+scheduling, and what the step loop spent outside its timed steps — a rank waiting there for its
+peers, as in the calibration pool's end while a peer is still starting). Compute is the rounds'
+timed steps (``busy_s``) less their data loading and emulated sleep; a round written before
+``busy_s`` counted its loop's wall time (``compute_s``) instead.
 
 Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
 rate (``batch_size / step time``, from the measured step times, communication excluded) — what
@@ -86,8 +87,10 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
     wall = float(summary["wall_s"])
     ranks = [_rank(t.events, wall=wall, batch_size=batch_size) for t in timelines]
     total = sum(r["samples"] for r in ranks) or 1
-    for row in ranks:
+    devices, precisions = (_per_rank(summary, key, len(ranks)) for key in ("devices", "precision"))
+    for rank, row in enumerate(ranks):
         row["share"] = row["samples"] / total
+        row["device"], row["precision"] = devices[rank], precisions[rank]
     ideal = sum(r["solo_samples_per_s"] for r in ranks if r["solo_samples_per_s"])
     measured = summary["throughput"]["samples_per_s"]
     return {
@@ -102,6 +105,14 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
     }
+
+
+def _per_rank(summary: dict[str, Any], key: str, count: int) -> list[str | None]:
+    """``summary[key]``, one string per rank (checked by fdl.rundir.summary), None for each rank
+    it does not cover (an older summary has no ``precision``, a rebuilt one no ``devices``)."""
+    values = summary.get(key)
+    values = values if isinstance(values, list) else []
+    return [values[rank] if rank < len(values) else None for rank in range(count)]
 
 
 def _incomplete(summary: dict[str, Any], timelines: list[RankTimeline],

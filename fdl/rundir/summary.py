@@ -2,7 +2,9 @@
 ``fdl compare``; docs/elche.md "Outputs" lists the fields). Rank 0 builds it at the end of a
 run (:func:`build_summary`) and writes it atomically; :func:`load_summary` reads it back,
 checked: a document that does not hold what fdl writes is a UsageError naming the file, the
-field, its value and what is allowed.
+field, its value and what is allowed. Fields added later (``precision``: each rank's ``fp32``,
+``bf16`` or ``fp16``) are optional when read: an older run's summary stays readable, and its
+readers show such a field as unknown.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: f
                   samples: list[int], busy_s: list[float], comm_ms: list[float], syncs: int,
                   eval_metrics: dict[str, float], final_loss: float | None,
                   extra: dict[str, Any],
-                  step_comm_s: list[float] | None = None) -> dict[str, Any]:
+                  step_comm_s: list[float] | None = None,
+                  precisions: list[str] | None = None) -> dict[str, Any]:
     """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run;
     ``comm_ms``: what each average cost, the communication proper (the least over ranks);
     ``step_comm_s[r]``: rank r's time in DDP's all-reduce inside its steps (sync), whose least
-    over ranks is that communication proper and counts in the overhead with the averages."""
+    over ranks is that communication proper and counts in the overhead with the averages;
+    ``precisions[r]``: what rank r trained in (``fp32``, ``bf16``, ``fp16``), null if not
+    given."""
+    assert precisions is None or len(precisions) == world_size, (precisions, world_size)
     busy = busy_s
     compute_s = max(busy) if busy else 0.0
     sync_s = sum(comm_ms) / 1000 + (min(step_comm_s) if step_comm_s else 0.0)
@@ -36,6 +42,7 @@ def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: f
         "backend": config.backend,
         "world_size": world_size,
         "devices": devices,
+        "precision": list(precisions) if precisions is not None else None,
         "emulated_slowdown": list(config.simulate_slowdown) if config.simulate_slowdown else None,
         "epochs": config.epochs,
         "samples": sum(samples),
@@ -111,6 +118,11 @@ _OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
     "eval": (lambda v: isinstance(v, dict) and all(is_number(x) for x in v.values()),
              "an object of numbers"),
     "final_loss": _NUMBER_OR_NULL,
+    "devices": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                "a list of strings, one per rank"),
+    "precision": (lambda v: v is None or (isinstance(v, list)
+                                          and all(isinstance(x, str) for x in v)),
+                  "a list of strings, one per rank, or null"),
 }
 
 
@@ -127,8 +139,10 @@ def _check_summary(summary: Any, path: Path) -> None:
         if not valid(holder[key]):
             raise UsageError(f"{path}: {name} is {show(holder[key])}, expected {allowed}",
                              hint=HINT)
-    rates = summary["throughput"]["per_rank_samples_per_s"]
-    if len(rates) != summary["world_size"]:
-        raise UsageError(f"{path}: world_size is {summary['world_size']} but "
-                         f"throughput.per_rank_samples_per_s has {len(rates)} entries",
-                         hint=HINT)
+    per_rank = [("throughput.per_rank_samples_per_s",
+                 summary["throughput"]["per_rank_samples_per_s"]),
+                ("devices", summary.get("devices")), ("precision", summary.get("precision"))]
+    for name, values in per_rank:
+        if values is not None and len(values) != summary["world_size"]:
+            raise UsageError(f"{path}: world_size is {summary['world_size']} but {name} has "
+                             f"{len(values)} entries", hint=HINT)

@@ -1,7 +1,8 @@
 """`fdl report` at 80 and 200 columns: nothing cut, nothing past the edge, every figure there.
 
-The run directory is hand-made to stress the widths: four ranks, a run of hours with a million
-samples per rank, seven anchor changes with long reasons, several metrics, a trace.json. The
+The run directory is hand-made to stress the widths: four ranks on four different GPUs in
+three precisions, a run of hours with a million samples per rank, seven anchor changes with long
+reasons, several metrics, a trace.json. The
 text is compared with `fdl report --json` of the same directory: each figure, rounded as the
 text rounds it, must be in its rank's table rows or, for run-wide figures, in the text."""
 
@@ -17,9 +18,13 @@ from fdl.rundir.timeline_trace import trace_note
 
 WALL_S = 12345.678
 BATCH = 64
-HEADERS = [["rank", "samples", "steps", "samples/s", "share", "ms/step", "idle"],
+HEADERS = [["rank", "device", "precision"],
+           ["rank", "samples", "steps", "samples/s", "share", "ms/step", "idle"],
            ["rank", "compute", "emulated", "sync", "epoch ends", "data", "other"]]
-TITLES = ["throughput", "where the time went, in seconds"]
+TITLES = ["devices", "throughput", "where the time went, in seconds"]
+DEVICES = ["cuda:0 NVIDIA H100 80GB HBM3", "cuda:1 NVIDIA GeForce RTX 4070",
+           "cuda:2 Tesla V100-SXM2-16GB", "cuda:3 NVIDIA GeForce GTX 1060 6GB"]
+PRECISIONS = ["bf16", "bf16", "fp16", "fp32"]
 ANCHORS = [[4 * i, 2 ** i, f"overhead {0.1 * i:.2f} > 0.05 (measured over the last rounds)"]
            for i in range(1, 8)]
 
@@ -51,7 +56,8 @@ def run_dir(tmp_path_factory) -> Path:
             "".join(json.dumps(e) + "\n" for e in events), encoding="utf-8")
     (run / "timeline" / "trace.json").write_text('{"traceEvents": []}\n', encoding="utf-8")
     summary = {"policy": "cadence", "backend": "cpu", "world_size": 4,
-               "devices": ["cpu"] * 4, "emulated_slowdown": [1.0, 2.0, 3.0, 4.0],
+               "devices": DEVICES, "precision": PRECISIONS,
+               "emulated_slowdown": [1.0, 2.0, 3.0, 4.0],
                "wall_s": WALL_S,
                "throughput": {"samples_per_s": sum(samples) / WALL_S,
                               "per_rank_samples_per_s": [s / WALL_S for s in samples]},
@@ -91,7 +97,7 @@ def table_cells(text: str) -> tuple[list[list[str]], dict[int, set[str]]]:
 
 def rank_figures(row: dict) -> list[str]:
     time_s = row["time_s"]
-    return [str(row["samples"]), str(row["steps"]), f"{row['samples_per_s']:.0f}",
+    return [row["device"], row["precision"], str(row["samples"]), str(row["steps"]), f"{row['samples_per_s']:.0f}",
             f"{row['share']:.1%}", f"{row['step_ms']:.1f}", f"{row['idle_fraction']:.1%}",
             *(f"{time_s[key]:.2f}" for key in ("compute", "emulated", "sync_wait",
                                                "epoch_boundary", "data_loading", "unexplained"))]

@@ -77,3 +77,26 @@ def test_a_hostile_run_directory_never_stops_the_display(tmp_path: Path) -> None
     with live_progress(tmp_path, enabled=True):
         pass
     assert (tmp_path / "progress.json").is_dir()
+
+
+@pytest.mark.parametrize(("precisions", "shown"), [
+    (["bf16", "fp32"], "  precision bf16 fp32"),
+    (["bf16", "bf16", "bf16"], "  precision bf16"),  # one word when every rank trains in it
+    (["fp16"], "  precision fp16"),
+    (["bf16", 16, None, "bf16\x1b[31m", "x" * 40], "  precision bf16 ? ? ? ?"),
+    ([], ""), ("bf16", ""), (None, ""),  # not a list of ranks: left out
+])
+def test_each_ranks_precision_follows_the_shares(precisions: object, shown: str) -> None:
+    second = format_status(SNAPSHOT | {"precisions": precisions}, width=200).split("\n")[1]
+    assert second == f"7,120 samples/s  loss 0.4623  sync 1.8%  anchor 20  ranks 71% 29%{shown}"
+
+
+def test_the_precisions_rank_0_writes_reach_the_display(tmp_path: Path) -> None:
+    from fdl.rundir.progress import ProgressFile
+
+    writer = ProgressFile(tmp_path / FILE, 0.25, 5, 4000, 2)
+    writer.write(samples=10, epoch=0, shares=[0.6, 0.4], anchor=3, sync_s=0, busy_s=1,
+                 precisions=["bf16", "fp32"])
+    snapshot = read_snapshot(tmp_path)
+    assert snapshot is not None
+    assert format_status(snapshot, width=200).endswith("ranks 60% 40%  precision bf16 fp32")

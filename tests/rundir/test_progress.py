@@ -71,3 +71,25 @@ def test_write_is_due_once_per_interval_and_survives_an_unwritable_directory(
     gone = ProgressFile(tmp_path / "missing" / "progress.json", 0.25, 1, 10, 1)
     gone.write(samples=1, epoch=0, shares=[1.0], anchor=1, sync_s=0, busy_s=1)  # no raise
     assert not (tmp_path / "missing").exists()
+
+
+def test_each_ranks_precision_rides_every_snapshot_once_given(tmp_path: Path) -> None:
+    writer = _writer(tmp_path, FDL_PROGRESS="0.25")
+    assert writer is not None
+    before = writer.snapshot(now=0.0, samples=0, epoch=0, shares=[0.5, 0.5], anchor=1,
+                             sync_s=0, busy_s=1)
+    assert "precisions" not in before  # none given yet: the snapshot's older shape
+    writer.write(samples=10, epoch=0, shares=[0.5, 0.5], anchor=1, sync_s=0, busy_s=1,
+                 precisions=["bf16", "fp32"])
+    assert json.loads(writer.path.read_text())["precisions"] == ["bf16", "fp32"]
+    writer.write(samples=20, epoch=0, shares=[0.5, 0.5], anchor=1, sync_s=0, busy_s=1)
+    assert json.loads(writer.path.read_text())["precisions"] == ["bf16", "fp32"]
+
+
+def test_precisions_set_once_on_the_writer(tmp_path: Path) -> None:
+    writer = _writer(tmp_path, FDL_PROGRESS="0.25")
+    assert writer is not None
+    writer.precisions = ["fp16", "fp16"]
+    snap = writer.snapshot(now=0.0, samples=0, epoch=0, shares=[0.5, 0.5], anchor=1,
+                           sync_s=0, busy_s=1)
+    assert snap["precisions"] == ["fp16", "fp16"]

@@ -205,3 +205,66 @@ def test_a_run_that_left_no_timeline_has_nothing_to_report(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: {tmp_path} holds an fdl run with no summary.json "
                                   "and no timeline")
+
+
+# --- each rank's device and precision ----------------------------------------------------------
+
+
+def devices_table(text: str) -> list[list[str]]:
+    """The rows of the text's devices table (rank, device, precision), or []."""
+    lines = text.splitlines()
+    if "devices" not in lines:
+        return []
+    rows = []
+    for line in lines[lines.index("devices") + 1:]:
+        if line.startswith("└"):
+            break
+        if line.startswith("│"):
+            rows.append([cell.strip() for cell in line.strip("│").split("│")])
+    return rows
+
+
+def test_each_rank_shows_its_precision_beside_its_device(tmp_path):
+    run = make_run(tmp_path)
+    summary = {**SUMMARY, "devices": ["cuda:0 NVIDIA H100 80GB HBM3", "cuda:1 Tesla T4"],
+               "precision": ["bf16", "fp16"]}
+    (run / "summary.json").write_text(json.dumps(summary))
+    doc = run_report(run)
+    assert [(r["device"], r["precision"]) for r in doc["ranks"]] == [
+        ("cuda:0 NVIDIA H100 80GB HBM3", "bf16"), ("cuda:1 Tesla T4", "fp16")]
+    proc = run_fdl("report", str(run), env={"COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    assert devices_table(proc.stdout) == [["0", "cuda:0 NVIDIA H100 80GB HBM3", "bf16"],
+                                          ["1", "cuda:1 Tesla T4", "fp16"]]
+
+
+def test_a_summary_from_before_precision_is_still_reported(tmp_path):
+    """summary.json of an older fdl has no precision: shown unknown, not refused."""
+    run = make_run(tmp_path)
+    assert "precision" not in json.loads((run / "summary.json").read_text())
+    doc = run_report(run)
+    assert [(r["device"], r["precision"]) for r in doc["ranks"]] == [("cpu", None), ("cpu", None)]
+    proc = run_fdl("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert devices_table(proc.stdout) == [["0", "cpu", "-"], ["1", "cpu", "-"]]
+
+
+@pytest.mark.parametrize(("precision", "message"), [
+    (["bf16"], "world_size is 2 but precision has 1 entries"),
+    ("bf16", 'precision is "bf16", expected a list of strings, one per rank, or null'),
+    ([16, 32], "precision is list, expected a list of strings, one per rank, or null"),
+])
+def test_a_precision_fdl_did_not_write_is_an_error_naming_it(tmp_path, precision, message):
+    run = make_run(tmp_path)
+    (run / "summary.json").write_text(json.dumps({**SUMMARY, "precision": precision}))
+    proc = run_fdl("report", str(run))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == f"error: {run / 'summary.json'}: {message}"
+
+
+def test_a_run_that_did_not_finish_has_no_devices_table(tmp_path):
+    """Its devices and precisions are in no file it left (summary.json has them)."""
+    run = make_partial_run(tmp_path)
+    assert [(r["device"], r["precision"]) for r in run_report(run)["ranks"]] == [(None, None)] * 2
+    text = run_fdl("report", str(run)).stdout
+    assert "throughput" in text.splitlines() and devices_table(text) == []

@@ -1,0 +1,49 @@
+"""summary.json's ``precision``: each rank's, as the engine gives it to build_summary, written
+and read back checked; a summary without it (an older run's, or one built without it) stays
+readable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fdl.engine.config import resolve_config
+from fdl.errors import UsageError
+from fdl.rundir.summary import build_summary, load_summary, write_summary
+
+
+def summary(**overrides) -> dict:
+    values = {"config": resolve_config(script={}, env={}),
+              "world_size": 2, "devices": ["cuda:0 NVIDIA H100", "cuda:1 Tesla T4"],
+              "wall_s": 10.0, "samples": [600, 400], "busy_s": [8.0, 9.0], "comm_ms": [20.0],
+              "syncs": 1, "eval_metrics": {}, "final_loss": 0.25, "extra": {}}
+    return build_summary(**(values | overrides))
+
+
+def test_each_ranks_precision_is_written_and_read_back(tmp_path: Path) -> None:
+    document = summary(precisions=["bf16", "fp32"])
+    assert document["precision"] == ["bf16", "fp32"]
+    write_summary(tmp_path, document)
+    assert load_summary(tmp_path)["precision"] == ["bf16", "fp32"]
+
+
+def test_without_precisions_the_field_is_null_and_still_valid(tmp_path: Path) -> None:
+    document = summary()
+    assert document["precision"] is None
+    write_summary(tmp_path, document)
+    assert load_summary(tmp_path)["precision"] is None
+
+
+def test_a_summary_that_predates_the_field_loads(tmp_path: Path) -> None:
+    document = summary()
+    del document["precision"]
+    write_summary(tmp_path, document)
+    assert "precision" not in load_summary(tmp_path)
+
+
+def test_devices_of_another_length_than_the_world_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps(summary(devices=["cpu"])))
+    with pytest.raises(UsageError, match="world_size is 2 but devices has 1 entries"):
+        load_summary(tmp_path)
