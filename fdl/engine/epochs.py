@@ -60,6 +60,7 @@ class EpochLog:
     started: float = field(default_factory=time.perf_counter)
     tensorboard: ScalarWriter | None = None
     _replica: Replica | None = None
+    epochs_total: int | None = None  # the epochs a budget leaves (the last may be cut)
     _epoch_started: float = field(default_factory=time.perf_counter)
     _mark: RankFigures = field(default_factory=RankFigures)  # totals at the last epoch's end
     _mark_syncs: int = 0  # averages done by the last epoch's end
@@ -105,7 +106,7 @@ class EpochLog:
                 metrics.append_epoch(self.run_dir, record)
             if self.tensorboard is not None:
                 self.tensorboard.epoch(record)
-            _progress_line(record, self.config.epochs)
+            _progress_line(record, self.epochs_total or self.config.epochs)
         self._epoch_started = time.perf_counter()
 
     def scalars(self, means: dict[str, float]) -> None:

@@ -58,11 +58,12 @@ from fdl.engine.config import EngineConfig, resolve_config
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
-from fdl.engine.plan import PlanConfig, PlanState, initial_state
+from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
+from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
 from fdl.engine.rounds import NUM_STATS, Replica, rounds
 from fdl.engine.state import RankFigures
-from fdl.engine.steps import StepWatch
+from fdl.engine.steps import CountingScaler, StepWatch
 from fdl.errors import UsageError
 from fdl.rundir import config as run_config
 from fdl.rundir import metrics
@@ -86,22 +87,25 @@ class RunResult:
 
 def init(*, policy: str | None = None, backend: str | None = None, seed: int | None = None,
          batch_size: int | None = None, epochs: int | None = None,
-         checkpoint_every: int | str | None = None, tensorboard: str | None = None,
-         max_grad_norm: float | None = None) -> Run:
+         precision: str | None = None, checkpoint_every: int | str | None = None,
+         tensorboard: str | None = None, max_grad_norm: float | None = None) -> Run:
     """Join the run: under ``fdl run`` this worker's place in the process group (torchrun's
     environment), alone a solo run on the best device. The values given here are the
     script's; ``fdl run`` flags, ``FDL_*`` and fdl.toml win over them (docs/run.md). Seeds
     torch with the run's seed, so a model built next is the same on every rank (rank 0's is
     broadcast anyway when ``batches`` starts)."""
     script = {"policy": policy, "backend": backend, "seed": seed, "batch_size": batch_size,
-              "epochs": epochs, "checkpoint_every": checkpoint_every,
+              "epochs": epochs, "precision": precision, "checkpoint_every": checkpoint_every,
               "tensorboard": tensorboard}
     config = resolve_config(script=script, max_grad_norm=max_grad_norm)
     membership = Membership.from_env()
     device = pick_device(membership.local_rank, config.backend)
+    mine = resolve_precision(precision_for_rank(config.precision, membership.rank,
+                                                membership.world_size), device)
     group = join_group(config.backend, device, membership.world_size)
     torch.manual_seed(config.seed)
-    return Run(script=script, config=config, membership=membership, device=device, group=group)
+    return Run(script=script, config=config, membership=membership, device=device, group=group,
+               precision=mine, scaler=CountingScaler(device.type) if mine == "fp16" else None)
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -121,6 +125,9 @@ class Run:
     """One worker's part of a run; made by :func:`init`.
 
     * ``device``, ``rank``, ``world_size``: where this worker trains and its place in the group.
+    * ``precision`` (``fp32``, ``bf16`` or ``fp16``: ``fdl run --precision``, one per rank or
+      ``auto``) and ``autocast()``, the context of the forward pass in it; ``scaler``: an fp16
+      rank's GradScaler (None otherwise). Parameters, optimizer state and averages stay fp32.
     * ``progress``: the run's fraction done, in [0, 1], equal on every rank at the same point of
       a round: drive schedules with it (``lr = base * cosine(run.progress)``).
     * ``batches(data, model=, optimizer=, batch_size=, epochs=, accumulate=)``: the engine.
@@ -138,6 +145,8 @@ class Run:
     membership: Membership
     device: torch.device
     group: Group
+    precision: str = "fp32"  # this rank's: fp32, bf16 or fp16 (fdl.engine.precision)
+    scaler: CountingScaler | None = None  # fp16's GradScaler, this rank's own
     history: list[dict[str, Any]] = field(default_factory=list)
     replica: Replica | None = None
     state_objects: dict[str, Any] = field(default_factory=dict)
@@ -149,6 +158,8 @@ class Run:
     _user_state: dict[str, Any] | None = None  # a checkpoint's, for objects registered later
     _sampler: Any = None
     _finished: RunResult | None = None
+    _plan_config: PlanConfig | None = None
+    _precisions: list[str] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -165,7 +176,7 @@ class Run:
             return 0.0
         if self._final is not None:
             return 1.0
-        total = replica.config.epochs * len(replica.dataset)
+        total = self._plan_config.num_samples if self._plan_config else 0
         return min(1.0, replica.position / total) if total else 0.0
 
     @property
@@ -177,7 +188,7 @@ class Run:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """This rank's precision for the forward pass (fp32: nothing changes)."""
-        return contextlib.nullcontext()
+        return autocast(self.device, self.precision)
 
     def log(self, **scalars: Any) -> None:
         """Per-step scalars: a number or a one-element tensor each (no wait for the device)."""
@@ -212,17 +223,25 @@ class Run:
 
     def batches(self, data: Any, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                 batch_size: int | None = None, epochs: int | None = None,
-                accumulate: int = 1, ddp: bool = False) -> Iterator[Any]:
+                max_steps: int | None = None, max_samples: int | None = None,
+                max_time: float | str | None = None, accumulate: int = 1,
+                ddp: bool = False) -> Iterator[Any]:
         """This rank's batches of every round, on ``run.device``; ``model`` is averaged
         between rounds. ``accumulate=k``: the loop steps the optimizer every k batches (a
-        step, and the plan's unit, is k batches). ``ddp=True`` (fdl.Trainer): under sync the
+        step, and the plan's unit, is k batches). A budget ends the run before ``epochs`` do:
+        ``max_steps`` global steps (each ``world_size x batch_size x accumulate`` samples, as
+        one step of plain DDP, however El Che spreads them), ``max_samples``, or ``max_time``
+        (seconds or ``"10m"``: the round after the clocks pass it is the last). ``fdl run
+        --epochs/--max-steps/--max-samples/--max-time`` override these.
+        ``ddp=True`` (fdl.Trainer): under sync the
         step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
         optimizer's step."""
         if self.replica is not None:
             raise UsageError("run.batches(...) runs once per run")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
-        given = {"batch_size": batch_size, "epochs": epochs}
+        given = {"batch_size": batch_size, "epochs": epochs, "max_steps": max_steps,
+                 "max_samples": max_samples, "max_time": max_time}
         self.config = self._configured(**{k: v for k, v in given.items() if v is not None})
         self.check_data(data, accumulate=accumulate)
         return self._rounds(data, model, optimizer, accumulate=accumulate, ddp=ddp)
@@ -265,10 +284,23 @@ class Run:
                                     self.rank, self.world_size)
         replica = self.replica = self._replica(data, model, optimizer, accumulate=accumulate,
                                                ddp=ddp)
-        plan_config = PlanConfig(world_size=self.world_size,
-                                 batch_size=config.batch_size * accumulate,
-                                 dataset_size=len(data), epochs=config.epochs,
-                                 policy=config.policy, overhead_target=config.overhead_target)
+        step_size = config.batch_size * accumulate
+        budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
+                                world_size=self.world_size, batch_size=config.batch_size,
+                                accumulate=accumulate)
+        plan_config = self._plan_config = PlanConfig(
+            world_size=self.world_size, batch_size=step_size, dataset_size=len(data),
+            epochs=config.epochs, max_samples=budget, policy=config.policy,
+            overhead_target=config.overhead_target)
+        self._epochs_log.epochs_total = plan_config.num_epochs
+        precisions = gather_labels(self.precision, world_size=self.world_size) \
+            if self.world_size > 1 else [self.precision]
+        self._precisions = precisions
+        if replica.progress is not None:
+            replica.progress.precisions = precisions
+            replica.progress.epochs = plan_config.num_epochs
+        if self.scaler is not None:
+            self.scaler.watch = replica.steps
         state = self._start(replica, plan_config)
         self._started = time.perf_counter()
         self._epochs_log.begin(replica)
@@ -337,10 +369,15 @@ class Run:
         state = initial_state(plan_config)
         if checkpoint is not None:
             resumed = resume(checkpoint, replica, plan_config)
-            if resumed.state.epoch >= plan_config.epochs:
-                raise UsageError(f"{checkpoint.path} is at epoch {resumed.state.epoch} and this "
-                                 f"run has {plan_config.epochs} epochs: nothing left to train",
-                                 hint=f"pass --epochs N with N > {resumed.state.epoch}")
+            if resumed.state.finished:
+                raise UsageError(f"{checkpoint.path} is at epoch {resumed.state.epoch} "
+                                 f"({resumed.state.samples_seen} samples) and this run has "
+                                 f"{plan_config.epochs} epochs"
+                                 + (f" and a budget of {plan_config.max_samples} samples"
+                                    if plan_config.max_samples else "")
+                                 + ": nothing left to train",
+                                 hint=f"pass --epochs N with N > {resumed.state.epoch}, or a "
+                                      "larger --max-steps/--max-samples")
             state, self._resumed_from = resumed.state, checkpoint.name
             self.history[:] = resumed.history
             assert self._epochs_log is not None
@@ -391,7 +428,8 @@ class Run:
         replica.timeline.close()
         summary = _summary(replica, replace(self.config, backend=self.group.backend),
                            wall_s=wall_s, state=state, final_checksum=final_checksum,
-                           epochs_log=epochs_log, resumed_from=self._resumed_from)
+                           epochs_log=epochs_log, resumed_from=self._resumed_from,
+                           precisions=self._precisions)
         run_dir = self.config.run_dir
         if run_dir is not None and self.rank == 0:
             write_summary(run_dir, summary)
@@ -459,8 +497,8 @@ def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: PlanState,
-             final_checksum: str, epochs_log: EpochLog,
-             resumed_from: str | None) -> dict[str, Any]:
+             final_checksum: str, epochs_log: EpochLog, resumed_from: str | None,
+             precisions: list[str]) -> dict[str, Any]:
     """summary.json's document, with every rank's figures for the run (one collective)."""
     world = replica.world_size
     rows = exchange_rows(replica.totals.figures().to_row(), rank=replica.rank,
@@ -474,12 +512,13 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
         samples=[int(r.samples) for r in per_rank], busy_s=[r.busy_s for r in per_rank],
         comm_ms=totals.comm_ms, step_comm_s=[r.comm_s for r in per_rank], syncs=totals.syncs,
         eval_metrics=epochs_log.last_eval, final_loss=epochs_log.last_loss,
+        precisions=precisions,
         extra={"eval_s": epochs_log.eval_s, "seed": config.seed,
                "anchor_history": [list(item) for item in state.anchor_history],
                "final_anchor": state.anchor, "checksum": final_checksum,
                "emulated_sleep_s": [r.sleep_s for r in per_rank],
                "ddp_comm_s": [r.comm_s for r in per_rank],
-               "accumulate": replica.accumulate,
+               "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
                "attempt": restart_attempt(), "resumed_from": resumed_from},
     )
 

@@ -43,11 +43,11 @@ from torch import nn
 
 from fdl.engine import guard
 from fdl.engine.averaging import Averager, checksum
+from fdl.engine.collectives import all_reduce_max
 from fdl.engine.config import EngineConfig
 from fdl.engine.data import collate, epoch_permutation, to_device
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.grad_sync import GradSync
-from fdl.engine.collectives import all_reduce_max
 from fdl.engine.plan import (
     PlanState,
     RoundPlan,

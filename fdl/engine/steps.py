@@ -61,6 +61,19 @@ class StepWatch:
         self._handles.clear()
 
 
+class CountingScaler(torch.amp.GradScaler):
+    """``run.scaler`` of an fp16 rank: torch's GradScaler, whose ``update()`` (once per step,
+    after ``scaler.step``) also ends the step for the watch, since a step the scaler skipped
+    for an inf gradient never reaches ``optimizer.step()``."""
+
+    watch: StepWatch | None = None
+
+    def update(self, new_scale: Any = None) -> None:
+        super().update(new_scale)
+        if self.watch is not None:
+            self.watch.step_ended()
+
+
 @dataclass
 class Logged:
     """``run.log``'s scalars: each summed where it lives (a tensor stays on its device, so a

@@ -72,6 +72,10 @@ class Trainer:
     policy: str = ENGINE_DEFAULTS["policy"]
     backend: str = ENGINE_DEFAULTS["backend"]
     seed: int = ENGINE_DEFAULTS["seed"]
+    precision: str = ENGINE_DEFAULTS["precision"]  # auto | fp32 | bf16 | fp16, or one per rank
+    max_steps: int | None = None  # budgets that end the run before `epochs` (fdl.init's)
+    max_samples: int | None = None
+    max_time: float | str | None = None
     checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
     tensorboard: str | None = None  # "on" (RUN_DIR/tensorboard) or a directory
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
@@ -81,7 +85,7 @@ class Trainer:
         consensus model, the final evaluation, the epoch history and the summary."""
         self._validate()
         run = init(policy=self.policy, backend=self.backend, seed=self.seed,
-                   batch_size=self.batch_size, epochs=self.epochs,
+                   batch_size=self.batch_size, epochs=self.epochs, precision=self.precision,
                    checkpoint_every=self.checkpoint_every, tensorboard=self.tensorboard,
                    max_grad_norm=self.max_grad_norm)
         try:
@@ -102,10 +106,11 @@ class Trainer:
         base_lrs = [group["lr"] for group in optimizer.param_groups]  # before any resume
         if self.eval_data is not None:
             run.evaluate(self.eval_data, self.evaluate)
-        clip = run.config.max_grad_norm
+        clip, scaler = run.config.max_grad_norm, run.scaler
         checked = False
         for batch in run.batches(self.train_data, model=model, optimizer=optimizer,
-                                 ddp=True):
+                                 max_steps=self.max_steps, max_samples=self.max_samples,
+                                 max_time=self.max_time, ddp=True):
             if self.schedule is not None:
                 scale = self.schedule(run.progress)
                 for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
@@ -116,10 +121,18 @@ class Trainer:
             if not checked:
                 _check_loss(loss)
                 checked = True
-            loss.backward()
+            if scaler is not None:  # fp16: this rank's own loss scale
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
             if clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             run.log(loss=loss.detach())
         return run.finish()
 
