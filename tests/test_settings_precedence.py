@@ -64,7 +64,6 @@ def test_every_setting_has_examples() -> None:
 # precision, max_steps, max_samples and max_time are script settings (issue 25) whose Trainer
 # arguments come with the engine's rebuild (fdl/engine/trainer.py, another branch): strict, so
 # the merge that adds them fails here until this mark goes.
-@pytest.mark.xfail(strict=True, reason="fdl.Trainer gains precision/max_* with the engine rebuild")
 def test_the_script_settings_are_exactly_the_trainers_arguments() -> None:
     """``script=True`` claims an ``fdl.Trainer`` argument: a setting a script cannot pass must
     not say it can, and an argument named like an engine setting must be one."""
