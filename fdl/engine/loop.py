@@ -299,6 +299,7 @@ class Run:
         if replica.progress is not None:
             replica.progress.precisions = precisions
             replica.progress.epochs = plan_config.num_epochs
+            replica.progress.total = plan_config.num_samples
         if self.scaler is not None:
             self.scaler.watch = replica.steps
         state = self._start(replica, plan_config)

@@ -49,6 +49,7 @@ class ProgressFile:
     world_size: int
     loss: float | None = None
     precisions: list[str] | None = None  # each rank's; set once, or given to write()
+    total: int | None = None  # the run's samples when a budget cuts it short of the epochs
     _started: float = field(default_factory=time.monotonic)
     _next: float = 0.0
     _points: deque[tuple[float, float]] = field(default_factory=deque)
@@ -86,7 +87,7 @@ class ProgressFile:
 
     def snapshot(self, *, now: float, samples: float, epoch: int, shares: list[float],
                  anchor: int, sync_s: float, busy_s: float) -> dict[str, Any]:
-        total = self.epochs * self.epoch_size
+        total = self.total or self.epochs * self.epoch_size
         self._points.append((now, samples))
         while len(self._points) > 2 and now - self._points[0][0] > WINDOW_S:
             self._points.popleft()
