@@ -61,6 +61,7 @@ class EpochLog:
     tensorboard: ScalarWriter | None = None
     _replica: Replica | None = None
     epochs_total: int | None = None  # the epochs a budget leaves (the last may be cut)
+    at_epoch_end: list[Any] = field(default_factory=list)  # run.at_epoch_end's functions
     _epoch_started: float = field(default_factory=time.perf_counter)
     _mark: RankFigures = field(default_factory=RankFigures)  # totals at the last epoch's end
     _mark_syncs: int = 0  # averages done by the last epoch's end
@@ -99,6 +100,8 @@ class EpochLog:
         record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
                               comm_ms=comm_ms, elapsed=elapsed)
         self.trainer.history.append(record.to_dict())
+        for hook in self.at_epoch_end:
+            hook(dict(self.trainer.history[-1]))
         replica.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
                               eval=self.last_eval)
         if self.rank == 0:

@@ -135,6 +135,8 @@ class Run:
       live); summed on the device and read once per round.
     * ``evaluate(data, fn)``: evaluate the consensus model at every epoch's end, sharded over
       the ranks; ``fn(model, batch) -> {name: mean over the batch}``.
+    * ``after_average(fn)``, ``at_epoch_end(fn)``: call ``fn`` when an average lands in the
+      model, and with each epoch's record.
     * ``state(**objects)``: objects with ``state_dict``/``load_state_dict`` (an EMA, a
       GradScaler, a scheduler) saved in checkpoints and loaded on resume.
     * ``finish()``: the summary, the consensus model and the group's end; a :class:`RunResult`.
@@ -160,6 +162,8 @@ class Run:
     _finished: RunResult | None = None
     _plan_config: PlanConfig | None = None
     _precisions: list[str] = field(default_factory=list)
+    _after_average: list[Callable[[], None]] = field(default_factory=list)
+    _at_epoch_end: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -206,6 +210,21 @@ class Run:
         if self.replica is not None:
             raise UsageError("call run.evaluate(...) before run.batches(...) starts")
         self._evaluation = _Evaluation(data, fn)
+
+    def after_average(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` each time an average has landed in this rank's model (every policy; a
+        place for an EMA of the consensus). Under cadence and async the model is then the
+        average (async: plus this rank's steps since it was launched)."""
+        if not callable(fn):
+            raise UsageError("run.after_average(fn) takes a function of no arguments")
+        self._after_average.append(fn)
+
+    def at_epoch_end(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``fn(record)`` at every epoch's end, after the evaluation, with the epoch's
+        record (``metrics.jsonl``'s line: loss, eval, throughput; the same on every rank)."""
+        if not callable(fn):
+            raise UsageError("run.at_epoch_end(fn) takes a function of the epoch's record")
+        self._at_epoch_end.append(fn)
 
     def state(self, **objects: Any) -> None:
         """Put objects with ``state_dict``/``load_state_dict`` into this rank's checkpoints;
@@ -281,7 +300,8 @@ class Run:
                                               "resolved_backend": self.group.backend})
         self._sampler = _node_sampler(run_dir, self.membership, device=self.device)
         self._epochs_log = EpochLog(self, config, run_dir if self.rank == 0 else None,
-                                    self.rank, self.world_size)
+                                    self.rank, self.world_size,
+                                    at_epoch_end=self._at_epoch_end)
         replica = self.replica = self._replica(data, model, optimizer, accumulate=accumulate,
                                                ddp=ddp)
         step_size = config.batch_size * accumulate
@@ -354,6 +374,7 @@ class Run:
             on_epoch_end=self._epochs_log.epoch_end if self._epochs_log else _no_epoch_end,
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
+            after_average=self._after_average,
             verify=_verify(),
             on_scalars=self._epochs_log.scalars if self._epochs_log else None,
             progress=ProgressFile.from_env(run_dir, rank=rank, epochs=config.epochs,

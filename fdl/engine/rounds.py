@@ -147,6 +147,7 @@ class Replica:
     compute_mean: RunningMean | None = None
     sleep_owed_s: float = 0.0
     on_scalars: Callable[[dict[str, float]], None] | None = None  # each round's logged means
+    after_average: list[Callable[[], None]] = field(default_factory=list)  # run.after_average
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -435,6 +436,9 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     rank_state.after_sync((end - start) * 1000, blocking=blocking)
     reports = None if rows is None else [RoundReport.from_row(row) for row in rows]
     _record_sync(replica, plan, start, end, reports, blocking=blocking)
+    if rows is not None:  # the replica's weights moved: an average landed
+        for hook in replica.after_average:
+            hook()
     return reports, pending
 
 

@@ -50,8 +50,21 @@ class Trainer:
       step may wait for the other ranks: no collective in ``train_step``, no ``SyncBatchNorm``
       in the model, no ``ZeroRedundancyOptimizer`` (fdl refuses the last two before training;
       ``sync`` allows them, as plain DDP does).
+    * ``train_step`` may also return a dict of scalars with a ``loss``: the loss is trained
+      on, every entry logged (``run.log``: the timeline, TensorBoard's ``step/<name>``).
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
       fraction done (equal on every rank).
+    * ``callbacks``: objects with any of ``on_epoch_end(record)`` (the epoch's
+      ``metrics.jsonl`` record, after the evaluation), ``on_average(model)`` (an average just
+      landed in the model: where an EMA of the consensus updates) and ``state_dict`` /
+      ``load_state_dict`` (then checkpointed and restored on resume).
+    * ``precision`` (``auto``, ``fp32``, ``bf16``, ``fp16`` or one per rank: ``"bf16,fp32"``)
+      and the budgets ``max_steps`` (global steps of ``world_size x batch_size`` samples),
+      ``max_samples`` and ``max_time`` (seconds or ``"10m"``) end the run before ``epochs``.
+
+    Everything this does is a loop on :func:`fdl.init`'s API (``fdl.engine.loop``): a script
+    that needs its own loop (accumulation, a GradScaler of its own, an evaluation cadence)
+    writes that instead, with the same engine underneath.
 
     ``fit()`` trains and returns a :class:`TrainResult`; settings from ``fdl run`` flags,
     ``FDL_*`` and fdl.toml win over the values given here (docs/run.md).
@@ -78,6 +91,7 @@ class Trainer:
     max_time: float | str | None = None
     checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
     tensorboard: str | None = None  # "on" (RUN_DIR/tensorboard) or a directory
+    callbacks: list[Any] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
     def fit(self) -> TrainResult:
@@ -106,6 +120,7 @@ class Trainer:
         base_lrs = [group["lr"] for group in optimizer.param_groups]  # before any resume
         if self.eval_data is not None:
             run.evaluate(self.eval_data, self.evaluate)
+        self._attach(run, model)
         clip, scaler = run.config.max_grad_norm, run.scaler
         checked = False
         for batch in run.batches(self.train_data, model=model, optimizer=optimizer,
@@ -117,7 +132,8 @@ class Trainer:
                     group["lr"] = base * scale
             optimizer.zero_grad(set_to_none=True)
             with run.autocast():
-                loss = self.train_step(run.step_model, batch)
+                out = self.train_step(run.step_model, batch)
+            loss = out.get("loss") if isinstance(out, dict) else out
             if not checked:
                 _check_loss(loss)
                 checked = True
@@ -133,8 +149,24 @@ class Trainer:
                 scaler.update()
             else:
                 optimizer.step()
+            if isinstance(out, dict):
+                run.log(**{name: value for name, value in out.items() if name != "loss"})
             run.log(loss=loss.detach())
         return run.finish()
+
+    def _attach(self, run: Run, model: nn.Module) -> None:
+        """Each callback's hooks on the run; those with a state_dict into checkpoints."""
+        for index, callback in enumerate(self.callbacks):
+            hooks = [getattr(callback, name, None) for name in ("on_epoch_end", "on_average")]
+            if not any(callable(hook) for hook in hooks):
+                raise UsageError(f"callbacks[{index}] ({type(callback).__name__}) has neither "
+                                 "on_epoch_end(record) nor on_average(model)")
+            if callable(hooks[0]):
+                run.at_epoch_end(hooks[0])
+            if callable(hooks[1]):
+                run.after_average(lambda hook=hooks[1]: hook(model))
+            if callable(getattr(callback, "state_dict", None)):
+                run.state(**{f"callback{index}": callback})
 
     def _validate(self) -> None:
         if not callable(self.model) or not callable(self.optimizer) or not callable(self.train_step):
@@ -148,7 +180,8 @@ class Trainer:
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise UsageError(
-            "train_step must return a scalar loss tensor that requires grad, got "
+            "train_step must return a scalar loss tensor that requires grad (or a dict with "
+            "one as 'loss'), got "
             + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                else type(loss).__name__),
             hint="return e.g. torch.nn.functional.cross_entropy(model(x), y)")

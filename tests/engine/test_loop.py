@@ -82,6 +82,12 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
     assert fast["metrics"]["accuracy"] > 0.7
     syncs = [e for e in read_events(run_dir, 0) if e["kind"] == "sync"]
     assert len(syncs) >= 3  # averaged more than once per epoch: rounds within epochs
+    # run.after_average: once per boundary where an average landed: a blocking one, or an
+    # async boundary that applies the one launched before (not one after a blocking boundary)
+    previous_blocking = [True] + [e["blocking"] for e in syncs[:-1]]
+    landed = sum(e["blocking"] or not before for e, before in zip(syncs, previous_blocking))
+    assert fast["averages"] == landed
+    assert fast["epoch_ends"] == 2
     logged = [e for e in read_events(run_dir, 0) if e["kind"] == "scalars"]
     assert logged and all("loss" in e["values"] for e in logged)
     assert fast["history"][-1]["train_loss"] is not None

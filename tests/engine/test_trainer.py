@@ -178,3 +178,32 @@ def test_a_sharded_optimizer_under_cadence_stops_every_worker_with_one_line(tmp_
     assert "error: ZeroRedundancyOptimizer's collectives in every step hang under --policy " \
            "cadence" in log
     assert "Traceback" not in log
+
+
+def test_a_train_step_may_return_a_dict_and_callbacks_see_every_epoch(tmp_path, monkeypatch):
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    seen: list[dict] = []
+
+    class Recorder:
+        def on_epoch_end(self, record):
+            seen.append(record)
+
+    def with_accuracy(model, batch):
+        features, labels = batch
+        logits = model(features)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels),
+                "accuracy": (logits.argmax(1) == labels).float().mean()}
+
+    result = trainer(train_step=with_accuracy, callbacks=[Recorder()]).fit()
+    assert seen == result.history and len(seen) == 3
+    assert seen[-1]["train_loss"] < seen[0]["train_loss"]
+    from fdl.rundir.timeline import read_events
+
+    logged = [e["values"] for e in read_events(tmp_path / "run", 0) if e["kind"] == "scalars"]
+    assert logged and all(set(values) == {"loss", "accuracy"} for values in logged)
+    assert 0.5 < logged[-1]["accuracy"] <= 1
+
+
+def test_a_callback_without_a_hook_is_refused():
+    with pytest.raises(UsageError, match=r"callbacks\[0\] \(object\) has neither"):
+        trainer(callbacks=[object()]).fit()

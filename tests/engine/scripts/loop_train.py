@@ -50,7 +50,9 @@ counter = Counter()
 run.state(counter=counter)
 run.evaluate(make_data(256, seed=2), evaluate)
 seen = {"batches": 0, "mid_step_changes": 0, "progress_back": 0, "resumed_steps": None,
-        "autocast_dtypes": []}
+        "autocast_dtypes": [], "averages": 0, "epoch_ends": 0}
+run.after_average(lambda: seen.update(averages=seen["averages"] + 1))
+run.at_epoch_end(lambda record: seen.update(epoch_ends=record["epoch"]))
 last_progress, after = 0.0, None
 for index, (features, labels) in enumerate(run.batches(
         make_data(1024, seed=1), model=model, optimizer=optimizer, batch_size=32,
