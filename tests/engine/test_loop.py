@@ -85,7 +85,7 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
     # run.after_average: once per boundary where an average landed: a blocking one, or an
     # async boundary that applies the one launched before (not one after a blocking boundary)
     previous_blocking = [True] + [e["blocking"] for e in syncs[:-1]]
-    landed = sum(e["blocking"] or not before for e, before in zip(syncs, previous_blocking))
+    landed = sum(e["blocking"] or not before for e, before in zip(syncs, previous_blocking, strict=True))
     assert fast["averages"] == landed
     assert fast["epoch_ends"] == 2
     logged = [e for e in read_events(run_dir, 0) if e["kind"] == "scalars"]
