@@ -154,6 +154,11 @@ class Replica:
     def policy(self) -> Policy:
         return self.config.policy
 
+    @property
+    def step_size(self) -> int:
+        """The samples of one step, the plan's unit: ``accumulate`` batches."""
+        return self.config.batch_size * self.accumulate
+
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
 
@@ -261,7 +266,7 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     """The rank's planned steps on its slice of the epoch's stream; the elastic rank stops
     early once the slowest rank has posted that it is done. Returns the samples the elastic
     rank used (None: the round is not elastic)."""
-    mine, step_size = plan.slices[replica.rank], replica.config.batch_size
+    mine, step_size = plan.slices[replica.rank], replica.step_size
     order = replica.order(plan.epoch)
     warm_first = plan.calibration and state.samples_seen == 0
     signal = ElasticSignal.open(plan, rank=replica.rank)
@@ -272,7 +277,8 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
             if replica.comm_meter is not None:  # the mean is over the ranks with data
                 replica.comm_meter.ranks_with_data = sum(s.steps > index for s in plan.slices)
             low = mine.start + index * step_size
-            yield from _timed_step(replica, plan, state, tally, order[low:min(low + step_size, mine.stop)],
+            yield from _timed_step(replica, plan, state, tally,
+                                   order[low:min(low + step_size, mine.stop)],
                                    progress=state.samples_seen + plan.num_samples * index
                                    / max(1, mine.steps), warm=warm_first and index == 0)
         _shadow_steps(replica, plan)
@@ -305,7 +311,7 @@ def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
                 tally: RoundTally) -> Generator[Any, None, int | None]:
     """Whole steps of the calibration round's pool, taken one at a time after the rank's own
     steps until every rank is done; returns how many the ranks took (None: no pool)."""
-    step_size, order = replica.config.batch_size, replica.order(plan.epoch)
+    step_size, order = replica.step_size, replica.order(plan.epoch)
     pool = CalibrationPool.open(plan, world_size=replica.world_size)
     while (j := pool.take()) is not None:
         low = plan.pool_start + j * step_size
@@ -367,7 +373,7 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
     replica.sleep_owed_s = timer.owed_s
     mine = plan.slices[replica.rank]
     used = mine.num_samples if plan.elastic != replica.rank else tally.timed_samples
-    _book_round(replica, plan, used + tally.pool_batches * replica.config.batch_size, tally,
+    _book_round(replica, plan, used + tally.pool_batches * replica.step_size, tally,
                 compute_s=time.perf_counter() - tally.started)
     since = replica.checkpointer.since_last_s() if replica.checkpointer is not None else 0.0
     return rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,

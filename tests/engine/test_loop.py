@@ -76,7 +76,8 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
     planned = [sum(e["planned"] for e in read_events(run_dir, r)
                    if e["kind"] == "round" and e["round"] > 0) for r in (0, 1)]
     assert planned[0] > planned[1]
-    assert fast["batches"] + slow["batches"] == 2 * 1024 // 32  # every sample once per epoch
+    assert fast["samples"] + slow["samples"] == 2 * 1024  # every sample once per epoch
+    assert {size for rank in seen for size in rank["batch_sizes"]} == {32}  # whole batches
     assert fast["summary"]["accumulate"] == 2
     assert fast["summary"]["policy"] == policy
     assert fast["metrics"]["accuracy"] > 0.7

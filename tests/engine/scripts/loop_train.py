@@ -50,7 +50,8 @@ counter = Counter()
 run.state(counter=counter)
 run.evaluate(make_data(256, seed=2), evaluate)
 seen = {"batches": 0, "mid_step_changes": 0, "progress_back": 0, "resumed_steps": None,
-        "autocast_dtypes": [], "averages": 0, "epoch_ends": 0}
+        "autocast_dtypes": [], "averages": 0, "epoch_ends": 0, "samples": 0,
+        "batch_sizes": []}
 run.after_average(lambda: seen.update(averages=seen["averages"] + 1))
 run.at_epoch_end(lambda record: seen.update(epoch_ends=record["epoch"]))
 last_progress, after = 0.0, None
@@ -75,6 +76,9 @@ for index, (features, labels) in enumerate(run.batches(
     (loss / accumulate).backward()
     run.log(loss=loss)
     seen["batches"] += 1
+    seen["samples"] += len(labels)
+    if len(labels) not in seen["batch_sizes"]:
+        seen["batch_sizes"].append(len(labels))
     if (index + 1) % accumulate == 0 and not never_step:
         if not plain:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
