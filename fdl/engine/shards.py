@@ -299,10 +299,7 @@ class IterableStream:
                 self.offset += 1
                 self.samples += 1
                 return sample
-            empty = self.offset == 0
             self._reader, self.epoch, self.offset = None, self.epoch + 1, 0
-            if empty:
-                break
         raise UsageError(f"the dataset gave no samples in epoch {self.epoch - 1}",
                          hint="pass a dataset that can be iterated again (a generator "
                               "runs once)")
