@@ -12,9 +12,10 @@ from an atomic counter in the group's store (``store.add(key, 1)``, one key per 
 past the end means every shard of the epoch is taken, and the rank goes on to epoch e+1. So
 each shard is claimed exactly once per epoch across the ranks, a fast rank claims more of them,
 and no rank waits at an epoch's end: a fast one may read epoch e+1 while a slow one finishes
-its last shard of e. ``epoch`` is this rank's: that of the last sample it read. The stream never
-ends; a budget in samples ends the run. Without a group and with ``world_size`` 1 the counter
-is local. Two streams in one group need two ``name``s (their keys).
+its last shard of e. ``epoch`` is this rank's: the one it reads in. The stream never ends; a
+budget in samples ends the run. Without a group and with ``world_size`` 1 the counter is local.
+The keys hold the stream's ``name``: two fresh streams of one name in one group would share
+their counters, so give each its own (``"train"``, ``"eval"``).
 
 **Samples.** ``open_shard(item)`` gives a shard's samples in order: :func:`read_lines` by
 default (a UTF-8 text file, one sample per line, without its line end); pass your own for
@@ -191,8 +192,8 @@ class ShardStream:
         furthest = max(other["epoch"] for other in ranks)
         taken = {shard for other in ranks if other["epoch"] == furthest
                  for shard in other["claimed"]}
-        claims = self._open_claims()
-        claims.resumed_epoch, claims.resumed_taken = furthest, frozenset(taken)
+        self._claims = ShardClaims(saved.num_shards, saved.seed, self._resolve_store(),
+                                   self._key(), furthest, frozenset(taken))
 
     def _next_sample(self) -> Any:
         while True:
@@ -235,11 +236,12 @@ class ShardStream:
 
     def _open_claims(self) -> ShardClaims:
         if self._claims is None:
-            position = self.position
-            key = (f"fdl/shards/{restart_attempt()}/{self.name}/{position.generation}/")
-            self._claims = ShardClaims(position.num_shards, position.seed,
-                                       self._resolve_store(), key)
+            self._claims = ShardClaims(self.position.num_shards, self.position.seed,
+                                       self._resolve_store(), self._key())
         return self._claims
+
+    def _key(self) -> str:
+        return f"fdl/shards/{restart_attempt()}/{self.name}/{self.position.generation}/"
 
     def _resolve_store(self) -> Any:
         if self._store is None:
@@ -258,7 +260,7 @@ class ShardStream:
         world_size = self.position.world_size
         if world_size == 1:
             return [mine]
-        key = f"{self._open_claims().key}resume/"
+        key = f"{self._key()}resume/"
         store = self._resolve_store()
         store.set(f"{key}{self.rank}", json.dumps(mine))
         return [json.loads(store.get(f"{key}{rank}")) for rank in range(world_size)]
