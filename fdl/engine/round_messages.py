@@ -30,7 +30,7 @@ class ElasticSignal:
         if plan.elastic is None:
             return cls()
         return cls("receive" if rank == plan.elastic else "send", _required_store(),
-                   f"fdl/elastic/{_attempt()}/")
+                   f"fdl/elastic/{restart_attempt()}/")
 
     def arrived(self, plan: RoundPlan) -> bool:
         return self.role == "receive" and self.store.check([self._key("done", plan)])
@@ -74,7 +74,7 @@ class CalibrationPool:
         if not plan.pool:
             return cls()
         pool = cls(plan.pool, world_size, _required_store(),
-                   f"fdl/pool/{_attempt()}/{plan.round_index}/")
+                   f"fdl/pool/{restart_attempt()}/{plan.round_index}/")
         pool.store.add(pool.key + "done", 1)
         return pool
 
@@ -96,18 +96,22 @@ class CalibrationPool:
         return int(self.store.get(self.key + "used"))  # waits for the last rank to stop
 
 
-def _attempt() -> str:
+def restart_attempt() -> str:
+    """torchelastic's restart count: a key holds it, so an attempt never reads the counters an
+    earlier attempt left in a store that outlived it."""
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def _required_store() -> Any:
-    store = _store()
+    store = group_store()
     if store is None:
         raise RuntimeError("an elastic round or a pool needs the process group's store")
     return store
 
 
-def _store() -> Any:
+def group_store() -> Any:
+    """The default process group's store (the launcher's TCPStore under ``fdl run``), or None
+    without a group. torch has no public accessor for it: this is the one place that asks."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
