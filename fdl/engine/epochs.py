@@ -39,7 +39,6 @@ class Script(Protocol):
     """What an epoch's end needs of the run (fdl.engine.loop.Run: a protocol, the loop imports
     this module)."""
 
-    train_data: Any
     eval_data: Any
     evaluate_fn: Any
     history: list[dict[str, Any]]
@@ -137,7 +136,7 @@ class EpochLog:
     def _record(self, epoch: int, state: PlanState, *, epoch_s: float,
                 per_rank: list[RankFigures], comm_ms: list[float],
                 elapsed: float) -> EpochRecord:
-        samples = (epoch + 1) * len(self.trainer.train_data)
+        samples = state.samples_seen
         done_here = samples - self.start_samples
         busiest = max((r.busy_s for r in per_rank), default=0.0)
         # the communication proper of the averages and of DDP's all-reduce: the least over ranks

@@ -33,6 +33,7 @@ the round loop, and at ``finish`` the summary, the consensus model and the group
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -72,6 +73,9 @@ from fdl.rundir.model import save_model
 from fdl.rundir.progress import ProgressFile
 from fdl.rundir.summary import build_summary, write_summary
 from fdl.rundir.timeline import Timeline
+
+# The plan's length for a stream with a time budget alone: the time ends it long before.
+STREAM_WITHOUT_SAMPLE_BUDGET = 2**53
 
 
 @dataclass
@@ -181,7 +185,10 @@ class Run:
         if self._final is not None:
             return 1.0
         total = self._plan_config.num_samples if self._plan_config else 0
-        return min(1.0, replica.position / total) if total else 0.0
+        done = replica.position / total if total else 0.0
+        if self.config.max_time:  # a time budget: whichever is further
+            done = max(done, replica.elapsed_s() / self.config.max_time)
+        return min(1.0, done)
 
     @property
     def step_model(self) -> nn.Module:
@@ -244,6 +251,7 @@ class Run:
                 batch_size: int | None = None, epochs: int | None = None,
                 max_steps: int | None = None, max_samples: int | None = None,
                 max_time: float | str | None = None, accumulate: int = 1,
+                open_shard: Callable[[Any], Any] | None = None,
                 ddp: bool = False) -> Iterator[Any]:
         """This rank's batches of every round, on ``run.device``; ``model`` is averaged
         between rounds. ``accumulate=k``: the loop steps the optimizer every k batches (a
@@ -252,6 +260,12 @@ class Run:
         one step of plain DDP, however El Che spreads them), ``max_samples``, or ``max_time``
         (seconds or ``"10m"``: the round after the clocks pass it is the last). ``fdl run
         --epochs/--max-steps/--max-samples/--max-time`` override these.
+        ``data`` is a map-style dataset (``len()`` and ``[i]``: each epoch visits every sample
+        once, in an order drawn from the seed), or data without ``len()`` that needs a budget:
+        a list of shard files (each claimed by one rank once per epoch, read with
+        ``open_shard(path) -> samples``, by default one sample per text line), an
+        ``IterableDataset`` (each rank iterates its own copy), or a ``fdl.engine.shards``
+        stream of the run's batch size.
         ``ddp=True`` (fdl.Trainer): under sync the
         step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
         optimizer's step."""
@@ -262,8 +276,39 @@ class Run:
         given = {"batch_size": batch_size, "epochs": epochs, "max_steps": max_steps,
                  "max_samples": max_samples, "max_time": max_time}
         self.config = self._configured(**{k: v for k, v in given.items() if v is not None})
-        self.check_data(data, accumulate=accumulate)
-        return self._rounds(data, model, optimizer, accumulate=accumulate, ddp=ddp)
+        stream = self._stream(data, open_shard)
+        if stream is None:
+            self.check_data(data, accumulate=accumulate)
+        return self._rounds(data if stream is None else None, model, optimizer,
+                            accumulate=accumulate, ddp=ddp, stream=stream)
+
+    def _stream(self, data: Any, open_shard: Callable[[Any], Any] | None) -> Any:
+        """A stream of batches for data without ``len()`` (None: a map-style dataset)."""
+        from torch.utils.data import IterableDataset
+
+        from fdl.engine.shards import IterableStream, ShardStream, read_lines
+
+        config = self.config
+        if isinstance(data, (ShardStream, IterableStream)):
+            stream = data
+            if stream.batch_size != config.batch_size:
+                raise UsageError(f"the stream's batch_size is {stream.batch_size}, the run's "
+                                 f"{config.batch_size}", hint="make them the same")
+        elif isinstance(data, IterableDataset):
+            stream = IterableStream(data, batch_size=config.batch_size)
+        elif isinstance(data, (list, tuple)) and data and all(
+                isinstance(item, (str, os.PathLike)) for item in data):
+            stream = ShardStream(list(data), batch_size=config.batch_size, seed=config.seed,
+                                 rank=self.rank, world_size=self.world_size,
+                                 open_shard=open_shard or read_lines)
+        else:
+            return None
+        if config.max_steps is None and config.max_samples is None and config.max_time is None:
+            raise UsageError("streaming data (shards or an IterableDataset) has no length: "
+                             "give the run a budget",
+                             hint="run.batches(..., max_steps=N) or max_samples / max_time, "
+                                  "or fdl run --max-steps N")
+        return stream
 
     def _configured(self, **script: Any) -> EngineConfig:
         config = resolve_config(script={**self.script, **script},
@@ -292,7 +337,7 @@ class Run:
                              f"{self.world_size} worker(s)")
 
     def _rounds(self, data: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                accumulate: int, ddp: bool) -> Iterator[Any]:
+                accumulate: int, ddp: bool, stream: Any) -> Iterator[Any]:
         config, run_dir = self.config, self.config.run_dir
         if run_dir is not None and self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -303,15 +348,22 @@ class Run:
                                     self.rank, self.world_size,
                                     at_epoch_end=self._at_epoch_end)
         replica = self.replica = self._replica(data, model, optimizer, accumulate=accumulate,
-                                               ddp=ddp)
+                                               ddp=ddp, stream=stream)
         step_size = config.batch_size * accumulate
         budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
                                 world_size=self.world_size, batch_size=config.batch_size,
                                 accumulate=accumulate)
+        if stream is not None:  # one "epoch" of the budget (a time alone: as good as endless)
+            size, epochs = budget or STREAM_WITHOUT_SAMPLE_BUDGET, 1
+            budget = None
+            self.state_objects["fdl_stream"] = stream  # its position goes into checkpoints
+        else:
+            size, epochs = len(data), config.epochs
         plan_config = self._plan_config = PlanConfig(
-            world_size=self.world_size, batch_size=step_size, dataset_size=len(data),
-            epochs=config.epochs, max_samples=budget, policy=config.policy,
+            world_size=self.world_size, batch_size=step_size, dataset_size=size,
+            epochs=epochs, max_samples=budget, policy=config.policy,
             overhead_target=config.overhead_target)
+        replica.config = replace(config, epochs=epochs)
         self._epochs_log.epochs_total = plan_config.num_epochs
         precisions = gather_labels(self.precision, world_size=self.world_size) \
             if self.world_size > 1 else [self.precision]
@@ -331,7 +383,7 @@ class Run:
             self._epochs_log.close()
 
     def _replica(self, data: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 accumulate: int, ddp: bool) -> Replica:
+                 accumulate: int, ddp: bool, stream: Any) -> Replica:
         """This rank's replica: ``model`` with rank 0's weights, the sync policy's gradient
         all-reduce, the averaging buffers; from here on each rank draws its own random
         streams (dropout, augmentation: the same masks on every rank would waste replicas)."""
@@ -374,11 +426,12 @@ class Run:
             on_epoch_end=self._epochs_log.epoch_end if self._epochs_log else _no_epoch_end,
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
-            after_average=self._after_average,
+            after_average=self._after_average, stream=stream,
             verify=_verify(),
             on_scalars=self._epochs_log.scalars if self._epochs_log else None,
             progress=ProgressFile.from_env(run_dir, rank=rank, epochs=config.epochs,
-                                           epoch_size=len(data), world_size=world_size),
+                                           epoch_size=len(data) if stream is None else 1,
+                                           world_size=world_size),
         )
 
     def _start(self, replica: Replica, plan_config: PlanConfig) -> PlanState:
@@ -486,9 +539,6 @@ class Run:
     def evaluate_fn(self) -> Any:
         return self._evaluation.fn if self._evaluation else None
 
-    @property
-    def train_data(self) -> Any:
-        return self.replica.dataset if self.replica else ()
 
 
 def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> None:
@@ -546,8 +596,6 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
 
 
 def _verify() -> bool:
-    import os
-
     return os.environ.get("FDL_VERIFY_REPLICAS") == "1"
 
 

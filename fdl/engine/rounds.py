@@ -117,7 +117,7 @@ class Replica:
     model: nn.Module
     step_model: nn.Module  # DDP wrapper under sync, else the model
     optimizer: torch.optim.Optimizer
-    dataset: Any
+    dataset: Any  # a map-style dataset, or None for a stream
     config: EngineConfig
     timeline: Timeline
     averager: Averager | None
@@ -147,6 +147,7 @@ class Replica:
     compute_mean: RunningMean | None = None
     sleep_owed_s: float = 0.0
     on_scalars: Callable[[dict[str, float]], None] | None = None  # each round's logged means
+    stream: Any = None  # data without len() (fdl.engine.shards): batches instead of positions
     after_average: list[Callable[[], None]] = field(default_factory=list)  # run.after_average
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -267,7 +268,7 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     early once the slowest rank has posted that it is done. Returns the samples the elastic
     rank used (None: the round is not elastic)."""
     mine, step_size = plan.slices[replica.rank], replica.step_size
-    order = replica.order(plan.epoch)
+    order = replica.order(plan.epoch) if replica.stream is None else None
     warm_first = plan.calibration and state.samples_seen == 0
     signal = ElasticSignal.open(plan, rank=replica.rank)
     with _joined_if_uneven(replica, plan):
@@ -278,7 +279,7 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
                 replica.comm_meter.ranks_with_data = sum(s.steps > index for s in plan.slices)
             low = mine.start + index * step_size
             yield from _timed_step(replica, plan, state, tally,
-                                   order[low:min(low + step_size, mine.stop)],
+                                   _samples(order, low, min(low + step_size, mine.stop)),
                                    progress=state.samples_seen + plan.num_samples * index
                                    / max(1, mine.steps), warm=warm_first and index == 0)
         _shadow_steps(replica, plan)
@@ -311,39 +312,53 @@ def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
                 tally: RoundTally) -> Generator[Any, None, int | None]:
     """Whole steps of the calibration round's pool, taken one at a time after the rank's own
     steps until every rank is done; returns how many the ranks took (None: no pool)."""
-    step_size, order = replica.step_size, replica.order(plan.epoch)
+    step_size = replica.step_size
+    order = replica.order(plan.epoch) if replica.stream is None else None
     pool = CalibrationPool.open(plan, world_size=replica.world_size)
     while (j := pool.take()) is not None:
         low = plan.pool_start + j * step_size
-        yield from _timed_step(replica, plan, state, tally, order[low:low + step_size],
+        yield from _timed_step(replica, plan, state, tally,
+                               _samples(order, low, low + step_size),
                                progress=state.samples_seen + low - state.position, warm=False)
         tally.pool_batches += 1
     return pool.close()
 
 
+def _samples(order: torch.Tensor | None, low: int, high: int) -> torch.Tensor | int:
+    """The samples of stream positions ``[low, high)``: their indices in the epoch's order, or,
+    for a stream (no order), how many."""
+    return high - low if order is None else order[low:high]
+
+
 def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: RoundTally,
-                indices: torch.Tensor, *, progress: float, warm: bool) -> Generator[Any, None, None]:
-    """One whole optimizer step on the samples ``indices``, timed as the planner must balance
-    it: fetching and collating its batches, the host-to-device copies, and the caller's code
-    for each (forward, backward, the optimizer step). With ``accumulate`` k the step is k
-    batches (the samples split as evenly as they go), and the step must end on the
-    optimizer's step: a round never ends between the batches of one."""
+                samples: torch.Tensor | int, *, progress: float,
+                warm: bool) -> Generator[Any, None, None]:
+    """One whole optimizer step on ``samples`` (indices into the dataset; for a stream, a
+    count), timed as the planner must balance it: fetching and collating its batches, the
+    host-to-device copies, and the caller's code for each (forward, backward, the optimizer
+    step). With ``accumulate`` k the step is k batches (the samples split as evenly as they
+    go; a stream's are whole batches), and the step must end on the optimizer's step: a round
+    never ends between the batches of one."""
     parts = replica.accumulate
-    if len(indices) < parts:  # an epoch's last few samples, too few for a step of k batches
+    count = samples if isinstance(samples, int) else len(samples)
+    if count < parts:  # an epoch's last few samples, too few for a step of k batches
         return
     clock = tally.warmup if warm else tally.timer
     clock.start()
     replica.position = progress
-    for part, chunk in enumerate(indices.tensor_split(parts)):
+    chunks = [None] * parts if isinstance(samples, int) else samples.tensor_split(parts)
+    for part, chunk in enumerate(chunks):
         fetched = time.perf_counter()
-        batch = to_device(collate(replica.dataset, chunk), replica.device)
+        raw = replica.stream.next_batch() if chunk is None else collate(replica.dataset, chunk)
+        batch = to_device(raw, replica.device)
         tally.data_s += time.perf_counter() - fetched
         yield batch
         if replica.steps is not None:
             replica.steps.check(after=part + 1, of=parts)
     clock.stop()
     if not warm:
-        tally.timed_samples += len(indices)
+        tally.timed_samples += count if chunks[0] is not None else \
+            parts * replica.config.batch_size
     if replica.progress is not None and replica.progress.due():
         mine = plan.slices[replica.rank]
         _show_progress(replica, plan, samples=min(

@@ -114,3 +114,59 @@ def test_a_loop_that_never_steps_is_told_on_its_first_batch(tmp_path):
                           env=clean_env(), cwd=tmp_path)
     assert proc.returncode != 0
     assert "the optimizer did not step after 1 batch(es)" in proc.stderr
+
+
+def shard_files(folder: Path) -> int:
+    """7 text shards of 96 to 192 sample ids (whole batches of 16); returns how many ids."""
+    folder.mkdir()
+    total = 0
+    for shard in range(7):
+        count = 96 + 16 * shard
+        (folder / f"s{shard}.txt").write_text("".join(f"{shard * 1000 + i}\n"
+                                                      for i in range(count)))
+        total += count
+    return total
+
+
+def stream_run(tmp_path: Path, *flags: str, iterable: bool = False) -> tuple[Path, list[dict]]:
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    proc = run_fdl("run", "--nproc-per-node", "2", "--run-dir", str(run_dir), *flags,
+                   str(SCRIPTS / "stream_train.py"), str(out), str(tmp_path / "shards"),
+                   *(("--iterable",) if iterable else ()), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_shards_are_each_read_by_one_rank_once_per_epoch_within_a_sample_budget(tmp_path):
+    total = shard_files(tmp_path / "shards")
+    _, ranks = stream_run(tmp_path, "--policy", "cadence", "--simulate-slowdown", "1,4",
+                          "--max-samples", str(total))
+    read = [[(epoch, i) for epoch, ids in rank["seen"] for i in ids] for rank in ranks]
+    assert sum(map(len, read)) == total  # the budget, in samples
+    everything = read[0] + read[1]
+    assert len(set(everything)) == len(everything)  # no sample twice in one epoch
+    owners: dict[tuple[int, int], set[int]] = {}
+    for rank, samples in enumerate(read):
+        for epoch, i in samples:
+            owners.setdefault((epoch, i // 1000), set()).add(rank)
+    assert all(len(ranks_of) == 1 for ranks_of in owners.values())  # a shard, one rank
+    assert ranks[0]["summary"]["samples"] == total
+    assert ranks[0]["progress"][-1] > 0.9
+
+
+@pytest.mark.parametrize(("budget", "value"), [("--max-steps", "12"), ("--max-time", "0.5s")])
+def test_a_step_or_time_budget_ends_a_run_on_an_iterable_dataset(tmp_path, budget, value):
+    (tmp_path / "shards").mkdir()
+    run_dir, ranks = stream_run(tmp_path, "--policy", "async", budget, value, iterable=True)
+    samples = ranks[0]["summary"]["samples"]
+    if budget == "--max-steps":  # 12 global steps of 2 ranks x 16 samples
+        assert samples == 12 * 2 * 16
+        assert sum(r["steps"] for r in ranks) == 24
+    else:  # the round after the clocks passed 0.5 s is the last: it ends on its own
+        assert samples > 0
+        anchors = [e for e in read_events(run_dir, 0) if e["kind"] == "anchor"]
+        assert any("max_time 0.5s reached" in e["reason"] for e in anchors)
+    assert ranks[0]["history"][-1]["epoch"] == 1
+    same = [json.dumps(r["summary"]["checksum"]) for r in ranks]
+    assert same[0] == same[1]
