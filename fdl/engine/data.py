@@ -231,14 +231,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def shard(size: int, *, rank: int, world_size: int) -> tuple[int, int]:
-    """Rank ``rank``'s contiguous share ``[start, stop)`` of ``size`` items (for evaluation)."""
-    per, extra = divmod(size, world_size)
-    start = rank * per + min(rank, extra)
-    return start, start + per + (1 if rank < extra else 0)
-
-
-
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a collated batch: the leading dimension of its first tensor,
     or the length of a collated list of non-tensors (e.g. strings)."""

@@ -19,7 +19,6 @@ from fdl.engine.data import (
     epoch_permutation,
     index_batches,
     index_lists,
-    shard,
     slice_batches,
     to_device,
 )
@@ -282,21 +281,6 @@ def test_to_device_copies_a_dataclass_with_its_fields_moved():
     assert isinstance(moved, Inputs) and moved is not batch
     assert moved.ids.device.type == "meta" and moved.mask.device.type == "meta"
     assert moved.name == "b" and batch.ids.device.type == "cpu"
-
-
-# ---------------------------------------------------------------------------------------------
-# shard
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("size", range(21))
-def test_shard_covers_the_range_once_with_sizes_within_one(size, world_size):
-    shards = [shard(size, rank=rank, world_size=world_size) for rank in range(world_size)]
-    covered = [i for start, stop in shards for i in range(start, stop)]
-    assert covered == list(range(size))  # contiguous, in rank order, each index once
-    lengths = [stop - start for start, stop in shards]
-    assert max(lengths) - min(lengths) <= 1
-    assert lengths == sorted(lengths, reverse=True)  # the extra items go to the first ranks
 
 
 # ---------------------------------------------------------------------------------------------
