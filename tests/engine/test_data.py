@@ -1,15 +1,27 @@
-"""The engine's sample stream: epoch orders, a rank's batches, device moves, eval shards."""
+"""The engine's sample stream: epoch orders, a rank's batches (collated as the user's DataLoader
+would), device moves, batch sizes."""
 
 from __future__ import annotations
 
-from collections import namedtuple
+from collections import UserDict, namedtuple
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from fdl.engine.data import batch_size_of, epoch_permutation, shard, slice_batches, to_device
+from fdl.engine.data import (
+    TrainData,
+    batch_size_of,
+    collate,
+    epoch_permutation,
+    index_batches,
+    index_lists,
+    slice_batches,
+    to_device,
+)
 
 
 class ListDataset(Dataset):
@@ -110,6 +122,85 @@ def test_slice_batches_collates_dict_samples():
         assert torch.equal(batch["x"], batch["y"].float().unsqueeze(1).expand(-1, 2))
 
 
+class Sequences(Dataset):
+    """Sample i: a sequence of (i % 5) + 1 values all equal to i, and label i."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.full(((index % 5) + 1,), float(index)), index
+
+
+def pad_collate(samples: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding: each batch padded to its own longest sequence."""
+    lengths = torch.tensor([len(sequence) for sequence, _ in samples])
+    padded = torch.zeros(len(samples), int(lengths.max()))
+    for row, (sequence, _) in enumerate(samples):
+        padded[row, :len(sequence)] = sequence
+    return {"input": padded, "lengths": lengths,
+            "label": torch.tensor([label for _, label in samples])}
+
+
+def check_padded(batches: list[dict[str, torch.Tensor]], expected: list[list[int]]) -> None:
+    assert [batch["label"].tolist() for batch in batches] == expected
+    for batch in batches:
+        labels = batch["label"]
+        assert batch["lengths"].tolist() == [(i % 5) + 1 for i in labels.tolist()]
+        assert batch["input"].shape == (len(labels), int(batch["lengths"].max()))
+        for row, length in zip(batch["input"], batch["lengths"].tolist(), strict=True):
+            assert torch.equal(row[:length], torch.full((length,), float(row[0])))
+            assert not row[length:].any()
+        assert torch.equal(batch["input"][:, 0], labels.float())
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_slice_batches_collates_with_the_loaders_collate_fn(num_workers):
+    data = TrainData.of(DataLoader(Sequences(), batch_size=8, collate_fn=pad_collate,
+                                   num_workers=num_workers))
+    order = epoch_permutation(seed=5, epoch=0, size=40)
+    batches = list(slice_batches(data, order, start=3, stop=30, batch_size=6))
+    check_padded(batches, index_lists(index_batches(order, start=3, stop=30, batch_size=6)))
+
+
+def test_a_tensor_dataset_with_its_own_collate_fn_is_collated_by_it():
+    dataset = tensor_dataset(10)
+    data = TrainData(dataset=dataset, collate_fn=lambda samples: len(samples))
+    assert not data.indexes_tensors
+    assert collate(data, torch.tensor([1, 4, 7])) == 3
+    assert TrainData(dataset=dataset).indexes_tensors
+
+
+def test_collate_fetches_through_getitems_when_the_dataset_has_it():
+    """HuggingFace datasets fetch a batch at once; DataLoader's workers call __getitems__."""
+
+    class Batched(ListDataset):
+        def __init__(self, dataset: TensorDataset):
+            super().__init__(dataset)
+            self.calls: list[list[int]] = []
+
+        def __getitems__(self, indices: list[int]):
+            self.calls.append(indices)
+            return [self.samples[i] for i in indices]
+
+    dataset = Batched(tensor_dataset(9))
+    features, labels = collate(dataset, torch.tensor([8, 0, 3]))
+    assert dataset.calls == [[8, 0, 3]]
+    assert labels.tolist() == [8, 0, 3]
+    assert torch.equal(features, dataset.samples[0][0].new_tensor(
+        [dataset.samples[i][0].tolist() for i in (8, 0, 3)]))
+
+
+def test_index_batches_cuts_the_slice_of_the_order():
+    order = torch.tensor([5, 3, 9, 1, 0, 2, 8])
+    batches = index_batches(order, start=1, stop=6, batch_size=2)
+    assert all(b.untyped_storage().data_ptr() == order.untyped_storage().data_ptr()
+               for b in batches)  # views of the order: no copy, no list
+    assert index_lists(batches) == [[3, 9], [1, 0], [2]]
+    assert index_batches(order, start=4, stop=4, batch_size=2) == []
+    assert index_lists([range(2), (5, 1)]) == [[0, 1], [5, 1]]
+
+
 # ---------------------------------------------------------------------------------------------
 # to_device
 
@@ -141,19 +232,55 @@ def test_to_device_on_the_same_device_keeps_values():
     assert to_device("text", torch.device("cpu")) == "text"
 
 
-# ---------------------------------------------------------------------------------------------
-# shard
+class Encoding(UserDict):
+    """What HuggingFace's BatchEncoding is: a UserDict that moves itself with .to()."""
+
+    def to(self, device: torch.device) -> Encoding:
+        self.data = {key: value.to(device) for key, value in self.data.items()}
+        self.moved_to = device
+        return self
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("size", range(21))
-def test_shard_covers_the_range_once_with_sizes_within_one(size, world_size):
-    shards = [shard(size, rank=rank, world_size=world_size) for rank in range(world_size)]
-    covered = [i for start, stop in shards for i in range(start, stop)]
-    assert covered == list(range(size))  # contiguous, in rank order, each index once
-    lengths = [stop - start for start, stop in shards]
-    assert max(lengths) - min(lengths) <= 1
-    assert lengths == sorted(lengths, reverse=True)  # the extra items go to the first ranks
+class ReadOnly(Mapping):
+    def __init__(self, **values):
+        self.values_ = values
+
+    def __getitem__(self, key):
+        return self.values_[key]
+
+    def __iter__(self):
+        return iter(self.values_)
+
+    def __len__(self) -> int:
+        return len(self.values_)
+
+
+@dataclass
+class Inputs:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    name: str = "inputs"
+    numel: int = field(init=False, default=0)
+
+
+def test_to_device_lets_a_mapping_with_to_move_itself():
+    meta = torch.device("meta")
+    moved = to_device({"enc": Encoding(ids=torch.ones(2, 3), mask=torch.ones(2, 3))}, meta)
+    assert isinstance(moved["enc"], Encoding) and moved["enc"].moved_to == meta
+    assert moved["enc"]["ids"].device == meta and moved["enc"]["mask"].device == meta
+
+
+def test_to_device_moves_the_values_of_any_mapping():
+    moved = to_device(ReadOnly(x=torch.ones(2), label="a"), torch.device("meta"))
+    assert moved["x"].device.type == "meta" and moved["label"] == "a"
+
+
+def test_to_device_copies_a_dataclass_with_its_fields_moved():
+    batch = Inputs(ids=torch.ones(4, 2), mask=torch.zeros(4, 2), name="b")
+    moved = to_device(batch, torch.device("meta"))
+    assert isinstance(moved, Inputs) and moved is not batch
+    assert moved.ids.device.type == "meta" and moved.mask.device.type == "meta"
+    assert moved.name == "b" and batch.ids.device.type == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +294,9 @@ def test_shard_covers_the_range_once_with_sizes_within_one(size, world_size):
     ([torch.zeros(5, 2), torch.zeros(5)], 5),
     ({"x": torch.zeros(6, 2), "y": torch.zeros(6)}, 6),
     (Pair(torch.zeros(3), torch.zeros(3)), 3),
+    (Encoding(ids=torch.zeros(8, 5)), 8),
+    (ReadOnly(text=["a", "b"], y=torch.zeros(2)), 2),
+    (Inputs(ids=torch.zeros(6, 1), mask=torch.zeros(6, 1)), 6),
     ([{"x": torch.zeros(2, 9)}], 2),
 ])
 def test_batch_size_of_is_the_first_tensors_leading_dimension(batch, expected):

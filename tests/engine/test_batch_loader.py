@@ -1,0 +1,127 @@
+"""BatchLoader: a slice's batches through DataLoader workers kept from one slice to the next."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import torch
+from test_data import Sequences, check_padded, pad_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from fdl.engine.batch_loader import BatchLoader, IndexFeed
+from fdl.engine.data import (
+    TrainData,
+    epoch_permutation,
+    index_batches,
+    index_lists,
+    slice_batches,
+)
+
+
+class Pids(Dataset):
+    """Sample i: (i, the pid of the process that fetched it)."""
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, os.getpid()])
+
+
+def loader(num_workers: int = 2, dataset: Dataset | None = None) -> BatchLoader:
+    return BatchLoader(TrainData.of(DataLoader(dataset or Pids(), batch_size=4,
+                                               num_workers=num_workers)))
+
+
+def samples(batches) -> list[list[int]]:
+    return [batch[:, 0].tolist() for batch in batches]
+
+
+def pids(batches) -> set[int]:
+    return {int(pid) for batch in batches for pid in batch[:, 1]}
+
+
+def test_the_same_workers_fetch_every_slice():
+    order = epoch_permutation(seed=0, epoch=0, size=60)
+    with loader() as batches:
+        first = list(batches.slice_batches(order, start=0, stop=20, batch_size=4))
+        second = list(batches.slice_batches(order, start=20, stop=45, batch_size=5))
+    assert samples(first) == index_lists(index_batches(order, start=0, stop=20, batch_size=4))
+    assert samples(second) == index_lists(index_batches(order, start=20, stop=45, batch_size=5))
+    workers = pids(first)
+    assert len(workers) == 2 and os.getpid() not in workers
+    assert pids(second) == workers
+
+
+def test_an_abandoned_slice_leaves_nothing_behind_for_the_next():
+    """The elastic rank stops early: the batches its workers had prefetched are dropped."""
+    order = torch.arange(60)
+    with loader() as batches:
+        stopped = batches.slice_batches(order, start=0, stop=40, batch_size=4)
+        assert samples([next(stopped), next(stopped)]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        rest = list(batches.slice_batches(order, start=40, stop=50, batch_size=4))
+        again = list(batches.slice_batches(order, start=50, stop=60, batch_size=4))
+    assert samples(rest) == [[40, 41, 42, 43], [44, 45, 46, 47], [48, 49]]
+    assert samples(again) == [[50, 51, 52, 53], [54, 55, 56, 57], [58, 59]]
+
+
+def test_workers_collate_with_the_loaders_collate_fn():
+    data = TrainData.of(DataLoader(Sequences(), batch_size=8, collate_fn=pad_collate,
+                                   num_workers=2))
+    order = epoch_permutation(seed=2, epoch=3, size=40)
+    with BatchLoader(data) as batches:
+        got = list(batches.slice_batches(order, start=5, stop=37, batch_size=7))
+    check_padded(got, index_lists(index_batches(order, start=5, stop=37, batch_size=7)))
+
+
+def test_the_pools_single_batches_are_made_in_this_process():
+    with loader() as batches:
+        batch = batches.collate(torch.tensor([7, 3]))
+    assert batch.tolist() == [[7, os.getpid()], [3, os.getpid()]]
+
+
+def test_without_workers_batches_are_made_in_this_process():
+    before = len(multiprocessing.active_children())
+    batches = loader(num_workers=0)
+    got = list(batches.slice_batches(torch.arange(60), start=0, stop=8, batch_size=4))
+    assert samples(got) == [[0, 1, 2, 3], [4, 5, 6, 7]] and pids(got) == {os.getpid()}
+    assert len(batches) == 60
+    tensors = TensorDataset(torch.arange(60).view(30, 2))  # indexed at once, no workers
+    fast = loader(dataset=tensors)
+    assert [b[0].tolist() for b in fast.slice_batches(torch.arange(30), start=0, stop=3,
+                                                      batch_size=2)] == [[[0, 1], [2, 3]],
+                                                                         [[4, 5]]]
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_close_stops_the_workers_and_a_later_slice_starts_new_ones():
+    before = len(multiprocessing.active_children())
+    batches = loader()
+    first = pids(batches.slice_batches(torch.arange(60), start=0, stop=8, batch_size=4))
+    assert len(multiprocessing.active_children()) == before + 2
+    batches.close()
+    assert len(multiprocessing.active_children()) == before
+    later = pids(batches.slice_batches(torch.arange(60), start=0, stop=8, batch_size=4))
+    assert later.isdisjoint(first) and len(later) == 2
+    batches.close()
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_a_slice_without_a_batch_loader_starts_workers_for_that_slice_only():
+    before = len(multiprocessing.active_children())
+    data = TrainData.of(DataLoader(Pids(), batch_size=4, num_workers=2))
+    got = list(slice_batches(data, torch.arange(60), start=10, stop=22, batch_size=4))
+    assert samples(got) == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
+    assert os.getpid() not in pids(got)
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_the_feed_hands_out_one_pass_and_a_replace_starts_another():
+    feed = IndexFeed()
+    feed.replace([[1, 2], [3]])
+    old = iter(feed)
+    assert next(old) == [1, 2] and len(feed) == 1
+    feed.replace([[9]])
+    assert list(old) == [[3]]  # the old pass keeps its own lists
+    assert list(feed) == [[9]] and list(feed) == []
