@@ -7,6 +7,8 @@ centres, an MLP classifier. Runs solo or under `fdl run`:
 Options (after the script): --hidden N (width, default 512), --train-samples N (8192),
 --noise X (cluster spread, default 2.5), --epochs N (3),
 --batch-size N (64), --lr X (0.05). `fdl run --epochs/--batch-size` override them.
+--loop: the same training written as a loop of its own on fdl.init's API instead of
+fdl.Trainer (the same engine; scripts/bench-elche measures both).
 """
 
 import argparse
@@ -52,9 +54,28 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.05)
 
 
+def loop(args: argparse.Namespace, build_model) -> fdl.RunResult:
+    """fdl.Trainer's training below, as a loop of one's own."""
+    run = fdl.init(policy="cadence")
+    model = build_model().to(run.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    run.evaluate(make_data(4096, seed=2, noise=args.noise), evaluate)
+    for batch in run.batches(make_data(args.train_samples, seed=1, noise=args.noise),
+                             model=model, optimizer=optimizer, batch_size=args.batch_size,
+                             epochs=args.epochs):
+        optimizer.zero_grad(set_to_none=True)
+        with run.autocast():
+            loss = train_step(model, batch)
+        loss.backward()
+        optimizer.step()
+        run.log(loss=loss.detach())
+    return run.finish()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_task_arguments(parser)
+    parser.add_argument("--loop", action="store_true", help="a loop of its own (fdl.init)")
     args = parser.parse_args()
 
     def build_model() -> nn.Module:
@@ -62,7 +83,7 @@ def main() -> None:
                              nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                              nn.Linear(args.hidden, NUM_CLASSES))
 
-    result = fdl.Trainer(
+    result = loop(args, build_model) if args.loop else fdl.Trainer(
         model=build_model,
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
         train_step=train_step,

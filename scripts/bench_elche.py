@@ -41,11 +41,15 @@ def main() -> None:
              ("async", 2, pair, "async"), (f"torch DDP, {pair} slept on compute", 2, pair, None),
              ("sync, equal workers", 2, None, "sync"),
              ("torch DDP, equal workers", 2, None, None),
-             (f"solo fast + solo slow ({slow}x) at once", 2, slow, "concurrent")]
+             (f"solo fast + solo slow ({slow}x) at once", 2, slow, "concurrent"),
+             ("loop: sync", 2, pair, "sync --loop"), ("loop: cadence", 2, pair, "cadence --loop"),
+             ("loop: async", 2, pair, "async --loop"),
+             ("loop: sync, equal workers", 2, None, "sync --loop")]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
     for repeat in range(args.repeat):  # round-robin: a slow spell of the host hits every cell
         for name, nproc, slowdown, policy in cells:
-            slug = f"{name.split(' (')[0].replace(' ', '-').replace(',', '')}-{repeat}"
+            slug = f"{name.split(' (')[0].replace(' ', '-').replace(',', '').replace(':', '')}" \
+                   f"-{repeat}"
             if policy is None:
                 result = plain_ddp(args.out / slug, slowdown, model_args)
             elif policy == "concurrent":
@@ -64,11 +68,13 @@ def main() -> None:
 
 def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
             model_args: list[str]) -> dict:
+    """``policy`` may end in `` --loop``: the example's own-loop form (fdl.init)."""
+    policy, _, loop = policy.partition(" ")
     argv = [shutil.which("fdl") or "fdl", "run", "--quiet-ranks", "--nproc-per-node", str(nproc),
             "--policy", policy, "--run-dir", str(run_dir)]
     if slowdown:
         argv += ["--simulate-slowdown", slowdown]
-    _run([*argv, str(EXAMPLE), *model_args])
+    _run([*argv, str(EXAMPLE), *model_args, *([loop] if loop else [])])
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"samples_per_s": summary["throughput"]["samples_per_s"],
             "per_rank": summary["throughput"]["per_rank_samples_per_s"],
@@ -173,6 +179,13 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
                   f"(both slept on compute only) = {sync_slowed / ddp_slowed:.3f}; the two solo "
                   f"runs at once: {at_once / ideal:.2f} of ideal (this host's ceiling for two "
                   "workers)"]
+    loop_eq = rows["loop: sync, equal workers"]["samples_per_s"]
+    lines.append(f"the same training as a loop of its own (fdl.init): cadence "
+                 f"{rows['loop: cadence']['samples_per_s'] / ideal:.1%}, async "
+                 f"{rows['loop: async']['samples_per_s'] / ideal:.1%} of ideal (the Trainer: "
+                 f"{rows['cadence']['samples_per_s'] / ideal:.1%}, "
+                 f"{rows['async']['samples_per_s'] / ideal:.1%}); loop sync / torch DDP on "
+                 f"equal workers = {loop_eq / ddp:.3f}")
     for name in ("cadence", "async"):
         row = rows[name]
         lines.append(f"{name}: {row['samples_per_s'] / ideal:.1%} of ideal; per-rank samples/s "

@@ -94,7 +94,9 @@ class EpochLog:
             self.last_eval = evaluate_model(
                 replica.model, self.trainer.eval_data, self.trainer.evaluate_fn,
                 batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
-                world_size=self.world_size)
+                world_size=self.world_size,
+                # sharded by measured speed (the same on every rank): the fast rank takes more
+                weights=[1 / ms for ms in state.ms_per_sample] if state.calibrated else None)
         self.eval_s += time.perf_counter() - begin
         record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
                               comm_ms=comm_ms, elapsed=elapsed)
@@ -161,5 +163,6 @@ def _progress_line(record: EpochRecord, epochs: int) -> None:
     from fdl import console
 
     shown = "  ".join(f"{k} {v:.4f}" for k, v in record.eval.items())
-    console.info(f"epoch {record.epoch}/{epochs}  loss {record.train_loss:.4f}  "
-                 f"{record.samples_per_s:.0f} samples/s" + (f"  {shown}" if shown else ""))
+    loss = f"loss {record.train_loss:.4f}  " if record.train_loss is not None else ""
+    rate = f"{record.samples_per_s:.0f} samples/s" if record.samples_per_s is not None else ""
+    console.info(f"epoch {record.epoch}/{epochs}  {loss}{rate}" + (f"  {shown}" if shown else ""))

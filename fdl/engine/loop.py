@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from fdl.engine.averaging import Averager, checksum
+from fdl.engine.batch_loader import BatchLoader
 from fdl.engine.collectives import (
     Group,
     Membership,
@@ -56,6 +57,7 @@ from fdl.engine.collectives import (
     pick_device,
 )
 from fdl.engine.config import EngineConfig, resolve_config
+from fdl.engine.data import TrainData
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
@@ -273,14 +275,17 @@ class Run:
             raise UsageError("run.batches(...) runs once per run")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        train = None if _streaming(data) else TrainData.of(data)
+        if batch_size is None and train is not None and train.batch_size is not None:
+            batch_size = train.batch_size  # a DataLoader's batch size is the script's value
         given = {"batch_size": batch_size, "epochs": epochs, "max_steps": max_steps,
                  "max_samples": max_samples, "max_time": max_time}
         self.config = self._configured(**{k: v for k, v in given.items() if v is not None})
-        stream = self._stream(data, open_shard)
-        if stream is None:
-            self.check_data(data, accumulate=accumulate)
-        return self._rounds(data if stream is None else None, model, optimizer,
-                            accumulate=accumulate, ddp=ddp, stream=stream)
+        stream = self._stream(data, open_shard) if train is None else None
+        if train is not None:
+            self.check_data(train, accumulate=accumulate)
+        return self._rounds(train, model, optimizer, accumulate=accumulate, ddp=ddp,
+                            stream=stream)
 
     def _stream(self, data: Any, open_shard: Callable[[Any], Any] | None) -> Any:
         """A stream of batches for data without ``len()`` (None: a map-style dataset)."""
@@ -317,14 +322,9 @@ class Run:
         return replace(config, backend=self.config.backend)
 
     def check_data(self, data: Any, *, accumulate: int = 1) -> None:
-        """Raise UsageError unless ``data`` can feed every worker a step of this run."""
-        try:
-            size = len(data)
-            data[0]
-        except (TypeError, AttributeError, KeyError, IndexError, NotImplementedError):
-            raise UsageError(f"run.batches takes a map-style dataset (len() and [i]), got "
-                             f"{type(data).__name__}",
-                             hint="e.g. a torch.utils.data.TensorDataset or Dataset") from None
+        """Raise UsageError unless ``data`` (a dataset, a DataLoader: what it holds) can feed
+        every worker a step of this run."""
+        size = len(data if isinstance(data, TrainData) else TrainData.of(data))
         needed = self.world_size * self.config.batch_size * accumulate
         if size < needed:
             raise UsageError(f"the training data has {size} samples, fewer than one batch per "
@@ -347,7 +347,8 @@ class Run:
         self._epochs_log = EpochLog(self, config, run_dir if self.rank == 0 else None,
                                     self.rank, self.world_size,
                                     at_epoch_end=self._at_epoch_end)
-        replica = self.replica = self._replica(data, model, optimizer, accumulate=accumulate,
+        loader = BatchLoader(data) if data is not None else None
+        replica = self.replica = self._replica(loader, model, optimizer, accumulate=accumulate,
                                                ddp=ddp, stream=stream)
         step_size = config.batch_size * accumulate
         budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
@@ -514,7 +515,8 @@ class Run:
 
     def _close(self) -> None:
         for part in (self.replica.steps if self.replica else None,
-                     getattr(self.replica, "comm_meter", None)):
+                     getattr(self.replica, "comm_meter", None),
+                     getattr(self.replica, "dataset", None)):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
@@ -539,6 +541,18 @@ class Run:
     def evaluate_fn(self) -> Any:
         return self._evaluation.fn if self._evaluation else None
 
+
+
+def _streaming(data: Any) -> bool:
+    """Whether ``data`` is data without ``len()`` that run.batches streams (fdl.engine.shards):
+    an IterableDataset, a list of shard paths, or a stream."""
+    from torch.utils.data import IterableDataset
+
+    from fdl.engine.shards import IterableStream, ShardStream
+
+    return isinstance(data, (IterableDataset, ShardStream, IterableStream)) or (
+        isinstance(data, (list, tuple)) and bool(data)
+        and all(isinstance(item, (str, os.PathLike)) for item in data))
 
 
 def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> None:

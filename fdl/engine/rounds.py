@@ -45,7 +45,7 @@ from fdl.engine import guard
 from fdl.engine.averaging import Averager, checksum
 from fdl.engine.collectives import all_reduce_max
 from fdl.engine.config import EngineConfig
-from fdl.engine.data import collate, epoch_permutation, to_device
+from fdl.engine.data import epoch_permutation, to_device
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.grad_sync import GradSync
 from fdl.engine.plan import (
@@ -269,17 +269,18 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     rank used (None: the round is not elastic)."""
     mine, step_size = plan.slices[replica.rank], replica.step_size
     order = replica.order(plan.epoch) if replica.stream is None else None
+    steps = [_samples(replica, order, low, min(low + step_size, mine.stop))
+             for low in range(mine.start, mine.stop, step_size)]
+    fetch = _slice_fetch(replica, steps)
     warm_first = plan.calibration and state.samples_seen == 0
     signal = ElasticSignal.open(plan, rank=replica.rank)
     with _joined_if_uneven(replica, plan):
-        for index in range(mine.steps):
+        for index, samples in enumerate(steps):
             if index and signal.arrived(plan):
                 break
             if replica.comm_meter is not None:  # the mean is over the ranks with data
                 replica.comm_meter.ranks_with_data = sum(s.steps > index for s in plan.slices)
-            low = mine.start + index * step_size
-            yield from _timed_step(replica, plan, state, tally,
-                                   _samples(order, low, min(low + step_size, mine.stop)),
+            yield from _timed_step(replica, plan, state, tally, fetch, samples,
                                    progress=state.samples_seen + plan.num_samples * index
                                    / max(1, mine.steps), warm=warm_first and index == 0)
         _shadow_steps(replica, plan)
@@ -317,48 +318,74 @@ def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     pool = CalibrationPool.open(plan, world_size=replica.world_size)
     while (j := pool.take()) is not None:
         low = plan.pool_start + j * step_size
-        yield from _timed_step(replica, plan, state, tally,
-                               _samples(order, low, low + step_size),
-                               progress=state.samples_seen + low - state.position, warm=False)
+        samples = _samples(replica, order, low, low + step_size)
+        yield from _timed_step(replica, plan, state, tally, _one_fetch(replica, samples),
+                               samples, progress=state.samples_seen + low - state.position,
+                               warm=False)
         tally.pool_batches += 1
     return pool.close()
 
 
-def _samples(order: torch.Tensor | None, low: int, high: int) -> torch.Tensor | int:
-    """The samples of stream positions ``[low, high)``: their indices in the epoch's order, or,
-    for a stream (no order), how many."""
-    return high - low if order is None else order[low:high]
+def _samples(replica: Replica, order: torch.Tensor | None, low: int,
+             high: int) -> list[torch.Tensor] | int:
+    """A step's samples, stream positions ``[low, high)``: their indices in the epoch's order,
+    split into the step's ``accumulate`` batches (as evenly as they go; none when there are
+    fewer samples than batches: an epoch's last few), or, for a stream, how many."""
+    if order is None:
+        return high - low
+    indices = order[low:high]
+    return list(indices.tensor_split(replica.accumulate)) \
+        if len(indices) >= replica.accumulate else []
+
+
+def _slice_fetch(replica: Replica, steps: list[list[torch.Tensor] | int]) -> Callable[[], Any]:
+    """The next batch of the slice, each call: a stream's next batch, or the slice's batches in
+    order, fetched ahead by the dataset's DataLoader workers when it has them
+    (fdl.engine.batch_loader)."""
+    if replica.stream is not None:
+        return replica.stream.next_batch
+    batches = replica.dataset.batches([chunk for step in steps if not isinstance(step, int)
+                                       for chunk in step])
+    return lambda: next(batches)
+
+
+def _one_fetch(replica: Replica, samples: list[torch.Tensor] | int) -> Callable[[], Any]:
+    """The calibration pool's step, made in this process (its batches come one at a time)."""
+    if replica.stream is not None:
+        return replica.stream.next_batch
+    chunks = iter(samples if not isinstance(samples, int) else [])
+    return lambda: replica.dataset.collate(next(chunks))
 
 
 def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: RoundTally,
-                samples: torch.Tensor | int, *, progress: float,
-                warm: bool) -> Generator[Any, None, None]:
-    """One whole optimizer step on ``samples`` (indices into the dataset; for a stream, a
-    count), timed as the planner must balance it: fetching and collating its batches, the
-    host-to-device copies, and the caller's code for each (forward, backward, the optimizer
-    step). With ``accumulate`` k the step is k batches (the samples split as evenly as they
-    go; a stream's are whole batches), and the step must end on the optimizer's step: a round
-    never ends between the batches of one."""
+                fetch: Callable[[], Any], samples: list[torch.Tensor] | int, *,
+                progress: float, warm: bool) -> Generator[Any, None, None]:
+    """One whole optimizer step on ``samples`` (its batches' indices into the dataset; for a
+    stream, a count), timed as the planner must balance it: fetching and collating its
+    batches (``fetch()`` each), the host-to-device copies, and the caller's code for each
+    (forward, backward, the optimizer step). With ``accumulate`` k the step is k batches, and
+    the step must end on the optimizer's step: a round never ends between the batches of
+    one."""
     parts = replica.accumulate
-    count = samples if isinstance(samples, int) else len(samples)
-    if count < parts:  # an epoch's last few samples, too few for a step of k batches
+    if isinstance(samples, int):  # a stream: whole batches
+        count = parts * replica.config.batch_size if samples >= parts else 0
+    else:
+        count = sum(len(chunk) for chunk in samples)
+    if not count:  # an epoch's last few samples, too few for a step of k batches
         return
     clock = tally.warmup if warm else tally.timer
     clock.start()
     replica.position = progress
-    chunks = [None] * parts if isinstance(samples, int) else samples.tensor_split(parts)
-    for part, chunk in enumerate(chunks):
+    for part in range(parts):
         fetched = time.perf_counter()
-        raw = replica.stream.next_batch() if chunk is None else collate(replica.dataset, chunk)
-        batch = to_device(raw, replica.device)
+        batch = to_device(fetch(), replica.device)
         tally.data_s += time.perf_counter() - fetched
         yield batch
         if replica.steps is not None:
             replica.steps.check(after=part + 1, of=parts)
     clock.stop()
     if not warm:
-        tally.timed_samples += count if chunks[0] is not None else \
-            parts * replica.config.batch_size
+        tally.timed_samples += count
     if replica.progress is not None and replica.progress.due():
         mine = plan.slices[replica.rank]
         _show_progress(replica, plan, samples=min(

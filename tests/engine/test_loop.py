@@ -170,3 +170,44 @@ def test_a_step_or_time_budget_ends_a_run_on_an_iterable_dataset(tmp_path, budge
     assert ranks[0]["history"][-1]["epoch"] == 1
     same = [json.dumps(r["summary"]["checksum"]) for r in ranks]
     assert same[0] == same[1]
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Variable-length samples: sample i is i % 7 + 1 tokens, all equal to i."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.full((i % 7 + 1,), i)
+
+
+def pad(samples):
+    """A collate_fn that pads to the batch's longest sample (dynamic padding)."""
+    longest = max(len(s) for s in samples)
+    return torch.stack([torch.nn.functional.pad(s, (0, longest - len(s)), value=-1)
+                        for s in samples])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_is_used_for_what_it_holds(workers):
+    """Its dataset (96 samples, not its 6 batches), batch size, collate_fn and workers."""
+    import fdl
+
+    loader = torch.utils.data.DataLoader(Sentences(), batch_size=16, collate_fn=pad,
+                                         num_workers=workers)
+    run = fdl.init(seed=1)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for batch in run.batches(loader, model=model, optimizer=optimizer, epochs=2):
+        assert batch.shape[0] == 16
+        lengths = (batch >= 0).sum(dim=1)
+        assert int(lengths.max()) == batch.shape[1]  # padded to this batch's longest
+        seen.extend(int(row[0]) for row in batch)
+        model(lengths.float().unsqueeze(1)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    result = run.finish()
+    assert sorted(seen) == sorted(list(range(96)) * 2)  # every sample once per epoch
+    assert result.summary["samples"] == 192
