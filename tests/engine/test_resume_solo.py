@@ -83,5 +83,5 @@ def test_no_resume_without_being_asked(solo_env):
 def test_resuming_a_checkpoint_at_the_last_epoch_asks_for_more_epochs(solo_env, monkeypatch):
     trainer(epochs=3).fit()
     monkeypatch.setenv("FDL_RESUME", "1")
-    with pytest.raises(fdl.errors.UsageError, match="at epoch 2 and this run has 2 epochs"):
+    with pytest.raises(fdl.errors.UsageError, match=r"at epoch 2 \(1024 samples\) and this run has 2 epochs"):
         trainer(epochs=2).fit()

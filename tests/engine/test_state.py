@@ -26,9 +26,10 @@ NAN, INF = math.nan, math.inf
 
 
 def report(*, busy_ms: float = 100.0, samples: int = 64, wait_ms: float = 5.0,
-           distance: float = 0.01, since_checkpoint_s: float = 2.0) -> RoundReport:
+           distance: float = 0.01, since_checkpoint_s: float = 2.0,
+           elapsed_s: float = 0.0) -> RoundReport:
     return RoundReport(busy_ms=busy_ms, samples=samples, wait_ms=wait_ms, distance=distance,
-                       since_checkpoint_s=since_checkpoint_s)
+                       since_checkpoint_s=since_checkpoint_s, elapsed_s=elapsed_s)
 
 
 # --- RankFigures <-> a row of floats ---------------------------------------------------------
@@ -50,20 +51,20 @@ def test_figures_cross_ranks_as_a_row_and_a_stretch_is_the_difference_of_two_mar
 
 def test_a_report_survives_its_row_and_the_float_buffer_it_travels_in():
     sent = report(busy_ms=123.25, samples=96, wait_ms=NAN, distance=NO_DISTANCE,
-                  since_checkpoint_s=7.5)
+                  since_checkpoint_s=7.5, elapsed_s=61.5)
     row = sent.to_row()
-    assert row == pytest.approx([123.25, 96.0, NAN, -1.0, 7.5], nan_ok=True)
+    assert row == pytest.approx([123.25, 96.0, NAN, -1.0, 7.5, 61.5], nan_ok=True)
     assert len(row) == len(REPORT_FIELDS) and all(isinstance(x, float) for x in row)
     # through a float32 buffer, as the averaging collective carries it
     received = RoundReport.from_row(torch.tensor(row, dtype=torch.float32).tolist())
     assert received.samples == 96 and isinstance(received.samples, int)
-    assert (received.busy_ms, received.distance, received.since_checkpoint_s) == (
-        123.25, -1.0, 7.5)
+    assert (received.busy_ms, received.distance, received.since_checkpoint_s,
+            received.elapsed_s) == (123.25, -1.0, 7.5, 61.5)
     assert math.isnan(received.wait_ms)
 
 
 def test_a_row_without_a_sample_count_reads_as_no_samples():
-    received = RoundReport.from_row([NAN, NAN, NAN, NO_DISTANCE, 0.0])
+    received = RoundReport.from_row([NAN, NAN, NAN, NO_DISTANCE, 0.0, 0.0])
     assert received.samples == 0
     assert math.isnan(received.busy_ms)
 

@@ -126,7 +126,11 @@ def _assert_tensorboard_matches(log_dir: Path, records: list[dict]) -> None:
     }
     with_sync = [r for r in records if r["sync_overhead"] is not None]
     assert with_sync, "two workers averaged: every epoch has a sync overhead"
-    assert set(events.Tags()["scalars"]) == {*expected, "sync/overhead"}
+    # and each round's mean of what the step logged (the Trainer logs its loss)
+    assert set(events.Tags()["scalars"]) == {*expected, "sync/overhead", "step/loss"}
+    step_loss = events.Scalars("step/loss")
+    assert step_loss and all(0 < p.value < 10 for p in step_loss)
+    assert [p.step for p in step_loss] == sorted(p.step for p in step_loss)
     for tag, values in expected.items():
         points = events.Scalars(tag)
         assert [p.step for p in points] == [r["samples"] for r in records], tag
