@@ -21,6 +21,7 @@ from fdl.scaffold.render import (
     TEMPLATES,
     fill,
     parse_template,
+    read_template,
     render_project,
     validate_name,
 )
@@ -157,6 +158,14 @@ def test_fill_sections_inline_and_on_their_own_lines():
     assert fill(text, {"on": True, "off": False, "x": 1}) == "a b\n1\nz\n"
 
 
+def test_a_partial_is_the_text_of_its_file_in_place_of_its_line():
+    template = read_template("gpt/train.py.tmpl")
+    model = read_template("gpt/model.py.tmpl")
+    assert "{{>" not in template and model.startswith("# --- model ---")
+    # the mark's line is replaced by the part, which ends its own last line
+    assert f"\n\n\n{model}\n\n# --- training ---" in template
+
+
 def test_fill_rejects_a_mark_without_a_value():
     with pytest.raises(KeyError, match="nope"):
         fill("{{nope}}", {})
@@ -166,6 +175,7 @@ def test_templates_are_package_data(tmp_path):
     """A wheel built from this checkout (offline, as pip builds it for an install) carries every
     template file that render_project reads, byte for byte, and no stray file in templates/."""
     root = Path(__file__).parents[2]
+    templates = root / "fdl" / "scaffold" / "templates"
     source = tmp_path / "source"  # a copy: building in place would leave build/ in the checkout
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -178,13 +188,13 @@ def test_templates_are_package_data(tmp_path):
                           capture_output=True, text=True, timeout=GUARD_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp_path / "dist").glob("fdl-*.whl")
-    templates = root / "fdl" / "scaffold" / "templates"
     with zipfile.ZipFile(wheel) as archive:
         packaged = {name.removeprefix("fdl/scaffold/templates/"): archive.read(name)
                     for name in archive.namelist()
                     if name.startswith("fdl/scaffold/templates/")}
     sources = {*PROJECT_FILES.values(), *DOCKER_FILES.values()}
     needed = {source.format(template=template) for template in TEMPLATES for source in sources}
+    needed |= {str(path.relative_to(templates)) for path in templates.rglob("*.tmpl")}  # partials
     assert needed <= set(packaged), sorted(needed - set(packaged))
     for name in needed:
         assert packaged[name] == (templates / name).read_bytes(), name
