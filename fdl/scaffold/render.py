@@ -41,6 +41,10 @@ TEMPLATES: dict[str, Template] = {
     "mlp": Template("an MLP classifier on synthetic clusters", epochs=5, batch_size=64),
     "cnn": Template("a small conv net on synthetic 28x28 images", epochs=3, batch_size=32),
     "gpt": Template("a character-level GPT on a short built-in text", epochs=3, batch_size=32),
+    # train.py's MAX_STEPS ends the run; epochs is a bound large enough not to end it first
+    "loop": Template("a character-level GPT trained by its own loop, in nanoGPT's shape",
+                     epochs=10, batch_size=16,
+                     training="its own training loop on `fdl.init()` and `run.batches(...)`"),
 }
 
 # Output path -> template file; "{template}" is the chosen template's folder.

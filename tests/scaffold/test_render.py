@@ -59,7 +59,7 @@ def test_invalid_names_are_usage_errors(name):
 def test_unknown_template_names_the_choices():
     with pytest.raises(UsageError) as info:
         parse_template("rnn")
-    assert "'rnn'" in info.value.message and info.value.hint == "use one of: mlp, cnn, gpt"
+    assert "'rnn'" in info.value.message and info.value.hint == "use one of: mlp, cnn, gpt, loop"
     assert parse_template(" GPT ") == "gpt"
 
 
@@ -85,6 +85,27 @@ def test_python_files_parse_and_train_py_has_a_main_guard(template, image):
         assert f"\ndef {function}(" in train
     spec = TEMPLATES[template]
     assert f"EPOCHS = {spec.epochs}\n" in train and f"BATCH_SIZE = {spec.batch_size} " in train
+
+
+def test_the_loop_template_is_the_gpt_template_s_model_in_a_loop_of_its_own():
+    loop = render(name="demo", template="loop", image=None)
+    gpt = render(name="demo", template="gpt", image=None)
+    for part in ("data", "model", "evaluate", "text"):  # written once, in both projects
+        shared = read_template(f"gpt/{part}.py.tmpl")
+        assert shared in loop["train.py"] and shared in gpt["train.py"], part
+    train = loop["train.py"]
+    assert "fdl.Trainer" not in train
+    for call in ("fdl.init(", "run.batches(", "accumulate=ACCUMULATE", "max_steps=MAX_STEPS",
+                 "with run.autocast():", "run.scaler", "run.state(scaler=run.scaler)",
+                 "run.evaluate(eval_set, evaluate)", "run.log(loss=loss)",
+                 "learning_rate(run.progress)", "clip_grad_norm_(model.parameters()",
+                 "torch.compile(model, dynamic=True) if COMPILE else model", "run.finish()"):
+        assert call in train, call
+    for torchrun_part in ("DistributedDataParallel", "DistributedSampler", "set_epoch",
+                          "destroy_process_group"):
+        assert torchrun_part not in train, torchrun_part
+    assert "its own training loop on `fdl.init()`" in loop["README.md"]
+    assert "`fdl.Trainer(...).fit()`" in gpt["README.md"]
 
 
 @pytest.mark.parametrize("template", list(TEMPLATES))
