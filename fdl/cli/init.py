@@ -1,7 +1,7 @@
 """``fdl init NAME``: write a training project you can read top to bottom and run at once.
 
     fdl init demo                        # the mlp template, with a Dockerfile
-    fdl init demo --template gpt         # mlp | cnn | gpt
+    fdl init demo --template gpt         # mlp | cnn | gpt | loop
     fdl init demo --no-docker            # no Dockerfile, .dockerignore or docker-build target
     fdl init demo --force                # write into a non-empty folder (replaces fdl's files)
     cd demo && fdl run train.py --policy async
@@ -24,7 +24,8 @@ def init(
         metavar="NAME", help="Project folder to create; its last part is the project name.")],
     template: Annotated[str, typer.Option(
         "--template", "-t", help="mlp (synthetic clusters) | cnn (synthetic images) | "
-                                 "gpt (character-level transformer).")] = "mlp",
+                                 "gpt (character-level transformer) | loop (the same "
+                                 "transformer, trained by its own loop).")] = "mlp",
     docker: Annotated[bool, typer.Option(
         "--docker/--no-docker", help="Write a Dockerfile with the torch wheel for this "
                                      "host's GPUs.")] = True,

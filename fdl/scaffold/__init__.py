@@ -2,12 +2,14 @@
 
     fdl init demo                      # mlp template, with a Dockerfile
     fdl init demo --template gpt       # a character-level GPT on a short built-in text
+    fdl init demo --template loop      # the same GPT, trained by its own loop (nanoGPT's shape)
     cd demo && fdl run train.py --policy async
 
-A project holds ``train.py`` (model, optimizer, data and ``fdl.Trainer(...).fit()``; runs solo
-with ``python train.py``), ``fdl.toml`` (the run defaults), ``pyproject.toml``, ``README.md``,
-``Makefile`` (install, train, compare — ``fdl compare`` — test, docker-build),
-``tests/test_train.py`` (a smoke test of the training loop), ``.gitignore``,
+A project holds ``train.py`` (model, optimizer, data and ``fdl.Trainer(...).fit()``, or with
+``loop`` its own training loop on ``fdl.init()``; runs solo with ``python train.py``),
+``fdl.toml`` (the run defaults), ``pyproject.toml``, ``README.md``, ``Makefile`` (install,
+train, compare — ``fdl compare`` — test, docker-build), ``tests/test_train.py`` (a smoke test
+of the training loop), ``.gitignore``,
 ``wheels/fdl-<version>-py3-none-any.whl`` (the running fdl, which the project installs: no
 index has fdl; see :mod:`fdl.scaffold.fdl_wheel`) and, unless ``docker=False``, a
 ``Dockerfile`` whose torch wheel is the one ``fdl setup`` would pick for this host's GPUs (see

@@ -1,13 +1,16 @@
 """What ``fdl init`` writes: the project name, the template, and every file's text.
 
 Pure apart from reading the templates (package data under ``templates/``). A template file is
-plain text with two kinds of marks, nothing more:
+plain text with three kinds of marks, nothing more:
 
 * ``{{key}}`` is replaced by a value (``name``, ``epochs``, ``torch_version``, ``fdl_wheel``,
   ...);
 * ``{{#key}}`` ... ``{{/key}}`` keeps what is between them only when ``key`` is true (the
   Docker parts of the Makefile and README, dropped with ``--no-docker``); marks on lines of their
-  own drop their lines too.
+  own drop their lines too;
+* ``{{>gpt/model.py}}``, on a line of its own, is the text of ``templates/gpt/model.py.tmpl``
+  (read before the other marks are filled): a piece two templates share, written once (the
+  ``loop`` template trains the ``gpt`` template's model on its corpus with its own loop).
 
 A mark with no value is a bug in fdl, caught by the tests that render every template.
 """
@@ -25,17 +28,23 @@ from fdl.scaffold.docker import TorchImage
 
 @dataclass(frozen=True)
 class Template:
-    """One kind of project; ``epochs`` and ``batch_size`` go into both train.py and fdl.toml."""
+    """One kind of project; ``epochs`` and ``batch_size`` go into both train.py and fdl.toml,
+    ``training`` (how train.py trains) into the README."""
 
     summary: str
     epochs: int
     batch_size: int
+    training: str = "`fdl.Trainer(...).fit()`"
 
 
 TEMPLATES: dict[str, Template] = {
     "mlp": Template("an MLP classifier on synthetic clusters", epochs=5, batch_size=64),
     "cnn": Template("a small conv net on synthetic 28x28 images", epochs=3, batch_size=32),
     "gpt": Template("a character-level GPT on a short built-in text", epochs=3, batch_size=32),
+    # train.py's MAX_STEPS ends the run; epochs is a bound large enough not to end it first
+    "loop": Template("a character-level GPT trained by its own loop, in nanoGPT's shape",
+                     epochs=10, batch_size=16,
+                     training="its own training loop on `fdl.init()` and `run.batches(...)`"),
 }
 
 # Output path -> template file; "{template}" is the chosen template's folder.
@@ -61,6 +70,7 @@ _TAKEN_NAMES = frozenset({"fdl", "torch", "numpy", "pytest"})
 _BLOCK_RE = re.compile(r"^\{\{#(\w+)\}\}\n(.*?)^\{\{/\1\}\}\n", re.DOTALL | re.MULTILINE)
 _INLINE_RE = re.compile(r"\{\{#(\w+)\}\}(.*?)\{\{/\1\}\}", re.DOTALL)
 _VALUE_RE = re.compile(r"\{\{(\w+)\}\}")
+_PARTIAL_RE = re.compile(r"^\{\{>([\w/.]+)\}\}\n", re.MULTILINE)
 
 
 def validate_name(name: str) -> str:
@@ -93,6 +103,7 @@ def render_project(*, name: str, template: str, image: TorchImage | None,
     values: dict[str, object] = {
         "name": name, "image_name": name.lower(), "template": template,
         "summary": spec.summary, "epochs": spec.epochs, "batch_size": spec.batch_size,
+        "training": spec.training,
         "docker": image is not None, "fdl_version": fdl_version, "fdl_wheel": fdl_wheel,
     }
     files = dict(PROJECT_FILES)
@@ -106,7 +117,9 @@ def render_project(*, name: str, template: str, image: TorchImage | None,
 
 
 def read_template(relative: str) -> str:
-    return resources.files("fdl.scaffold").joinpath("templates", relative).read_text("utf-8")
+    """The template file ``relative`` (under ``templates/``) with its partials in place."""
+    text = resources.files("fdl.scaffold").joinpath("templates", relative).read_text("utf-8")
+    return _PARTIAL_RE.sub(lambda match: read_template(f"{match.group(1)}.tmpl"), text)
 
 
 def fill(text: str, values: Mapping[str, object]) -> str:

@@ -105,3 +105,59 @@ def test_make_compare_is_an_fdl_compare_that_plans_every_policy(project):
     assert [cell["policy"] for cell in cells] == ["sync", "cadence", "async"]
     assert all(cell["argv"][4:6] == ["--epochs", str(epochs)] for cell in cells)
     assert not list(project.glob("runs/compare-*"))  # a dry run starts nothing
+
+
+# --- the loop template: its own loop on fdl.init's API ------------------------------------------
+@pytest.fixture(scope="module")
+def loop_project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("project-own-loop")
+    return create_project(root / "demo", template="loop", docker=False).written.target
+
+
+def test_the_loop_template_trains_to_its_step_budget_in_each_worker_s_precision(loop_project):
+    """No --epochs: the script's MAX_STEPS ends the run (global steps of 2 workers x BATCH_SIZE x
+    ACCUMULATE samples), before its EPOCHS; run.evaluate ran at every epoch's end, each worker
+    trained in the precision fdl run gave it, and the steps accumulated ACCUMULATE batches."""
+    settings = runpy.run_path(str(loop_project / "train.py"))
+    run_dir = loop_project / "runs" / "budget"
+    proc = run_fdl("run", "train.py", "--nproc-per-node", "2", "--policy", "async",
+                   "--precision", "bf16,fp32", "--run-dir", str(run_dir), cwd=loop_project,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step = 2 * settings["BATCH_SIZE"] * settings["ACCUMULATE"]
+    assert summary["samples_planned"] == settings["MAX_STEPS"] * step
+    assert summary["accumulate"] == settings["ACCUMULATE"]
+    assert summary["precision"] == ["bf16", "fp32"]
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_size = len(settings["load_data"]()[0])
+    assert len(epochs) == math.ceil(summary["samples_planned"] / train_size)
+    assert len(epochs) < settings["EPOCHS"]
+    chance = math.log(len(settings["VOCAB"]))
+    assert all(epoch["eval"]["loss"] < chance for epoch in epochs)
+    assert epochs[-1]["eval"]["loss"] < epochs[0]["eval"]["loss"]
+    assert summary["eval"] == epochs[-1]["eval"]
+
+
+def test_the_loop_template_s_learning_rate_warms_up_then_decays_to_its_floor(loop_project):
+    settings = runpy.run_path(str(loop_project / "train.py"))
+    rate, warmup = settings["learning_rate"], settings["WARMUP"]
+    assert rate(0.0) == 0.0
+    assert rate(warmup) == pytest.approx(settings["LEARNING_RATE"])
+    assert rate(1.0) == pytest.approx(settings["MIN_LR"])
+    rising = [rate(warmup * i / 10) for i in range(11)]
+    falling = [rate(warmup + (1 - warmup) * i / 10) for i in range(11)]
+    assert rising == sorted(rising) and falling == sorted(falling, reverse=True)
+
+
+@pytest.mark.slow
+def test_the_loop_template_compiles_once_with_compile_1(loop_project):
+    """COMPILE=1 trains a torch.compile'd model, and batches of different sizes (an odd batch
+    size and the epoch's short last step) reuse its one graph: no recompile."""
+    proc = python("train.py", cwd=loop_project, timeout=600,
+                  env={"COMPILE": "1", "TORCH_LOGS": "recompiles,graph_code",
+                       "FDL_BATCH_SIZE": "15", "FDL_MAX_STEPS": "60"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "__compiled_fn" in proc.stderr  # it compiled
+    assert "Recompiling" not in proc.stderr
+    assert re.match(r"eval loss [\d.]+, ", proc.stdout), proc.stdout

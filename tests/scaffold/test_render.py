@@ -21,6 +21,7 @@ from fdl.scaffold.render import (
     TEMPLATES,
     fill,
     parse_template,
+    read_template,
     render_project,
     validate_name,
 )
@@ -58,7 +59,7 @@ def test_invalid_names_are_usage_errors(name):
 def test_unknown_template_names_the_choices():
     with pytest.raises(UsageError) as info:
         parse_template("rnn")
-    assert "'rnn'" in info.value.message and info.value.hint == "use one of: mlp, cnn, gpt"
+    assert "'rnn'" in info.value.message and info.value.hint == "use one of: mlp, cnn, gpt, loop"
     assert parse_template(" GPT ") == "gpt"
 
 
@@ -84,6 +85,27 @@ def test_python_files_parse_and_train_py_has_a_main_guard(template, image):
         assert f"\ndef {function}(" in train
     spec = TEMPLATES[template]
     assert f"EPOCHS = {spec.epochs}\n" in train and f"BATCH_SIZE = {spec.batch_size} " in train
+
+
+def test_the_loop_template_is_the_gpt_template_s_model_in_a_loop_of_its_own():
+    loop = render(name="demo", template="loop", image=None)
+    gpt = render(name="demo", template="gpt", image=None)
+    for part in ("data", "model", "evaluate", "text"):  # written once, in both projects
+        shared = read_template(f"gpt/{part}.py.tmpl")
+        assert shared in loop["train.py"] and shared in gpt["train.py"], part
+    train = loop["train.py"]
+    assert "fdl.Trainer" not in train
+    for call in ("fdl.init(", "run.batches(", "accumulate=ACCUMULATE", "max_steps=MAX_STEPS",
+                 "with run.autocast():", "run.scaler", "run.state(scaler=run.scaler)",
+                 "run.evaluate(eval_set, evaluate)", "run.log(loss=loss)",
+                 "learning_rate(run.progress)", "clip_grad_norm_(model.parameters()",
+                 "torch.compile(model, dynamic=True) if COMPILE else model", "run.finish()"):
+        assert call in train, call
+    for torchrun_part in ("DistributedDataParallel", "DistributedSampler", "set_epoch",
+                          "destroy_process_group"):
+        assert torchrun_part not in train, torchrun_part
+    assert "its own training loop on `fdl.init()`" in loop["README.md"]
+    assert "`fdl.Trainer(...).fit()`" in gpt["README.md"]
 
 
 @pytest.mark.parametrize("template", list(TEMPLATES))
@@ -157,6 +179,14 @@ def test_fill_sections_inline_and_on_their_own_lines():
     assert fill(text, {"on": True, "off": False, "x": 1}) == "a b\n1\nz\n"
 
 
+def test_a_partial_is_the_text_of_its_file_in_place_of_its_line():
+    template = read_template("gpt/train.py.tmpl")
+    model = read_template("gpt/model.py.tmpl")
+    assert "{{>" not in template and model.startswith("# --- model ---")
+    # the mark's line is replaced by the part, which ends its own last line
+    assert f"\n\n\n{model}\n\n# --- training ---" in template
+
+
 def test_fill_rejects_a_mark_without_a_value():
     with pytest.raises(KeyError, match="nope"):
         fill("{{nope}}", {})
@@ -166,6 +196,7 @@ def test_templates_are_package_data(tmp_path):
     """A wheel built from this checkout (offline, as pip builds it for an install) carries every
     template file that render_project reads, byte for byte, and no stray file in templates/."""
     root = Path(__file__).parents[2]
+    templates = root / "fdl" / "scaffold" / "templates"
     source = tmp_path / "source"  # a copy: building in place would leave build/ in the checkout
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -178,13 +209,13 @@ def test_templates_are_package_data(tmp_path):
                           capture_output=True, text=True, timeout=GUARD_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp_path / "dist").glob("fdl-*.whl")
-    templates = root / "fdl" / "scaffold" / "templates"
     with zipfile.ZipFile(wheel) as archive:
         packaged = {name.removeprefix("fdl/scaffold/templates/"): archive.read(name)
                     for name in archive.namelist()
                     if name.startswith("fdl/scaffold/templates/")}
     sources = {*PROJECT_FILES.values(), *DOCKER_FILES.values()}
     needed = {source.format(template=template) for template in TEMPLATES for source in sources}
+    needed |= {str(path.relative_to(templates)) for path in templates.rglob("*.tmpl")}  # partials
     assert needed <= set(packaged), sorted(needed - set(packaged))
     for name in needed:
         assert packaged[name] == (templates / name).read_bytes(), name
