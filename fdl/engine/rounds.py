@@ -376,10 +376,13 @@ def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: Roun
     clock = tally.warmup if warm else tally.timer
     clock.start()
     replica.position = progress
+    arm = getattr(replica.comm_meter, "arm", None)  # a loop's sync: reduce after the last
     for part in range(parts):
         fetched = time.perf_counter()
         batch = to_device(fetch(), replica.device)
         tally.data_s += time.perf_counter() - fetched
+        if arm is not None and part == parts - 1:
+            arm()
         yield batch
         if replica.steps is not None:
             replica.steps.check(after=part + 1, of=parts)

@@ -44,13 +44,18 @@ def same_models(out: Path) -> None:
         assert torch.equal(first[name], second[name]), name
 
 
-def test_a_loop_under_sync_equals_plain_torch_ddp(tmp_path):
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_loop_under_sync_equals_plain_torch_ddp(tmp_path, clip):
+    """With clipping too: the loop's gradients are the mean when backward returns, so the
+    script clips the mean, as it would under DDP."""
+    clipping = ("--clip",) if clip else ()
     out, _, seen = loop_run(tmp_path, "--policy", "sync", "--simulate-slowdown", "1,2.5",
-                            script_args=("--plain",))
+                            script_args=("--plain", *clipping))
     ref = tmp_path / "ref"
     ref.mkdir()
     proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPTS / "ddp_reference.py"), str(ref)], capture_output=True,
+                           str(SCRIPTS / "ddp_reference.py"), str(ref), *clipping],
+                          capture_output=True,
                           text=True, timeout=240, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, theirs = torch.load(out / "rank0.pt"), torch.load(ref / "rank0.pt")

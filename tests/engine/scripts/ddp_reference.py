@@ -1,6 +1,6 @@
 """The sync policy's reference: plain torch DDP (no fdl), same seed, same data order as El Che's
 stream (epoch e = randperm seeded seed + e; step i gives rank r the r-th batch of the i-th
-2*B samples). Writes OUT/rank<r>.pt."""
+2*B samples). Writes OUT/rank<r>.pt. ``--clip``: clip the (mean) gradient at norm 0.05."""
 
 import gc
 import os
@@ -25,6 +25,8 @@ for epoch in range(epochs):
         low = step * world * batch + rank * batch
         optimizer.zero_grad(set_to_none=True)
         train_step(ddp, data[order[low:low + batch]]).backward()
+        if "--clip" in sys.argv:  # the mean gradient, clipped (loop_train.py --clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
 torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 del ddp, optimizer  # free DDP while the group is alive (see tests/launch/scripts/ddp_train.py)

@@ -4,7 +4,8 @@ fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what 
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--batch-norm] [--plain] [--never-step]
 
-``--plain``: no schedule, no clipping (the step plain DDP's reference takes); ``--never-step``:
+``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
+clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
 a loop that forgets optimizer.step() (the engine must say so).
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
@@ -80,7 +81,9 @@ for index, (features, labels) in enumerate(run.batches(
     if len(labels) not in seen["batch_sizes"]:
         seen["batch_sizes"].append(len(labels))
     if (index + 1) % accumulate == 0 and not never_step:
-        if not plain:
+        if "--clip" in sys.argv:  # tight enough to bind: clipping the mean, as DDP does
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        elif not plain:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
