@@ -176,8 +176,8 @@ def _warn_unread_settings(spec: LaunchSpec) -> None:
     if unread:
         named = ", ".join(f"{name} ({BY_NAME[name].source_name(source)})"
                           for name, source in unread)
-        console.warn(f"the script did not train with fdl.Trainer, so these settings were "
-                     f"never read: {named}")
+        console.warn(f"the script did not train with fdl (fdl.init or fdl.Trainer), so these "
+                     f"settings were never read: {named}")
 
 
 def _report_stopped(result: LaunchResult, spec: LaunchSpec) -> None:

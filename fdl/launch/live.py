@@ -7,7 +7,7 @@ a few times a second from rank 0's progress snapshot (fdl.rundir.progress)::
 The launcher reads; the workers only write a small file when it is due, so the display costs
 rank 0 a clock read per step and a file write per :data:`INTERVAL_S` (docs/run.md "Live
 progress" has the measurement). The per-epoch lines still scroll above it; off a terminal, or
-with ``--quiet``, there are only those lines; a script that does not train with fdl.Trainer
+with ``--quiet``, there are only those lines; a script that does not train with fdl (fdl.init or fdl.Trainer)
 writes no snapshot, and nothing is shown. A file that is missing, torn, oversized or not
 what rank 0 writes shows nothing new: the display is never worth stopping a run for.
 
@@ -124,7 +124,7 @@ def _poll(run_dir: Path, update: Callable[[str], None], stop: threading.Event,
     shown = None
     while not stop.wait(INTERVAL_S):
         snapshot = read_snapshot(run_dir)
-        if snapshot is None:  # not yet (or not a script that trains with fdl.Trainer)
+        if snapshot is None:  # not yet (or not a script that trains with fdl)
             continue
         text = format_status(snapshot, width=max(20, width() - 1))
         if text != shown:

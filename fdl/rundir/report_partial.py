@@ -8,7 +8,7 @@ How the rebuilt figures differ from a finished run's: the wall time runs from th
 first event to the last event any rank recorded (a finished run's leaves evaluation out);
 an average's time is its span in rank 0's timeline (start to end); ``eval`` and
 ``final_loss`` are the last finished epoch's. A run directory that holds an fdl run but no
-timeline (its script never trained with fdl.Trainer) has nothing to report: a usage error.
+timeline (its script never trained with fdl (fdl.init or fdl.Trainer)) has nothing to report: a usage error.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def load_partial_run(run_dir: Path) -> tuple[dict[str, Any], list[timeline.RankT
     files = timeline.numbered_files(run_dir, timeline.RANK_FILE)
     if not files:
         raise UsageError(f"{run_dir} holds an fdl run with no summary.json and no timeline: "
-                         "its script did not train with fdl.Trainer, or stopped before "
+                         "its script did not train with fdl (fdl.init or fdl.Trainer), or stopped before "
                          "training began", hint=f"its workers' output is in {logs_dir(run_dir)}")
     found = [timeline.read_rank_timeline(run_dir, rank=rank) for rank, _ in files]
     world_size = max([rank + 1 for rank, _ in files] +

@@ -28,7 +28,7 @@ GUARD_S = 120
 # What must not reach the terminal when a run is stopped: the workers' tracebacks and torch's
 # own log lines ("W1126 08:02:43.132000 29047 torch/distributed/elastic/...").
 TORCH_LOG_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
-UNREAD = "warning: the script did not train with fdl.Trainer"
+UNREAD = "warning: the script did not train with fdl (fdl.init or fdl.Trainer)"
 
 
 def _default_sigint() -> None:
