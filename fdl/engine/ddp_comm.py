@@ -25,6 +25,13 @@ What is not timed: DDP's broadcast of module buffers at the start of each forwar
 BatchNorm; ``broadcast_buffers``) and its one-off bucket rebuild in the second step. They stay in
 the step's compute.
 
+When: only under the slowdown emulation (``--simulate-slowdown`` with a factor other than 1),
+which must sleep on compute alone. The hook's Python callbacks cost about 5% of a step on gloo
+(``scripts/bench-elche``: fdl sync / torch DDP on equal workers 0.951 with it, 0.999 without,
+2026-11-26), so otherwise DDP keeps its own C++ all-reduce and the all-reduce stays inside the
+step's time, as a plain DDP script measures it (``fdl report`` then shows no sync time for a
+sync run).
+
 Division: DDP's own (hook-less) all-reduce divides by the ranks that still have data when some
 rank has run out of it in a round (``join(divide_by_initial_world_size=False)``: an epoch's
 uneven last round); with a hook DDP leaves the division to the hook, so the round loop sets
