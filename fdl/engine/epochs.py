@@ -89,15 +89,7 @@ class EpochLog:
         per_rank = self._gather(replica)
         steps = sum(r.loss_steps for r in per_rank)
         self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
-        begin = time.perf_counter()
-        if self.trainer.eval_data is not None and self.trainer.evaluate_fn is not None:
-            self.last_eval = evaluate_model(
-                replica.model, self.trainer.eval_data, self.trainer.evaluate_fn,
-                batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
-                world_size=self.world_size,
-                # sharded by measured speed (the same on every rank): the fast rank takes more
-                weights=[1 / ms for ms in state.ms_per_sample] if state.calibrated else None)
-        self.eval_s += time.perf_counter() - begin
+        self._evaluate(replica, state)
         record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
                               comm_ms=comm_ms, elapsed=elapsed)
         self.trainer.history.append(record.to_dict())
@@ -112,6 +104,35 @@ class EpochLog:
                 self.tensorboard.epoch(record)
             _progress_line(record, self.epochs_total or self.config.epochs)
         self._epoch_started = time.perf_counter()
+
+    def _evaluate(self, replica: Replica, state: PlanState) -> None:
+        """The evaluation of the consensus model (when the script gave one), its time kept out
+        of throughput."""
+        begin = time.perf_counter()
+        if self.trainer.eval_data is not None and self.trainer.evaluate_fn is not None:
+            self.last_eval = evaluate_model(
+                replica.model, self.trainer.eval_data, self.trainer.evaluate_fn,
+                batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
+                world_size=self.world_size,
+                # sharded by measured speed (the same on every rank): the fast rank takes more
+                weights=[1 / ms for ms in state.ms_per_sample] if state.calibrated else None)
+        self.eval_s += time.perf_counter() - begin
+
+    def evaluate_now(self, replica: Replica, state: PlanState) -> None:
+        """An evaluation within an epoch (``run.evaluate(..., every=N)``): the timeline's
+        ``eval`` event, TensorBoard's ``eval/<metric>`` at the samples so far, a line on rank
+        0's terminal."""
+        self._evaluate(replica, state)
+        samples = state.samples_seen
+        replica.timeline.event("eval", samples=samples, eval=self.last_eval)
+        if self.rank == 0:
+            if self.tensorboard is not None:
+                self.tensorboard.scalars({f"eval/{k}": v for k, v in self.last_eval.items()},
+                                         samples=samples, tag_prefix="")
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items())
+            from fdl import console
+
+            console.info(f"step {samples} samples  {shown}")
 
     def scalars(self, means: dict[str, float]) -> None:
         """A round's means of what the script logged, to TensorBoard (rank 0)."""

@@ -124,6 +124,7 @@ def rank_seed(seed: int, rank: int) -> int:
 class _Evaluation:
     data: Any
     fn: Callable[[nn.Module, Any], dict[str, float]]
+    every: int | None = None  # global steps between evaluations within an epoch
 
 
 @dataclass(eq=False)
@@ -210,15 +211,24 @@ class Run:
         for name, value in scalars.items():
             self.replica.logged.add(name, value)
 
-    def evaluate(self, data: Any, fn: Callable[[nn.Module, Any], dict[str, float]]) -> None:
-        """Evaluate the consensus model on ``data`` with ``fn`` at every epoch's end (before
-        ``batches`` starts). The means over every sample go to the epoch's record, the
-        timeline, TensorBoard and ``result.metrics``."""
+    def evaluate(self, data: Any, fn: Callable[[nn.Module, Any], dict[str, float]], *,
+                 every: int | None = None) -> None:
+        """Evaluate the consensus model on ``data`` (a dataset or a DataLoader) with ``fn`` at
+        every epoch's end and, with ``every=N``, also each N global steps (each ``world_size x
+        batch_size x accumulate`` samples, as ``max_steps`` counts them) at the first average
+        after them (async makes that one blocking; sync evaluates the replicas DDP keeps
+        identical). Call it before ``batches`` starts. Each rank evaluates a share of
+        ``data`` in proportion to its measured speed; the means over every sample go to the
+        epoch's record, the timeline (``eval`` events), TensorBoard and ``result.metrics``."""
         if not callable(fn):
             raise UsageError("run.evaluate(data, fn) takes fn(model, batch) -> dict of means")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or every < 1):
+            raise UsageError(f"run.evaluate(..., every=N) takes a whole number of steps >= 1, "
+                             f"got {every!r}")
         if self.replica is not None:
             raise UsageError("call run.evaluate(...) before run.batches(...) starts")
-        self._evaluation = _Evaluation(data, fn)
+        self._evaluation = _Evaluation(data, fn, every)
 
     def after_average(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` each time an average has landed in this rank's model (every policy; a
@@ -433,6 +443,9 @@ class Run:
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
             after_average=self._after_average, stream=stream,
+            evaluate_every=(self._evaluation.every * world_size * config.batch_size * accumulate
+                            if self._evaluation and self._evaluation.every else None),
+            on_evaluate=self._epochs_log.evaluate_now if self._epochs_log else None,
             verify=_verify(),
             on_scalars=self._epochs_log.scalars if self._epochs_log else None,
             progress=ProgressFile.from_env(run_dir, rank=rank, epochs=config.epochs,

@@ -148,6 +148,8 @@ class Replica:
     sleep_owed_s: float = 0.0
     on_scalars: Callable[[dict[str, float]], None] | None = None  # each round's logged means
     stream: Any = None  # data without len() (fdl.engine.shards): batches instead of positions
+    evaluate_every: int | None = None  # samples between evaluations within an epoch
+    on_evaluate: Callable[[Replica, PlanState], None] | None = None
     after_average: list[Callable[[], None]] = field(default_factory=list)  # run.after_average
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -179,10 +181,11 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
         done = yield from run_slice(replica, plan, state)
         reports: list[RoundReport] | None = None
         consensus = replica.averager is None
+        evaluation_due = _evaluation_due(replica, plan, state)
         if replica.averager is not None and policy.averages_at(plan):
             due = replica.checkpointer is not None and \
                 replica.checkpointer.due_within_epoch(last_reports)
-            consensus = policy.blocking(plan, checkpoint_due=due)
+            consensus = policy.blocking(plan, checkpoint_due=due or evaluation_due)
             reports, pending = average(replica, plan, done.report, pending, blocking=consensus)
         elif replica.averager is None:
             reports = [done.report]
@@ -195,6 +198,9 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
         state = _guarded(replica, advanced, plan, reports or [])
         state = _within_time(replica, state, plan, reports)
         last_reports = reports or last_reports
+        if evaluation_due and not plan.last_in_epoch and replica.on_evaluate is not None and \
+                (consensus or not policy.local_steps):  # sync: DDP keeps the replicas alike
+            replica.on_evaluate(replica, state)
         if plan.last_in_epoch:
             replica.on_epoch_end(plan.epoch, replica, state)
             if replica.checkpointer is not None and not state.finished:
@@ -528,6 +534,15 @@ def _guarded(replica: Replica, state: PlanState, plan: RoundPlan,
         replica.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
                               previous=before, reason="divergence guard")
     return state
+
+
+def _evaluation_due(replica: Replica, plan: RoundPlan, state: PlanState) -> bool:
+    """Whether ``plan`` crosses a multiple of ``evaluate_every`` samples (the same on every
+    rank: it is the plan's). An epoch's end evaluates anyway."""
+    every = replica.evaluate_every
+    if every is None or plan.last_in_epoch:
+        return False
+    return (state.samples_seen + plan.num_samples) // every > state.samples_seen // every
 
 
 def _within_time(replica: Replica, state: PlanState, plan: RoundPlan,

@@ -7,7 +7,7 @@ policies, batch sizes or worker counts line up on one axis. Tags (each value is 
 in ``metrics.jsonl``, fdl.rundir.metrics.EpochRecord, under the field named)::
 
     train/loss                  train_loss
-    eval/<metric>               eval[<metric>]
+    eval/<metric>               eval[<metric>] (and run.evaluate(..., every=N)'s within epochs)
     throughput/samples_per_s    epoch_samples_per_s
     throughput/rank<r>          per_rank_samples_per_s[r]
     idle/rank<r>                idle_fraction[r]
@@ -63,10 +63,12 @@ class ScalarWriter:
             self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()
 
-    def scalars(self, values: dict[str, float], *, samples: int) -> None:
-        """One round's means of the scalars the script logged (``run.log``)."""
+    def scalars(self, values: dict[str, float], *, samples: int,
+                tag_prefix: str = "step/") -> None:
+        """One round's means of the scalars the script logged (``run.log``), or an evaluation
+        within an epoch (``tag_prefix=""``, names ``eval/<metric>``)."""
         for name, value in values.items():
-            self.writer.add_scalar(f"step/{name}", value, global_step=samples)
+            self.writer.add_scalar(f"{tag_prefix}{name}", value, global_step=samples)
 
     def close(self) -> None:
         self.writer.close()

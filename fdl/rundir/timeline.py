@@ -22,6 +22,8 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
   ``streak``, ``halve``, ``released`` (the anchor's ceiling lifted)
 * ``scalars`` — ``round``, ``values`` (the means over the round of what the script logged with
   ``run.log``: ``{"loss": 0.41, ...}``)
+* ``eval``   — ``samples``, ``eval``: an evaluation within an epoch (``run.evaluate(...,
+  every=N)``)
 * ``epoch``  — ``epoch``, ``samples``, ``train_loss``, ``eval``
 * ``checkpoint`` — ``round``, ``epoch``, ``position`` (in the epoch's stream), ``name``,
   ``bytes``, ``write_s``
@@ -56,6 +58,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "anchor": ("round", "anchor", "previous", "reason"),
     "guard": ("round", "distance", "level", "streak", "halve", "released"),
     "scalars": ("round", "values"),
+    "eval": ("samples", "eval"),
     "epoch": ("epoch", "train_loss", "eval"),
     "checkpoint": ("round", "epoch", "position", "name", "bytes", "write_s"),
     "final": ("checksum", "anchor"),

@@ -216,3 +216,37 @@ def test_a_dataloader_is_used_for_what_it_holds(workers):
     result = run.finish()
     assert sorted(seen) == sorted(list(range(96)) * 2)  # every sample once per epoch
     assert result.summary["samples"] == 192
+
+
+def test_an_evaluation_every_n_steps_lands_within_epochs(tmp_path, monkeypatch):
+    import fdl
+
+    sys.path.insert(0, str(SCRIPTS))
+    from common import evaluate, make_data
+    from common import evaluate, make_data
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    run = fdl.init(seed=1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.evaluate(make_data(128, seed=2), evaluate, every=4)
+    for features, labels in run.batches(make_data(1024, seed=1), model=model,
+                                        optimizer=optimizer, batch_size=32, epochs=2):
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    result = run.finish()
+    evaluations = [e for e in read_events(tmp_path / "run", 0) if e["kind"] == "eval"]
+    assert len(evaluations) >= 2  # within the epochs, not only at their ends
+    assert all(e["samples"] % 1024 for e in evaluations)  # none at an epoch's end
+    assert all(set(e["eval"]) == {"accuracy", "loss"} for e in evaluations)
+    assert [e["samples"] for e in evaluations] == sorted(e["samples"] for e in evaluations)
+    assert result.metrics == result.history[-1]["eval"]
+
+
+def test_an_evaluation_every_zero_steps_is_refused():
+    import fdl
+
+    run = fdl.init()
+    with pytest.raises(fdl.errors.UsageError, match="every=N"):
+        run.evaluate([], lambda model, batch: {}, every=0)
