@@ -223,7 +223,6 @@ def test_an_evaluation_every_n_steps_lands_within_epochs(tmp_path, monkeypatch):
 
     sys.path.insert(0, str(SCRIPTS))
     from common import evaluate, make_data
-    from common import evaluate, make_data
 
     monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
     run = fdl.init(seed=1)
