@@ -137,11 +137,13 @@ class Run:
       rank's GradScaler (None otherwise). Parameters, optimizer state and averages stay fp32.
     * ``progress``: the run's fraction done, in [0, 1], equal on every rank at the same point of
       a round: drive schedules with it (``lr = base * cosine(run.progress)``).
-    * ``batches(data, model=, optimizer=, batch_size=, epochs=, accumulate=)``: the engine.
+    * ``batches(data, model=, optimizer=, batch_size=, epochs=, accumulate=, max_steps=,
+      max_samples=, max_time=)``: the engine (its docstring says what ``data`` may be).
     * ``log(**scalars)``: per-step scalars (the ``loss`` is the epoch's train loss and shown
       live); summed on the device and read once per round.
-    * ``evaluate(data, fn)``: evaluate the consensus model at every epoch's end, sharded over
-      the ranks; ``fn(model, batch) -> {name: mean over the batch}``.
+    * ``evaluate(data, fn, every=None)``: evaluate the consensus model at every epoch's end
+      (and every N global steps), sharded over the ranks by their measured speed;
+      ``fn(model, batch) -> {name: mean over the batch}``.
     * ``after_average(fn)``, ``at_epoch_end(fn)``: call ``fn`` when an average lands in the
       model, and with each epoch's record.
     * ``state(**objects)``: objects with ``state_dict``/``load_state_dict`` (an EMA, a
@@ -182,6 +184,8 @@ class Run:
 
     @property
     def progress(self) -> float:
+        """The run's fraction done in [0, 1]: samples over the run's samples (its epochs or
+        its step or sample budget), or, with a time budget, elapsed over it if further."""
         replica = self.replica
         if replica is None:
             return 0.0
