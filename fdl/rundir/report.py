@@ -21,8 +21,8 @@ timed steps (``busy_s``) less their data loading and emulated sleep; a round wri
 ``busy_s`` counted its loop's wall time (``compute_s``) instead.
 
 Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
-rate (``batch_size / step time``, from the measured step times, communication excluded) — what
-the ranks would deliver if none of them ever waited or communicated. It means the same under
+rate (``batch_size x accumulate / step time``, from the measured step times, communication
+excluded) — what the ranks would deliver if none of them ever waited or communicated. It means the same under
 every policy: sync's all-reduce is sync, not step time, as cadence's averages are.
 
 What is read back is checked, not trusted: ``summary.json`` and ``config.json`` by their own
@@ -85,7 +85,9 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
     """The report's document; ``incomplete_reason``: why the run has no summary.json (the
     figures of ``summary`` were rebuilt from its timelines)."""
     wall = float(summary["wall_s"])
-    ranks = [_rank(t.events, wall=wall, batch_size=batch_size) for t in timelines]
+    # a step of a loop that accumulates is `accumulate` batches (the timelines' steps are steps)
+    step_samples = batch_size * _accumulate(summary)
+    ranks = [_rank(t.events, wall=wall, batch_size=step_samples) for t in timelines]
     total = sum(r["samples"] for r in ranks) or 1
     devices, precisions = (_per_rank(summary, key, len(ranks)) for key in ("devices", "precision"))
     for rank, row in enumerate(ranks):
@@ -136,6 +138,15 @@ def _incomplete(summary: dict[str, Any], timelines: list[RankTimeline],
                                  f"ms/step, time split, and so the ideal) cover only the "
                                  f"{row['samples']} samples it records"})
     return found
+
+
+def _accumulate(summary: dict[str, Any]) -> int:
+    """The batches per optimizer step summary.json records (1 when it does not, or holds
+    something else than a whole number >= 1: a summary from before the field, or a hostile
+    one)."""
+    value = summary.get("accumulate")
+    return value if isinstance(value, int) and not isinstance(value, bool) and \
+        1 <= value <= 1_000_000 else 1
 
 
 def _rank(events: list[dict[str, Any]], *, wall: float, batch_size: int) -> dict[str, Any]:

@@ -268,3 +268,17 @@ def test_a_run_that_did_not_finish_has_no_devices_table(tmp_path):
     assert [(r["device"], r["precision"]) for r in run_report(run)["ranks"]] == [(None, None)] * 2
     text = run_fdl("report", str(run)).stdout
     assert "throughput" in text.splitlines() and devices_table(text) == []
+
+
+@pytest.mark.parametrize(("accumulate", "factor"), [(2, 2), (None, 1), ("2", 1), (True, 1),
+                                                    (0, 1), (10**12, 1)])
+def test_a_step_of_an_accumulating_loop_counts_its_batches(tmp_path, accumulate, factor):
+    """A loop with accumulate=k times steps of k batches: a rank's solo-equivalent rate is
+    k x batch_size per step time. What summary.json says is checked, not trusted."""
+    summary, timelines, _ = load_run(make_run(tmp_path))
+    plain = build_report(summary, timelines, batch_size=10)
+    if accumulate is not None:
+        summary["accumulate"] = accumulate
+    doc = build_report(summary, timelines, batch_size=10)
+    for mine, before in zip(doc["ranks"], plain["ranks"], strict=True):
+        assert mine["solo_samples_per_s"] == pytest.approx(factor * before["solo_samples_per_s"])
