@@ -81,6 +81,7 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
                            env=env)
     rendezvous = plan_rendezvous(request, env=env, run_id=run_id)
     _check_slowdown(settings, devices.nproc * rendezvous.max_nodes)
+    _check_precision(settings, devices.nproc * rendezvous.max_nodes)
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
@@ -115,6 +116,17 @@ def _check_slowdown(settings: Mapping[str, Setting], world_size: int) -> None:
         raise UsageError(
             f"--simulate-slowdown has {len(factors)} factor(s) for {world_size} worker(s)",
             hint="give one factor per worker, e.g. --simulate-slowdown 1,2.5 for 2 workers")
+
+
+def _check_precision(settings: Mapping[str, Setting], world_size: int) -> None:
+    """One precision for every worker, or one per worker (checked before any worker starts;
+    the engine says the same if a worker sees otherwise)."""
+    choices = settings["precision"].value
+    if len(choices) > 1 and len(choices) != world_size:
+        raise UsageError(
+            f"--precision has {len(choices)} values for {world_size} worker(s)",
+            hint="give one for every worker (--precision bf16) or one per worker, e.g. "
+                 "--precision bf16,fp32 for 2 workers")
 
 
 def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem: str,

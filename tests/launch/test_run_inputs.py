@@ -42,6 +42,7 @@ def assert_usage_error(proc, *needles: str) -> None:
     (["--policy", "fast", "train.py"], ["unknown policy 'fast'"]),
     (["--backend", "tpu", "train.py"], ["unknown backend 'tpu'"]),
     (["--simulate-slowdown", "1,2,3", "train.py"], ["3 factor(s) for 2 worker(s)"]),
+    (["--precision", "bf16,fp32,fp32", "train.py"], ["--precision has 3 values for 2 worker(s)"]),
     (["--simulate-slowdown", "1,0", "train.py"], ["simulate_slowdown"]),
     (["--simulate-slowdown", "1,x", "train.py"], ["simulate_slowdown"]),
     (["--epochs", "0", "train.py"], ["epochs", "0"]),
