@@ -294,9 +294,9 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
 
 
 def _shadow_steps(replica: Replica, plan: RoundPlan) -> None:
-    """A loop script under sync averages gradients in its optimizer step: a rank with fewer
-    steps than the others in an epoch's cut last round joins their remaining all-reduces with
-    zeros (what DDP's ``join`` does for fdl.Trainer)."""
+    """A loop script under sync all-reduces its gradients in each step (fdl.engine.grad_sync):
+    a rank with fewer steps than the others in an epoch's cut last round joins their remaining
+    all-reduces with zeros (what DDP's ``join`` does for fdl.Trainer)."""
     shadow = getattr(replica.comm_meter, "shadow", None)
     if shadow is None or not replica.policy.wraps_ddp or replica.world_size == 1:
         return
@@ -378,6 +378,9 @@ def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: Roun
     else:
         count = sum(len(chunk) for chunk in samples)
     if not count:  # an epoch's last few samples, too few for a step of k batches
+        shadow = getattr(replica.comm_meter, "shadow", None)
+        if shadow is not None:  # a loop's sync: the others' all-reduce of this step, joined
+            shadow(ranks_with_data=replica.comm_meter.ranks_with_data)
         return
     clock = tally.warmup if warm else tally.timer
     clock.start()

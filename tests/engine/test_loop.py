@@ -64,6 +64,17 @@ def test_a_loop_under_sync_equals_plain_torch_ddp(tmp_path):
     assert seen[0]["batches"] == seen[1]["batches"] == 32  # 2 epochs of 1024 / (2 x 32)
 
 
+def test_a_loop_under_sync_ends_an_epoch_on_a_sliver_without_hanging(tmp_path):
+    """1025 samples, steps of 2 x 32: each epoch's last round is one sample, too few for a
+    step of 2 batches on rank 0 and none on rank 1. Both must join the all-reduce the plan
+    gives that step (with zeros), or one waits for the other for good."""
+    out, _, seen = loop_run(tmp_path, "--policy", "sync", script_args=(
+        "--accumulate", "2", "--samples", "1025", "--plain"))
+    same_models(out)
+    assert [r["samples"] for r in seen] == [1024, 1024]  # 2 epochs, the sliver left out
+    assert all(r["batches"] == 2 * r["steps"] for r in seen)
+
+
 @pytest.mark.parametrize("policy", ["cadence", "async"])
 def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, policy):
     # 1,4: a margin wide enough that a busy machine's noise cannot turn the shares around;

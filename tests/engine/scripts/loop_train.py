@@ -2,7 +2,8 @@
 LR on run.progress, an autocast region, run.log, run.state, run.evaluate. Settings come from
 fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what it saw).
 
-Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--batch-norm] [--plain] [--never-step]
+Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
+                     [--never-step]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
@@ -57,7 +58,7 @@ run.after_average(lambda: seen.update(averages=seen["averages"] + 1))
 run.at_epoch_end(lambda record: seen.update(epoch_ends=record["epoch"]))
 last_progress, after = 0.0, None
 for index, (features, labels) in enumerate(run.batches(
-        make_data(1024, seed=1), model=model, optimizer=optimizer, batch_size=32,
+        make_data(flag("--samples", 1024), seed=1), model=model, optimizer=optimizer, batch_size=32,
         epochs=flag("--epochs", 2), accumulate=accumulate)):
     if seen["resumed_steps"] is None:
         seen["resumed_steps"] = counter.steps
