@@ -279,7 +279,7 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
              for low in range(mine.start, mine.stop, step_size)]
     fetch = _slice_fetch(replica, steps)
     warm_first = plan.calibration and state.samples_seen == 0
-    signal = ElasticSignal.open(plan, rank=replica.rank)
+    signal = ElasticSignal.open(plan, rank=replica.rank, slowest_s=_slowest_s(plan, state))
     with _joined_if_uneven(replica, plan):
         for index, samples in enumerate(steps):
             if index and signal.arrived(plan):
@@ -291,6 +291,16 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
                                    / max(1, mine.steps), warm=warm_first and index == 0)
         _shadow_steps(replica, plan)
     return signal.close(plan, rank=replica.rank, used=tally.timed_samples)
+
+
+def _slowest_s(plan: RoundPlan, state: PlanState) -> float:
+    """How long the slowest rank's share of an elastic round should take, in seconds, by its
+    speed estimate (the whole step, as measured; 0 when unknown)."""
+    slow = plan.signal_from
+    if slow is None:
+        return 0.0
+    ms = state.ms_per_sample[slow]
+    return plan.slices[slow].num_samples * ms / 1000 if ms is not None else 0.0
 
 
 def _shadow_steps(replica: Replica, plan: RoundPlan) -> None:
