@@ -23,14 +23,13 @@ fdl.engine.ddp_comm does for DDP: :class:`GradSync` is the step timer's ``CommCl
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fdl.engine.speed import StepComm
+from fdl.engine.speed import StepComm, mark
 
 
 class GradSync:
@@ -67,7 +66,7 @@ class GradSync:
         self._waiting, self._reduced = 0, False
 
     def _reduce_grads(self) -> None:
-        started = self._mark()
+        started = mark(self.device)
         flat = torch.cat([self._grad(p).reshape(-1) for p in self.params]).to(
             self._buffer_device, self._dtype())
         self._reduce(flat)
@@ -80,7 +79,7 @@ class GradSync:
             else:
                 param.grad.copy_(reduced)
             offset += count
-        self._comm = self._span(started, self._mark())
+        self._comm = self._span(started, mark(self.device))
         self._reduced = True
 
     def shadow(self, *, ranks_with_data: int) -> None:
@@ -106,13 +105,6 @@ class GradSync:
 
     def end_step(self) -> StepComm:
         return self._comm
-
-    def _mark(self) -> float | torch.cuda.Event:
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
 
     def _span(self, start: Any, end: Any) -> StepComm:
         return (start, end) if self._cuda else max(0.0, end - start)

@@ -302,26 +302,23 @@ class Run:
                             stream=stream)
 
     def _stream(self, data: Any, open_shard: Callable[[Any], Any] | None) -> Any:
-        """A stream of batches for data without ``len()`` (None: a map-style dataset)."""
+        """The stream of batches of data without ``len()`` (:func:`_streaming` said so)."""
         from torch.utils.data import IterableDataset
 
         from fdl.engine.shards import IterableStream, ShardStream, read_lines
 
         config = self.config
-        if isinstance(data, (ShardStream, IterableStream)):
+        if isinstance(data, IterableDataset):
+            stream = IterableStream(data, batch_size=config.batch_size)
+        elif isinstance(data, (list, tuple)):  # shard paths
+            stream = ShardStream(list(data), batch_size=config.batch_size, seed=config.seed,
+                                 rank=self.rank, world_size=self.world_size,
+                                 open_shard=open_shard or read_lines)
+        else:  # a ShardStream or IterableStream the script made
             stream = data
             if stream.batch_size != config.batch_size:
                 raise UsageError(f"the stream's batch_size is {stream.batch_size}, the run's "
                                  f"{config.batch_size}", hint="make them the same")
-        elif isinstance(data, IterableDataset):
-            stream = IterableStream(data, batch_size=config.batch_size)
-        elif isinstance(data, (list, tuple)) and data and all(
-                isinstance(item, (str, os.PathLike)) for item in data):
-            stream = ShardStream(list(data), batch_size=config.batch_size, seed=config.seed,
-                                 rank=self.rank, world_size=self.world_size,
-                                 open_shard=open_shard or read_lines)
-        else:
-            return None
         if config.max_steps is None and config.max_samples is None and config.max_time is None:
             raise UsageError("streaming data (shards or an IterableDataset) has no length: "
                              "give the run a budget",
@@ -425,8 +422,8 @@ class Run:
             if config.simulate_slowdown is not None and \
                     any(factor != 1 for factor in config.simulate_slowdown):
                 # The emulation must sleep on compute only: DDP's all-reduce is timed apart
-                # (fdl.engine.ddp_comm). Its Python hook costs ~5% of a step on gloo (scripts/
-                # bench-elche), so without emulation DDP keeps its own C++ all-reduce and the
+                # (fdl.engine.ddp_comm). Its Python hook costs ~5% of a step on gloo (measured
+                # there), so without emulation DDP keeps its own C++ all-reduce and the
                 # all-reduce is inside the step's time, as a plain DDP script measures it.
                 comm_meter = DdpCommMeter.attach(step_model, process_group=group.process_group,
                                                  device=device)

@@ -577,8 +577,8 @@ def _within_time(replica: Replica, state: PlanState, plan: RoundPlan,
     if elapsed < limit:
         return state
     replica.time_up = True
-    replica.timeline.event("anchor", round=plan.round_index, anchor=state.anchor,
-                           previous=state.anchor, reason=f"max_time {limit:g}s reached")
+    replica.timeline.event("budget", round=plan.round_index, elapsed_s=elapsed,
+                           reason=f"max_time {limit:g}s reached: the next round is the last")
     return cut_after_next_round(state)
 
 

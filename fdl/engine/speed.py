@@ -73,6 +73,16 @@ MAX_OWED_STEPS = 4
 StepComm = float | tuple[torch.cuda.Event, torch.cuda.Event] | None
 
 
+def mark(device: torch.device | None) -> float | torch.cuda.Event:
+    """A point in time for a step's timing: ``time.perf_counter()`` on the CPU, an event
+    recorded on the device's current stream on CUDA (read later: nothing waits here)."""
+    if device is None or torch.device(device).type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class CommClock(Protocol):
     """Where a step's communication is timed (fdl.engine.ddp_comm.DdpCommMeter; a test fakes
     it): ``begin_step()`` when the step starts, ``end_step()`` when it stops."""
@@ -163,9 +173,7 @@ class StepTimer:
         return self.busy_s * 1000 / self.steps if self.steps else float("nan")
 
     def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        return mark(self.device)
 
     def _read_pending(self) -> None:
         """Book the steps whose events have completed (the caller waited for the last one)."""

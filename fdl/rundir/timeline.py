@@ -20,6 +20,8 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
   halvings)
 * ``guard``  — ``round``, ``distance`` (max over ranks), ``level`` (drift over its usual level),
   ``streak``, ``halve``, ``released`` (the anchor's ceiling lifted)
+* ``budget`` — ``round``, ``elapsed_s``, ``reason``: the time budget was passed at this
+  round's boundary, and the next round is the run's last
 * ``scalars`` — ``round``, ``values`` (the means over the round of what the script logged with
   ``run.log``: ``{"loss": 0.41, ...}``)
 * ``eval``   — ``samples``, ``eval``: an evaluation within an epoch (``run.evaluate(...,
@@ -58,6 +60,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "anchor": ("round", "anchor", "previous", "reason"),
     "guard": ("round", "distance", "level", "streak", "halve", "released"),
     "scalars": ("round", "values"),
+    "budget": ("round", "elapsed_s", "reason"),
     "eval": ("samples", "eval"),
     "epoch": ("epoch", "train_loss", "eval"),
     "checkpoint": ("round", "epoch", "position", "name", "bytes", "write_s"),
