@@ -35,9 +35,11 @@ random number::
 Epoch ``e`` is one stream of ``dataset_size`` sample positions (the engine maps positions to a
 permutation seeded by ``(seed, e)``). A round takes the next ``sum(n_r)`` positions, rank 0
 first (an elastic rank's reservation last), so every sample is used exactly once per epoch.
-Once at most ``TAIL_MERGE`` (1.5) full rounds are left, the next round takes all of them, split
-so that the last rank to finish finishes soonest: no sliver of a round at the epoch's end that
-pays an average of its own and idles a rank on its rounding.
+Once at most ``TAIL_MERGE`` (1.5) full rounds are left, the next round takes all of them: no
+sliver of a round at the epoch's end that pays an average of its own and idles a rank on its
+rounding. Under cadence and async ``TAIL_POOL`` of its batches (and the partial one) are a pool
+the ranks drain after their own slices, so a speed that changed since the last round does not
+idle the others; the rest is split so that the last rank to finish finishes soonest.
 
 **Budgets.** A run is ``num_samples = min(epochs * dataset_size, max_samples)`` sample
 positions, epoch after epoch, in ``num_epochs = ceil(num_samples / dataset_size)`` epochs; the
@@ -69,6 +71,11 @@ TAIL_MERGE = 1.5
 # The calibration round's shared pool: this many batches per calibration step per rank beyond
 # the first, enough for a rank some 8x faster than the slowest to keep busy meanwhile.
 CALIBRATION_POOL = 8
+# The share of an epoch's last round left in a shared pool that the ranks drain after their
+# own slices: a speed estimate off by up to ~20% (one rank's steps slower this round than
+# the last, two workers on shared cores) is then absorbed by the others instead of idling them
+# at the epoch's end (lenet5 in fdl bench --quick: 0.1-0.2 s of a 0.6 s round, before).
+TAIL_POOL = 0.15
 SPEED_ALPHA = 0.7
 SPEED_CLIP = 2.0
 # Float noise must not add a batch: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
@@ -217,10 +224,13 @@ class RoundPlan:
     # slowest) has finished its share, at most up to its slice's ``stop`` (a reservation).
     elastic: int | None = None
     signal_from: int | None = None
-    # The calibration round's shared pool: ``pool`` whole batches right after the slices, which
-    # every rank that has run its own share takes one at a time until every rank has (so the
-    # fast ones do not idle while the slowest calibrates); advance learns how many were taken.
+    # A shared pool of ``pool`` batches, positions ``[pool_start, pool_stop)`` right after the
+    # slices, which a rank takes from once its own share is run. The calibration round's is
+    # whole batches, taken until every rank has run its share (so the fast ones do not idle
+    # while the slowest calibrates); advance learns how many were taken. The epoch's last
+    # round's (``drains``) is the epoch's tail, its last batch maybe partial, taken until empty.
     pool: int = 0
+    pool_stop: int = 0
 
     @property
     def pool_start(self) -> int:
@@ -228,10 +238,16 @@ class RoundPlan:
         return max(s.stop for s in self.slices)
 
     @property
+    def drains(self) -> bool:
+        """Whether the pool is the epoch's tail: every batch of it is taken."""
+        return bool(self.pool) and self.last_in_epoch
+
+    @property
     def num_samples(self) -> int:
-        """Samples the round uses (an elastic round or a pool: reserves; advance learns what
-        was used)."""
-        return sum(s.num_samples for s in self.slices)
+        """Samples the round uses: its slices and a draining pool (an elastic round or the
+        calibration round's pool: reserves; advance learns what was used)."""
+        tail = self.pool_stop - self.pool_start if self.drains else 0
+        return sum(s.num_samples for s in self.slices) + tail
 
     def weights(self) -> tuple[float, ...]:
         """Averaging weights: uniform, ``1 / world_size``. In the linear regime a replica's
@@ -459,9 +475,10 @@ def next_round(state: PlanState) -> RoundPlan:
     planned = _planned_shares(state)
     size = epoch_size(config, state.epoch)
     remaining = size - state.position
-    elastic = None
+    elastic, tail = None, 0
     if _ends_epoch(state, planned, remaining):
-        samples = _balanced_split(remaining, state.ms_per_sample,  # type: ignore[arg-type]
+        tail = _tail_pool(state, remaining)
+        samples = _balanced_split(remaining - tail, state.ms_per_sample,  # type: ignore[arg-type]
                                   batch_size=config.batch_size)
     elif (elastic := _elastic_ranks(state, planned, remaining)) is not None:
         fast, _ = elastic
@@ -485,13 +502,40 @@ def next_round(state: PlanState) -> RoundPlan:
         n = samples[rank]
         slices[rank] = RankSlice(rank, -(-n // config.batch_size), start, start + n)
         start += n
-    pool = _calibration_pool(state, remaining - sum(samples))
+    if tail:
+        pool, pool_stop = -(-tail // config.batch_size), size
+    else:
+        pool = _calibration_pool(state, remaining - sum(samples))
+        pool_stop = start + pool * config.batch_size
     return RoundPlan(round_index=state.round_index, epoch=state.epoch, anchor=state.anchor,
                      counts=tuple(s.steps for s in slices), slices=tuple(slices),
-                     last_in_epoch=elastic is None and not pool and start == size,
+                     last_in_epoch=elastic is None and pool_stop == size,
                      calibration=_calibrating(state),
                      elastic=None if elastic is None else elastic[0],
-                     signal_from=None if elastic is None else elastic[1], pool=pool)
+                     signal_from=None if elastic is None else elastic[1], pool=pool,
+                     pool_stop=pool_stop if pool else 0)
+
+
+def _tail_pool(state: PlanState, remaining: int) -> int:
+    """Samples of the epoch's last round left to a pool the ranks drain (``TAIL_POOL`` of its
+    whole batches, at least one per rank, and the partial batch), under an elastic policy
+    with two ranks or more; 0 otherwise."""
+    config = state.config
+    if not (config.policy.elastic and config.world_size > 1):
+        return 0
+    whole, partial = divmod(remaining, config.batch_size)
+    batches = min(whole, max(config.world_size, math.ceil(TAIL_POOL * whole)))
+    return batches * config.batch_size + partial
+
+
+def pool_chunk(state: PlanState, rank: int) -> int:
+    """The batches rank ``rank`` takes from a draining pool at once: about one step of the
+    slowest rank's time (1 while a speed is unknown)."""
+    ms = state.ms_per_sample
+    mine = ms[rank]
+    if mine is None or any(m is None for m in ms):
+        return 1
+    return max(1, math.floor(max(m for m in ms if m is not None) / mine))
 
 
 def _calibration_pool(state: PlanState, room: int) -> int:
@@ -624,9 +668,12 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
                              f"{reserved} reserved")
         used -= reserved - taken
     if plan.pool:
-        if pool_used is None or not 0 <= pool_used <= plan.pool:
-            raise ValueError(f"advance: {pool_used!r} batches taken from a pool of {plan.pool}")
-        used += pool_used * config.batch_size
+        if pool_used is None or not 0 <= pool_used <= plan.pool or \
+                (plan.drains and pool_used != plan.pool):
+            raise ValueError(f"advance: {pool_used!r} batches taken from a pool of {plan.pool}"
+                             + (" (the epoch's tail: all of it)" if plan.drains else ""))
+        if not plan.drains:  # a draining pool is in num_samples
+            used += pool_used * config.batch_size
     elif pool_used:
         raise ValueError(f"advance: {pool_used} batches taken from a round without a pool")
     epoch, position = state.epoch, state.position + used

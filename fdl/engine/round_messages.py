@@ -1,54 +1,51 @@
 """The round loop's messages between ranks within a round, through the process group's store
-(the launcher's TCPStore): the elastic round's signal and the calibration round's shared pool
-(fdl.engine.rounds runs them; fdl.engine.plan decides when a round has either)."""
+(the launcher's TCPStore): the elastic round's signal and a round's shared pool, the
+calibration round's or the epoch's last round's (fdl.engine.rounds runs them;
+fdl.engine.plan decides when a round has either)."""
 
 from __future__ import annotations
 
 import os
-import time
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from fdl.engine.plan import RoundPlan
 
-# The share of the slowest rank's estimated round time the elastic rank runs without checking.
-QUIET_SHARE = 0.8
-
 
 @dataclass
 class ElasticSignal:
     """An elastic round's messages, through the process group's store (the launcher's
-    TCPStore): the slowest rank posts ``done`` when its share is finished; the fastest checks
-    for it between steps (a round trip of some 15 microseconds), so it stops within one of its
-    own steps of the slowest one, then posts how many samples it ``used``, which every other
-    rank reads before planning the next round (under async too, where the reports arrive a
-    round late). gloo's point-to-point receive could not carry ``done``: it reports completion
+    TCPStore): the slowest rank posts ``done`` when its share is finished; the fastest learns it
+    between steps, so it stops within one of its own steps of the slowest one, then posts how
+    many samples it ``used``, which every other rank reads before planning the next round
+    (under async too, where the reports arrive a round late).
+
+    The fastest rank never asks the store between steps: a thread of its own blocks in the
+    store's ``wait`` on a clone of the store (torch's way to use a store from a second thread)
+    and sets an event, so a step pays an event check (~0.1 microseconds) where a store round
+    trip cost 0.3-0.6 ms on a busy 2-core host (18% of lenet5's 2.5 ms steps) and milliseconds
+    over WiFi. gloo's point-to-point receive could not carry ``done``: it reports completion
     only once waited on."""
 
     role: str = ""  # "receive" (the elastic rank) or "send" (every other rank); "": no elastic
     store: Any = None
     key: str = ""
-    # The elastic rank's clock (time.perf_counter) before which the slowest rank cannot be
-    # done by its own speed estimate: no check before it. A check is a round trip to the store
-    # (0.3-0.6 ms on a 2-core host with two workers training: 18% of lenet5's 2.5 ms steps in
-    # fdl bench --quick, by cProfile); the estimate lets the fast rank skip most of them and
-    # still stop within one of its steps of the slowest one.
-    quiet_until: float = 0.0
+    watch: DoneWatch | None = None
 
     @classmethod
-    def open(cls, plan: RoundPlan, *, rank: int, slowest_s: float = 0.0) -> ElasticSignal:
-        """``slowest_s``: how long the slowest rank's share of the round should take by its
-        speed estimate (0: unknown, check from the first step on)."""
+    def open(cls, plan: RoundPlan, *, rank: int) -> ElasticSignal:
         if plan.elastic is None:
             return cls()
-        return cls("receive" if rank == plan.elastic else "send", _required_store(),
-                   f"fdl/elastic/{restart_attempt()}/",
-                   time.perf_counter() + QUIET_SHARE * max(0.0, slowest_s))
+        store = _required_store()
+        signal = cls("receive" if rank == plan.elastic else "send", store,
+                     f"fdl/elastic/{restart_attempt()}/")
+        if signal.role == "receive":
+            signal.watch = DoneWatch.start(_watch_store(store), signal._key("done", plan))
+        return signal
 
     def arrived(self, plan: RoundPlan) -> bool:
-        if self.role != "receive" or time.perf_counter() < self.quiet_until:
-            return False
-        return self.store.check([self._key("done", plan)])
+        return self.watch is not None and self.watch.done.is_set()
 
     def close(self, plan: RoundPlan, *, rank: int, used: int) -> int | None:
         """Post or collect the round's messages; returns the samples the elastic rank used
@@ -56,9 +53,9 @@ class ElasticSignal:
         if not self.role:
             return None
         if self.role == "receive":
-            done = self._key("done", plan)
-            self.store.wait([done])  # it may have run its whole reservation first
-            self.store.delete_key(done)
+            assert self.watch is not None
+            self.watch.join()  # it may have run its whole reservation first
+            self.store.delete_key(self._key("done", plan))
             self.store.set(self._key("used", plan), str(used))
             if plan.round_index >= 2:  # every rank has read it: ranks are at most a round apart
                 self.store.delete_key(f"{self.key}used/{plan.round_index - 2}")
@@ -72,39 +69,81 @@ class ElasticSignal:
 
 
 @dataclass
-class CalibrationPool:
-    """The calibration round's shared pool, through the store's atomic counters: a rank done
-    with its own slice counts itself ``done``, then takes the next batch index (``taken``) while
-    some rank is still on its slice and the pool lasts: so no rank idles while the slowest
-    calibrates, and none runs more than one step past it. The last rank to stop publishes how
-    many batches were taken; every rank reads it before planning the next round."""
+class DoneWatch:
+    """A daemon thread blocked in ``store.wait([key])`` (the GIL released) that sets ``done``
+    when the key exists, or when the wait failed (the store's timeout, a lost store): then
+    :meth:`join` raises what it raised."""
+
+    done: threading.Event
+    error: list[BaseException]
+
+    @classmethod
+    def start(cls, store: Any, key: str) -> DoneWatch:
+        watch = cls(threading.Event(), [])
+
+        def run() -> None:
+            try:
+                store.wait([key])
+            except BaseException as error:
+                watch.error.append(error)
+            finally:
+                watch.done.set()
+
+        threading.Thread(target=run, name="fdl-elastic-watch", daemon=True).start()
+        return watch
+
+    def join(self) -> None:
+        """Until the key exists; raises the wait's error."""
+        self.done.wait()
+        if self.error:
+            raise self.error[0]
+
+
+@dataclass
+class SharedPool:
+    """A round's shared pool of batches, through the store's atomic counters. The calibration
+    round's: a rank done with its own slice counts itself ``done``, then takes the next batch
+    index (``taken``) while some rank is still on its slice and the pool lasts, so no rank idles
+    while the slowest calibrates and none runs more than one step past it; the last rank to
+    stop publishes how many batches were taken, which every rank reads before planning the next
+    round. The epoch's last round's (``plan.drains``): every rank takes batches until the pool is
+    empty, ``chunk`` at a time (about one step of the slowest rank: fewer round trips for a fast
+    one, and the last rank to finish ends within that of the others)."""
 
     size: int = 0
     world_size: int = 1
     store: Any = None
     key: str = ""
+    drains: bool = False
+    chunk: int = 1
 
     @classmethod
-    def open(cls, plan: RoundPlan, *, world_size: int) -> CalibrationPool:
+    def open(cls, plan: RoundPlan, *, world_size: int, chunk: int = 1) -> SharedPool:
         if not plan.pool:
             return cls()
         pool = cls(plan.pool, world_size, _required_store(),
-                   f"fdl/pool/{restart_attempt()}/{plan.round_index}/")
-        pool.store.add(pool.key + "done", 1)
+                   f"fdl/pool/{restart_attempt()}/{plan.round_index}/", plan.drains,
+                   max(1, chunk) if plan.drains else 1)
+        if not pool.drains:
+            pool.store.add(pool.key + "done", 1)
         return pool
 
-    def take(self) -> int | None:
-        """The next pool batch's index for this rank, or None: everyone is done or the pool is
-        empty (an index past the pool is drawn and dropped; close() counts those out)."""
-        if not self.size or int(self.store.add(self.key + "done", 0)) >= self.world_size:
-            return None
-        index = int(self.store.add(self.key + "taken", 1)) - 1
-        return index if index < self.size else None
+    def take(self) -> range:
+        """The next pool batches' indices for this rank; empty when the pool is (or, in the
+        calibration round, when every rank is done). Indices drawn past the pool are dropped."""
+        if not self.size:
+            return range(0)
+        if not self.drains and int(self.store.add(self.key + "done", 0)) >= self.world_size:
+            return range(0)
+        end = int(self.store.add(self.key + "taken", self.chunk))
+        return range(end - self.chunk, min(end, self.size))
 
     def close(self) -> int | None:
-        """The batches taken from the pool by every rank (None: no pool)."""
+        """The batches taken from the pool by every rank (None: no pool; a draining pool: all)."""
         if not self.size:
             return None
+        if self.drains:
+            return self.size
         if int(self.store.add(self.key + "stopped", 1)) == self.world_size:
             taken = int(self.store.add(self.key + "taken", 0))
             self.store.set(self.key + "used", str(min(taken, self.size)))
@@ -122,6 +161,19 @@ def _required_store() -> Any:
     if store is None:
         raise RuntimeError("an elastic round or a pool needs the process group's store")
     return store
+
+
+_WATCH_STORES: dict[int, tuple[Any, Any]] = {}
+
+
+def _watch_store(store: Any) -> Any:
+    """This process's clone of ``store`` for the watch thread (a store object must not be
+    blocked in ``wait`` by one thread while another sends on it); one per store, reused, since
+    a rank watches one round at a time."""
+    held = _WATCH_STORES.get(id(store))
+    if held is None:  # the store is held with its clone: its id is never reused meanwhile
+        held = _WATCH_STORES[id(store)] = (store, store.clone())
+    return held[1]
 
 
 def group_store() -> Any:

@@ -55,9 +55,10 @@ from fdl.engine.plan import (
     advance,
     cut_after_next_round,
     next_round,
+    pool_chunk,
 )
 from fdl.engine.policies import Policy
-from fdl.engine.round_messages import CalibrationPool, ElasticSignal
+from fdl.engine.round_messages import ElasticSignal, SharedPool
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
     NO_DISTANCE,
@@ -215,8 +216,8 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
 
 def run_slice(replica: Replica, plan: RoundPlan,
               state: PlanState) -> Generator[Any, None, SliceResult]:
-    """This rank's part of the round: its own steps (:func:`_own_steps`), then the calibration
-    pool's (:func:`_pool_steps`), then its report (:func:`_close_slice`). In the calibration
+    """This rank's part of the round: its own steps (:func:`_own_steps`), then the shared
+    pool's, if the round has one (:func:`_pool_steps`), then its report (:func:`_close_slice`). In the calibration
     round the run's very first step (allocations, lazy initialisation) is timed apart and left
     out of the report, so it does not pass for the rank's speed."""
     tally = RoundTally.open(replica)
@@ -248,7 +249,7 @@ class RoundTally:
     started: float = field(default_factory=time.perf_counter)
     timed_samples: int = 0
     data_s: float = 0.0
-    pool_batches: int = 0
+    pool_samples: int = 0  # positions taken from the round's shared pool
 
     @classmethod
     def open(cls, replica: Replica) -> RoundTally:
@@ -279,7 +280,8 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
              for low in range(mine.start, mine.stop, step_size)]
     fetch = _slice_fetch(replica, steps)
     warm_first = plan.calibration and state.samples_seen == 0
-    signal = ElasticSignal.open(plan, rank=replica.rank, slowest_s=_slowest_s(plan, state))
+    sliced = plan.pool_start - state.position  # the slices' positions: a pool's come after
+    signal = ElasticSignal.open(plan, rank=replica.rank)
     with _joined_if_uneven(replica, plan):
         for index, samples in enumerate(steps):
             if index and signal.arrived(plan):
@@ -287,20 +289,10 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
             if replica.comm_meter is not None:  # the mean is over the ranks with data
                 replica.comm_meter.ranks_with_data = sum(s.steps > index for s in plan.slices)
             yield from _timed_step(replica, plan, state, tally, fetch, samples,
-                                   progress=state.samples_seen + plan.num_samples * index
+                                   progress=state.samples_seen + sliced * index
                                    / max(1, mine.steps), warm=warm_first and index == 0)
         _shadow_steps(replica, plan)
     return signal.close(plan, rank=replica.rank, used=tally.timed_samples)
-
-
-def _slowest_s(plan: RoundPlan, state: PlanState) -> float:
-    """How long the slowest rank's share of an elastic round should take, in seconds, by its
-    speed estimate (the whole step, as measured; 0 when unknown)."""
-    slow = plan.signal_from
-    if slow is None:
-        return 0.0
-    ms = state.ms_per_sample[slow]
-    return plan.slices[slow].num_samples * ms / 1000 if ms is not None else 0.0
 
 
 def _shadow_steps(replica: Replica, plan: RoundPlan) -> None:
@@ -327,18 +319,22 @@ def _joined_if_uneven(replica: Replica, plan: RoundPlan) -> contextlib.AbstractC
 
 def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
                 tally: RoundTally) -> Generator[Any, None, int | None]:
-    """Whole steps of the calibration round's pool, taken one at a time after the rank's own
-    steps until every rank is done; returns how many the ranks took (None: no pool)."""
+    """Whole steps of the round's shared pool after the rank's own steps: the calibration
+    round's until every rank is done, the epoch's last round's until it is empty (its last
+    step maybe partial); returns how many the ranks took (None: no pool)."""
     step_size = replica.step_size
     order = replica.order(plan.epoch) if replica.stream is None else None
-    pool = CalibrationPool.open(plan, world_size=replica.world_size)
-    while (j := pool.take()) is not None:
-        low = plan.pool_start + j * step_size
-        samples = _samples(replica, order, low, low + step_size)
-        yield from _timed_step(replica, plan, state, tally, _one_fetch(replica, samples),
-                               samples, progress=state.samples_seen + low - state.position,
-                               warm=False)
-        tally.pool_batches += 1
+    pool = SharedPool.open(plan, world_size=replica.world_size,
+                           chunk=pool_chunk(state, replica.rank))
+    while taken := pool.take():
+        for j in taken:
+            low = plan.pool_start + j * step_size
+            high = min(low + step_size, plan.pool_stop)
+            samples = _samples(replica, order, low, high)
+            yield from _timed_step(replica, plan, state, tally, _one_fetch(replica, samples),
+                                   samples, progress=state.samples_seen + low - state.position,
+                                   warm=False)
+            tally.pool_samples += high - low
     return pool.close()
 
 
@@ -437,7 +433,7 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
     replica.sleep_owed_s = timer.owed_s
     mine = plan.slices[replica.rank]
     used = mine.num_samples if plan.elastic != replica.rank else tally.timed_samples
-    _book_round(replica, plan, used + tally.pool_batches * replica.step_size, tally,
+    _book_round(replica, plan, used + tally.pool_samples, tally,
                 compute_s=time.perf_counter() - tally.started)
     since = replica.checkpointer.since_last_s() if replica.checkpointer is not None else 0.0
     return rank_state.report(busy_ms=timer.busy_s * 1000 if timer.steps else math.nan,
@@ -447,9 +443,11 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
 
 def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None:
     assert replica.progress is not None
-    totals, total = replica.totals, max(1, plan.num_samples)
-    replica.progress.write(samples=samples, epoch=plan.epoch,
-                          shares=[s.num_samples / total for s in plan.slices],
+    totals = replica.totals
+    sliced = [s.num_samples for s in plan.slices]  # the planned split (a pool is anyone's)
+    shares = [n / sum(sliced) for n in sliced] if sum(sliced) else \
+        [1 / len(sliced)] * len(sliced)
+    replica.progress.write(samples=samples, epoch=plan.epoch, shares=shares,
                           anchor=plan.anchor, sync_s=totals.wait_s + totals.comm_s,
                           busy_s=totals.busy_s)
 

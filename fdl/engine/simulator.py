@@ -15,7 +15,8 @@ it slows the compute it overlaps by ``contention``. A blocking boundary ends whe
 background one lets each rank go on at once and makes it wait at the next boundary for the
 average it launched. In an elastic round the fastest rank steps until the slowest one's share
 is done (its last step may end after it); in the calibration round every rank done with its
-share takes batches from the pool until every rank is done. Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
+share takes batches from the pool until every rank is done, and in an epoch's last round
+until the pool (the epoch's tail) is empty. Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
 time is not counted, as in the engine's ``wall_s``). ``sync`` is modelled as lock-step steps
 plus the exposed part of DDP's gradient all-reduce.
 
@@ -28,7 +29,15 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
-from fdl.engine.plan import PlanConfig, RoundPlan, RoundStats, advance, initial_state, next_round
+from fdl.engine.plan import (
+    PlanConfig,
+    RoundPlan,
+    RoundStats,
+    advance,
+    initial_state,
+    next_round,
+    pool_chunk,
+)
 from fdl.engine.policies import Policy
 from fdl.engine.state import RankState, RoundReport, round_stats
 
@@ -122,8 +131,9 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
             busy[plan.elastic], used[plan.elastic] = _compute(
                 profile, plan, plan.elastic, clock[plan.elastic], pending, rng,
                 until_ms=deadline)
-        pool_used = _take_from_pool(profile, plan, clock, busy, used, rng) if plan.pool \
-            else None
+        pool_used = _take_from_pool(profile, plan, clock, busy, used, rng,
+                                    chunks=[pool_chunk(state, r) for r in range(world)]) \
+            if plan.pool else None
         trained += sum(used)
         arrive = [clock[r] + busy[r] for r in range(world)]
         reports = [ranks[r].report(busy_ms=busy[r], samples=used[r], since_checkpoint_s=0.0)
@@ -156,20 +166,24 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
 
 
 def _take_from_pool(profile: Profile, plan: RoundPlan, clock: list[float], busy: list[float],
-                    used: list[int], rng: random.Random) -> int:
-    """The calibration pool (the engine's ``CalibrationPool``): a rank done with its slice takes the
-    next batch while some rank is still on its own and the pool lasts, earliest rank first.
-    Adds to ``busy`` and ``used`` in place; returns the batches taken."""
+                    used: list[int], rng: random.Random, *, chunks: list[int]) -> int:
+    """The round's shared pool (the engine's ``SharedPool``): a rank done with its slice takes
+    the next batch, earliest rank first, while the pool lasts and, in the calibration round,
+    while some rank is still on its own; the epoch's last round's pool is drained, ``chunks[r]``
+    batches per take. Adds to ``busy`` and ``used`` in place; returns the batches taken."""
     world = len(busy)
-    all_done = max(clock[r] + busy[r] for r in range(world))
-    taken = 0
+    all_done = math.inf if plan.drains else max(clock[r] + busy[r] for r in range(world))
+    taken, left = 0, plan.pool_stop - plan.pool_start
     while taken < plan.pool:
         now, rank = min((clock[r] + busy[r], r) for r in range(world))
         if now >= all_done:
             break
-        busy[rank] += profile.step_ms(rank, profile.batch_size, rng)
-        used[rank] += profile.batch_size
-        taken += 1
+        for _ in range(min(chunks[rank] if plan.drains else 1, plan.pool - taken)):
+            n = min(left, profile.batch_size)
+            busy[rank] += profile.step_ms(rank, n, rng)
+            used[rank] += n
+            left -= n
+            taken += 1
     return taken
 
 

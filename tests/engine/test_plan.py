@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,12 +24,14 @@ from fdl.engine.plan import (
     SPEED_ALPHA,
     SPEED_CLIP,
     TAIL_MERGE,
+    TAIL_POOL,
     PlanConfig,
     PlanConfigError,
     PlanState,
     RankSlice,
     RoundPlan,
     RoundStats,
+    _cut_samples,
     advance,
     cut_after_next_round,
     epoch_size,
@@ -64,11 +67,19 @@ def calibrated(*ms: float, **overrides) -> PlanState:
 
 def run_round(state: PlanState, stats: RoundStats, *, used: int | None = None) -> PlanState:
     """``advance`` past the state's next round; an elastic rank uses ``used`` samples (default:
-    its whole reservation)."""
+    its whole reservation), no batch of a calibration pool is taken, an epoch's tail is."""
     plan = next_round(state)
     if plan.elastic is not None and used is None:
         used = plan.slices[plan.elastic].num_samples
-    return advance(state, plan, stats, elastic_used=used, pool_used=0 if plan.pool else None)
+    return drained(state, plan, stats, elastic_used=used)
+
+
+def drained(state: PlanState, plan: RoundPlan, stats: RoundStats, **used: Any) -> PlanState:
+    """``advance`` past ``plan``, its pool drained if it is an epoch's tail (none taken of a
+    calibration pool unless ``pool_used`` says)."""
+    if plan.pool and "pool_used" not in used:
+        used["pool_used"] = plan.pool if plan.drains else 0
+    return advance(state, plan, stats, **used)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +263,7 @@ def test_calibration_round_gives_every_rank_calibration_steps_batches_in_rank_or
     plan = next_round(initial_state(config(calibration_steps=3)))
     assert plan == RoundPlan(round_index=0, epoch=0, anchor=4, counts=(3, 3), slices=(
         RankSlice(0, 3, 0, 30), RankSlice(1, 3, 30, 60)), last_in_epoch=False, calibration=True,
-        pool=CALIBRATION_POOL * 3)
+        pool=CALIBRATION_POOL * 3, pool_stop=60 + CALIBRATION_POOL * 3 * 10)
     assert plan.num_samples == 60 and plan.weights() == (0.5, 0.5) and plan.pool_start == 60
 
 
@@ -338,13 +349,32 @@ def test_reservation_is_the_cap_times_the_share_rounded_up_to_whole_batches():
 
 def test_the_epochs_last_round_takes_what_is_left_balanced_by_speed():
     state = replace(calibrated(0.3, 1.0, dataset_size=1240), position=1000)
-    # shares (130, 40): 240 left is within TAIL_MERGE x 170, so this round ends the epoch; 24
-    # batches at 3 and 10 ms each: 19 and 5 end at 57 and 50 ms (18 and 6: 54 and 60)
+    # shares (130, 40): 240 left is within TAIL_MERGE x 170, so this round ends the epoch; of
+    # its 24 batches TAIL_POOL (15%, rounded up: 4) are a pool the ranks drain, the other 20 at
+    # 3 and 10 ms each: 16 and 4 end at 48 and 40 ms (15 and 5: 45 and 50)
+    assert math.ceil(TAIL_POOL * 24) == 4
     plan = next_round(state)
-    assert plan.elastic is None and plan.last_in_epoch
-    assert plan.slices == (RankSlice(0, 19, 1000, 1190), RankSlice(1, 5, 1190, 1240))
-    state = advance(state, plan, measured(0.3, 1.0))
+    assert plan.elastic is None and plan.last_in_epoch and plan.drains
+    assert plan.slices == (RankSlice(0, 16, 1000, 1160), RankSlice(1, 4, 1160, 1200))
+    assert (plan.pool, plan.pool_start, plan.pool_stop, plan.num_samples) == (4, 1200, 1240, 240)
+    with pytest.raises(ValueError, match=r"3 batches taken from a pool of 4 \(the epoch's tail"):
+        advance(state, plan, measured(0.3, 1.0), pool_used=3)
+    state = advance(state, plan, measured(0.3, 1.0), pool_used=4)
     assert (state.epoch, state.position) == (1, 0)
+
+
+@pytest.mark.parametrize(("remaining", "pool", "slices"), [
+    (2, 1, (0, 0)),  # a partial batch alone: one pool batch, whoever is free first
+    (25, 3, (0, 0)),  # 2 whole batches (one per rank at least) and the partial one
+    (205, 4, (12, 5)),  # 20 whole: 3 to the pool (15%), with the partial one
+])
+def test_the_epochs_tail_pool_is_a_share_of_its_batches_with_the_partial_one(remaining, pool,
+                                                                           slices):
+    state = replace(calibrated(0.4, 1.0, dataset_size=5000 + remaining), position=5000)
+    plan = next_round(state)
+    assert plan.drains and plan.pool == pool and plan.pool_stop == 5000 + remaining
+    assert tuple(s.steps for s in plan.slices) == slices
+    assert plan.num_samples == remaining
 
 
 def test_reservation_leaves_the_epochs_last_round_half_a_full_one():
@@ -355,9 +385,10 @@ def test_reservation_leaves_the_epochs_last_round_half_a_full_one():
     assert plan.elastic == 0 and not plan.last_in_epoch
     assert plan.slices == (RankSlice(0, 17, 980, 1150), RankSlice(1, 4, 940, 980))
     state = advance(state, plan, measured(0.3, 1.0), elastic_used=170)
-    plan = next_round(state)  # the 90 left: one balanced round, 7 and 2 batches (21, 20 ms)
-    assert plan.elastic is None and plan.last_in_epoch
-    assert plan.slices == (RankSlice(0, 7, 1150, 1220), RankSlice(1, 2, 1220, 1240))
+    plan = next_round(state)  # the 90 left: one balanced round, 6 and 1 batches (18, 10 ms)
+    assert plan.elastic is None and plan.last_in_epoch  # and a pool of 2 (one per rank)
+    assert plan.slices == (RankSlice(0, 6, 1150, 1210), RankSlice(1, 1, 1210, 1220))
+    assert (plan.pool, plan.pool_stop) == (2, 1240)
 
 
 def test_no_sliver_of_a_round_is_left_at_the_epochs_end():
@@ -366,7 +397,8 @@ def test_no_sliver_of_a_round_is_left_at_the_epochs_end():
     round leaves the epoch's last one 70 samples or more."""
     plan = next_round(replace(calibrated(0.4, 1.0, dataset_size=1190), position=1000))
     assert plan.last_in_epoch and plan.num_samples == 190
-    assert plan.slices == (RankSlice(0, 14, 1000, 1140), RankSlice(1, 5, 1140, 1190))
+    assert plan.slices == (RankSlice(0, 12, 1000, 1120), RankSlice(1, 4, 1120, 1160))
+    assert (plan.pool, plan.pool_stop) == (3, 1190)
     plan = next_round(replace(calibrated(0.4, 1.0, dataset_size=1211), position=1000))
     assert plan.elastic == 0 and plan.slices[0] == RankSlice(0, 10, 1040, 1140)
     assert 1211 - plan.slices[0].stop >= 70
@@ -388,11 +420,13 @@ def test_round_exactly_filling_the_epoch_is_last_and_uncut():
 
 
 def test_last_round_is_cut_in_proportion_whole_batches_first():
-    state = replace(calibrated(0.4, 1.0, dataset_size=1075), position=1000)
-    plan = next_round(state)  # planned (100, 40) samples = (10, 4) batches; 7 batches + 5 remain
-    assert plan.last_in_epoch and plan.elastic is None
-    assert plan.slices == (RankSlice(0, 6, 1000, 1055), RankSlice(1, 2, 1055, 1075))
-    assert plan.counts == (6, 2)
+    # planned (10, 4) batches of 10 with 75 samples left: 7 whole batches in proportion, then
+    # the partial 5 (without known speeds, or under sync: no balanced end with a pool)
+    assert _cut_samples((10, 4), remaining=75, batch_size=10) == [55, 20]
+    state = replace(calibrated(0.4, 1.0, policy="sync", dataset_size=1075), position=1065)
+    plan = next_round(state)  # sync: a batch per rank planned, 10 left
+    assert plan.last_in_epoch and plan.elastic is None and not plan.pool
+    assert plan.slices == (RankSlice(0, 1, 1065, 1075), RankSlice(1, 0, 1075, 1075))
 
 
 def test_cut_round_may_leave_a_rank_without_samples():
@@ -434,7 +468,7 @@ def whole_run(config: PlanConfig, *ms: float) -> list[RoundPlan]:
     while not state.finished:
         plan = next_round(state)
         plans.append(plan)
-        state = run_round(state, measured(*ms)) if not plan.pool else advance(
+        state = run_round(state, measured(*ms)) if not plan.pool or plan.drains else advance(
             state, plan, measured(*ms), pool_used=plan.pool // 2)
     assert state.samples_seen == config.num_samples and state.epoch == config.num_epochs
     return plans
@@ -444,7 +478,8 @@ def epoch_ends(plans: list[RoundPlan]) -> dict[int, int]:
     """Per epoch, the last position its rounds reached."""
     ends: dict[int, int] = {}
     for plan in plans:
-        ends[plan.epoch] = max(ends.get(plan.epoch, 0), *(s.stop for s in plan.slices))
+        ends[plan.epoch] = max(ends.get(plan.epoch, 0), *(s.stop for s in plan.slices),
+                               plan.pool_stop if plan.drains else 0)
     return ends
 
 
@@ -481,8 +516,9 @@ def test_the_round_that_reaches_the_cut_is_the_tail_merged_last_one():
                     epoch=1, position=1000)
     plan = next_round(state)
     assert plan.elastic is None and plan.last_in_epoch
-    assert plan.slices == (RankSlice(0, 19, 1000, 1190), RankSlice(1, 5, 1190, 1240))
-    state = advance(state, plan, measured(0.3, 1.0))
+    assert plan.slices == (RankSlice(0, 16, 1000, 1160), RankSlice(1, 4, 1160, 1200))
+    assert (plan.pool, plan.pool_stop) == (4, 1240)
+    state = drained(state, plan, measured(0.3, 1.0))
     assert state.finished and (state.epoch, state.position, state.samples_seen) == (2, 0, 6240)
     with pytest.raises(ValueError, match=r"finished \(6240 samples, 2 epochs\)"):
         next_round(state)
@@ -498,7 +534,7 @@ def test_a_time_budget_cut_makes_the_next_round_the_runs_last(position):
     plan = next_round(cut)
     assert plan.last_in_epoch and plan.epoch == 1
     assert plan.slices[0].start == position
-    after = advance(cut, plan, measured(0.3, 1.0))
+    after = drained(cut, plan, measured(0.3, 1.0))
     assert after.finished and after.samples_seen == state.samples_seen + plan.num_samples
     assert cut_after_next_round(after) is after
 
@@ -557,8 +593,8 @@ def test_advance_consumes_samples_and_wraps_epochs():
     state = advance(state, plan, measured(1.0, 1.0), pool_used=0)
     assert (state.round_index, state.epoch, state.position, state.samples_seen) == (1, 0, 80, 80)
     assert not plan.last_in_epoch
-    state = advance(state, plan := next_round(state), measured(1.0, 1.0, n=10))
-    assert plan.last_in_epoch and plan.num_samples == 20
+    state = drained(state, plan := next_round(state), measured(1.0, 1.0, n=10))
+    assert plan.last_in_epoch and plan.num_samples == 20 and plan.pool == 2  # a batch per rank
     assert (state.epoch, state.position, state.samples_seen) == (1, 0, 100)
 
 
@@ -885,6 +921,8 @@ class Round:
     def pool_range(self) -> tuple[int, int]:
         """The positions the ranks took from the round's pool, whoever took them."""
         start = self.plan.pool_start
+        if self.plan.drains:
+            return start, self.plan.pool_stop
         return start, start + self.pool_used * self.state.config.batch_size
 
 
@@ -908,7 +946,8 @@ def run_to_the_end(config: PlanConfig, base_ms, weather) -> tuple[PlanState, lis
                      base_ms[r] * today.jitter[r] * n if n else math.nan
                      for r, n in enumerate(samples))
         stats = RoundStats(busy_ms=busy, samples=samples, sync_ms=today.sync_ms)
-        taken = min(plan.pool, math.floor(today.elastic_fraction * (plan.pool + 1)))
+        taken = plan.pool if plan.drains else \
+            min(plan.pool, math.floor(today.elastic_fraction * (plan.pool + 1)))
         states = [advance(s, plan, stats, elastic_used=used,
                           pool_used=taken if plan.pool else None) for s in states]
         rounds.append(Round(state, plan, used, stats, states[0], taken))
@@ -947,12 +986,18 @@ def check_layout(step: Round) -> None:
     assert laid[0].start == state.position
     assert all(a.stop == b.start for a, b in pairwise(laid))
     assert laid[-1].stop <= size
-    assert plan.last_in_epoch == (plan.elastic is None and not plan.pool
-                                  and laid[-1].stop == size)
-    if plan.pool:  # the calibration round's pool: right after the slices, short of the end
-        assert plan.calibration and config.world_size > 1 and config.policy.name != "sync"
+    assert plan.last_in_epoch == (plan.elastic is None and
+                                  (plan.pool_stop if plan.pool else laid[-1].stop) == size)
+    if plan.pool:  # right after the slices, in whole batches but for an epoch's partial last
+        assert config.world_size > 1 and config.policy.name != "sync"
         assert plan.pool_start == laid[-1].stop
-        assert plan.pool_start + plan.pool * config.batch_size < size
+        assert plan.pool == -(-(plan.pool_stop - plan.pool_start) // config.batch_size)
+    if plan.pool and not plan.drains:  # the calibration round's: short of the epoch's end
+        assert plan.calibration and plan.pool_stop < size
+        assert plan.pool_stop == plan.pool_start + plan.pool * config.batch_size
+    if plan.drains:  # the epoch's last round's: its tail, at least a batch per rank
+        assert not plan.calibration and plan.elastic is None
+        assert plan.pool >= min(config.world_size, (size - plan.pool_start) // config.batch_size)
     assert plan.counts == tuple(s.steps for s in plan.slices)
     assert all(s.steps == -(-s.num_samples // config.batch_size) for s in plan.slices)
     assert plan.weights() == (1 / config.world_size,) * config.world_size
@@ -1173,8 +1218,8 @@ def test_steady_speeds_balance_every_round_after_one_calibration_round(config, s
         samples = [used if s.rank == plan.elastic else s.num_samples for s in plan.slices]
         stats = RoundStats(tuple(m * n for m, n in zip(ms, samples, strict=True)),
                            tuple(samples), sync_ms)
-        after = advance(state, plan, stats, elastic_used=used,
-                        pool_used=plan.pool // 2 if plan.pool else None)
+        after = drained(state, plan, stats, elastic_used=used,
+                        **({"pool_used": plan.pool // 2} if plan.pool and not plan.drains else {}))
         remaining = epoch_size(config, state.epoch) - state.position
         if plan.elastic is not None and state.anchor >= 2:
             planned, batch = after.prev_shares, config.batch_size

@@ -1,48 +1,89 @@
-"""The elastic signal: the fast rank does not ask the store whether the slowest rank is done
-before the slowest rank's estimated time is mostly over (a fake store and a fake clock: the
-quiet period is arithmetic on the clock's readings, no time passes)."""
+"""The elastic signal over a real TCPStore on loopback: the fast rank learns that the slowest
+one is done from a watch thread, without a store round trip between its steps, and a watch
+that fails raises in the training thread instead of hanging it."""
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
 from types import SimpleNamespace
 
+import pytest
+from torch.distributed import PrefixStore, TCPStore
+
 import fdl.engine.round_messages as messages
-from fdl.engine.round_messages import QUIET_SHARE, ElasticSignal
+from fdl.engine.round_messages import ElasticSignal
 
 
-class Store:
-    def __init__(self):
-        self.checks = 0
-        self.done = True
+class CountingStore:
+    """A store that counts the calls the training thread makes on it (the watch thread has its
+    own clone)."""
 
-    def check(self, keys):
-        self.checks += 1
-        return self.done
+    def __init__(self, store):
+        self.store, self.calls = store, []
 
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.store, name)(*args)
+        return call
 
-def open_signal(monkeypatch, readings, *, slowest_s, rank=0):
-    clock = iter(readings)
-    monkeypatch.setattr(messages.time, "perf_counter", lambda: next(clock))
-    store = Store()
-    monkeypatch.setattr(messages, "_required_store", lambda: store)
-    plan = SimpleNamespace(elastic=0, round_index=3, signal_from=1)
-    return ElasticSignal.open(plan, rank=rank, slowest_s=slowest_s), store, plan
+    def clone(self):
+        return self.store.clone()
 
 
-def test_no_check_before_the_slowest_rank_can_be_done(monkeypatch):
-    quiet = QUIET_SHARE * 2.0
-    signal, store, plan = open_signal(monkeypatch, [10.0, 10.5, 10.0 + quiet - 0.01,
-                                                    10.0 + quiet + 0.01], slowest_s=2.0)
-    assert not signal.arrived(plan) and not signal.arrived(plan)
-    assert store.checks == 0  # no round trip while the slowest rank cannot be done
-    assert signal.arrived(plan) and store.checks == 1
+@pytest.fixture
+def server():
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
+                     wait_for_workers=False)
+    yield store
 
 
-def test_without_an_estimate_the_fast_rank_checks_from_its_first_step(monkeypatch):
-    signal, store, plan = open_signal(monkeypatch, [10.0, 10.0], slowest_s=0.0)
-    assert signal.arrived(plan) and store.checks == 1
+def open_pair(monkeypatch, server, round_index=3):
+    """The fast rank's signal (rank 0, on a counting client) and the slowest's (rank 1)."""
+    fast_store = CountingStore(PrefixStore("run/", TCPStore(
+        "127.0.0.1", server.port, None, False, timeout=timedelta(seconds=60))))
+    slow_store = PrefixStore("run/", TCPStore("127.0.0.1", server.port, None, False,
+                                              timeout=timedelta(seconds=60)))
+    plan = SimpleNamespace(elastic=0, round_index=round_index, signal_from=1)
+    monkeypatch.setattr(messages, "_required_store", lambda: fast_store)
+    fast = ElasticSignal.open(plan, rank=0)
+    monkeypatch.setattr(messages, "_required_store", lambda: slow_store)
+    slow = ElasticSignal.open(plan, rank=1)
+    return fast, slow, plan, fast_store
 
 
-def test_a_rank_that_sends_never_checks(monkeypatch):
-    signal, store, plan = open_signal(monkeypatch, [10.0, 20.0], slowest_s=0.0, rank=1)
-    assert not signal.arrived(plan) and store.checks == 0
+def test_the_fast_rank_learns_done_without_asking_the_store(monkeypatch, server):
+    fast, slow, plan, fast_store = open_pair(monkeypatch, server)
+    for _ in range(1000):  # a thousand steps before the slowest rank is done
+        assert not fast.arrived(plan)
+    assert fast_store.calls == []  # not one round trip from the training thread
+    used: list[int | None] = []
+    reader = threading.Thread(target=lambda: used.append(slow.close(plan, rank=1, used=0)))
+    reader.start()  # posts done, then waits for what the fast rank used
+    assert fast.watch is not None and fast.watch.done.wait(timeout=60)
+    assert fast.arrived(plan)
+    assert fast.close(plan, rank=0, used=130) == 130
+    reader.join(timeout=60)
+    assert used == [130]
+    assert not server.check(["run/fdl/elastic/0/done/3"])  # cleaned up for the next round
+
+
+def test_a_failed_watch_raises_in_the_training_thread(monkeypatch, server):
+    short = PrefixStore("run/", TCPStore("127.0.0.1", server.port, None, False,
+                                         timeout=timedelta(seconds=60)))
+    short.set_timeout(timedelta(milliseconds=200))  # the slowest rank never posts
+    monkeypatch.setattr(messages, "_required_store", lambda: short)
+    plan = SimpleNamespace(elastic=0, round_index=4, signal_from=1)
+    fast = ElasticSignal.open(plan, rank=0)
+    assert fast.watch is not None and fast.watch.done.wait(timeout=60)
+    assert fast.arrived(plan)  # the round stops at once instead of training on
+    with pytest.raises(Exception, match=r"(?i)timeout|wait"):
+        fast.close(plan, rank=0, used=10)
+
+
+def test_a_round_without_an_elastic_rank_sends_nothing(monkeypatch):
+    monkeypatch.setattr(messages, "_required_store", lambda: pytest.fail("no store needed"))
+    plan = SimpleNamespace(elastic=None, round_index=1, signal_from=None)
+    signal = ElasticSignal.open(plan, rank=0)
+    assert not signal.arrived(plan) and signal.close(plan, rank=0, used=5) is None

@@ -222,26 +222,31 @@ def test_every_sample_once_per_epoch_with_the_calibration_pool_and_balanced_epoc
         assert sum(e["samples"] for e in rounds[r]) == len(seen[r])
 
 
-def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
-    """CalibrationPool over a real TCPStore on loopback: a rank done with its slice takes batch 0, 1, ...
-    while another is still on its own; once every rank is done nobody takes more, and every
-    rank's close() returns the same count (the last one to stop publishes it)."""
-    import threading
+def _pool_store():
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    from fdl.engine.round_messages import CalibrationPool as _Pool
-
     store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
                      wait_for_workers=False)
     # one client per rank, as in a run: a client blocked in get() must not share its socket
-    other = TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
+    return store, TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
+
+
+def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
+    """SharedPool over a real TCPStore on loopback: a rank done with its slice takes batch 0, 1, ...
+    while another is still on its own; once every rank is done nobody takes more, and every
+    rank's close() returns the same count (the last one to stop publishes it)."""
+    import threading
+
+    from fdl.engine.round_messages import SharedPool as _Pool
+
+    store, other = _pool_store()
     fast, slow = _Pool(5, 2, other, "fdl/pool/test/0/"), _Pool(5, 2, store, "fdl/pool/test/0/")
     store.add(fast.key + "done", 1)  # the fast rank finished its slice: open() counts it
-    assert [fast.take() for _ in range(3)] == [0, 1, 2]
+    assert [list(fast.take()) for _ in range(3)] == [[0], [1], [2]]
     store.add(slow.key + "done", 1)  # now the slow one has too
-    assert fast.take() is None and slow.take() is None
+    assert not fast.take() and not slow.take()
     results: list[int | None] = []
     closer = threading.Thread(target=lambda: results.append(fast.close()))
     closer.start()  # waits for the last rank to stop
@@ -250,6 +255,21 @@ def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
     assert results == [3]
     drained = _Pool(2, 1, store, "fdl/pool/test/1/")
     store.add(drained.key + "done", 0)
-    assert [drained.take() for _ in range(3)] == [0, 1, None]  # the pool runs out
+    assert [list(drained.take()) for _ in range(3)] == [[0], [1], []]  # the pool runs out
     assert drained.close() == 2
-    assert _Pool().take() is None and _Pool().close() is None  # a round without a pool
+    assert not _Pool().take() and _Pool().close() is None  # a round without a pool
+
+
+def test_the_epochs_tail_pool_is_drained_by_every_rank_a_chunk_at_a_time():
+    """The epoch's last round's pool (``drains``): ranks take ``chunk`` batches per round trip
+    until it is empty, done or not, every batch exactly once, the last chunk cut at the end;
+    close() needs no other rank."""
+    from fdl.engine.round_messages import SharedPool as _Pool
+
+    store, other = _pool_store()
+    fast = _Pool(7, 2, other, "fdl/pool/test/2/", drains=True, chunk=3)
+    slow = _Pool(7, 2, store, "fdl/pool/test/2/", drains=True, chunk=1)
+    taken = [list(fast.take()), list(slow.take()), list(fast.take()), list(slow.take()),
+             list(fast.take()), list(slow.take())]
+    assert taken == [[0, 1, 2], [3], [4, 5, 6], [], [], []]
+    assert fast.close() == slow.close() == 7
