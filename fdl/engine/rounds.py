@@ -324,15 +324,24 @@ def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     step maybe partial); returns how many the ranks took (None: no pool)."""
     step_size = replica.step_size
     order = replica.order(plan.epoch) if replica.stream is None else None
-    pool = SharedPool.open(plan, world_size=replica.world_size,
-                           chunk=pool_chunk(state, replica.rank))
+    workers = replica.stream is None and replica.dataset.data.uses_workers
+    chunk = pool_chunk(state, replica.rank)
+    if workers:  # a pass of the loader's workers per take: enough batches to keep them busy
+        chunk = max(chunk, replica.dataset.data.num_workers)
+    pool = SharedPool.open(plan, world_size=replica.world_size, chunk=chunk)
     while taken := pool.take():
+        steps = []
         for j in taken:
             low = plan.pool_start + j * step_size
             high = min(low + step_size, plan.pool_stop)
-            samples = _samples(replica, order, low, high)
-            yield from _timed_step(replica, plan, state, tally, _one_fetch(replica, samples),
-                                   samples, progress=state.samples_seen + low - state.position,
+            steps.append((low, high, _samples(replica, order, low, high)))
+        # the calibration pool's single steps are made here; a drained pool's, by the workers
+        fetch = _slice_fetch(replica, [s for _, _, s in steps]) if workers and plan.drains \
+            else None
+        for low, high, samples in steps:
+            yield from _timed_step(replica, plan, state, tally,
+                                   fetch or _one_fetch(replica, samples), samples,
+                                   progress=state.samples_seen + low - state.position,
                                    warm=False)
             tally.pool_samples += high - low
     return pool.close()
@@ -362,7 +371,8 @@ def _slice_fetch(replica: Replica, steps: list[list[torch.Tensor] | int]) -> Cal
 
 
 def _one_fetch(replica: Replica, samples: list[torch.Tensor] | int) -> Callable[[], Any]:
-    """The calibration pool's step, made in this process (its batches come one at a time)."""
+    """A pool's step, made in this process (the calibration pool's batches come one at a
+    time; a drained pool's, without loader workers)."""
     if replica.stream is not None:
         return replica.stream.next_batch
     chunks = iter(samples if not isinstance(samples, int) else [])

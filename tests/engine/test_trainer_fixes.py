@@ -20,7 +20,14 @@ from helpers import clean_env, run_fdl, started
 from fdl.engine.collectives import agreed_backend
 from fdl.engine.data import epoch_permutation
 from fdl.engine.loop import rank_seed
-from fdl.engine.plan import PlanConfig, RoundStats, advance, initial_state, next_round
+from fdl.engine.plan import (
+    CALIBRATION_POOL,
+    PlanConfig,
+    RoundStats,
+    advance,
+    initial_state,
+    next_round,
+)
 from fdl.rundir.checkpoints import latest_checkpoint
 from fdl.rundir.timeline import read_events
 
@@ -231,6 +238,24 @@ def _pool_store():
                      wait_for_workers=False)
     # one client per rank, as in a run: a client blocked in get() must not share its socket
     return store, TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
+
+
+def test_with_loader_workers_only_the_calibration_pool_is_fetched_in_process(tmp_path):
+    """A DataLoader with a worker under cadence at 1,8: every sample once per epoch, and the
+    training process fetches only the calibration pool's single batches itself; the epoch's
+    tail pools come through the workers, a pass per take (a slow dataset's decoding would
+    otherwise land on the training thread in every epoch's last round)."""
+    num_samples = 603
+    out, run_dir = fdl_run(tmp_path, "sample_ledger.py", str(num_samples), "workers",
+                           flags=("--policy", "cadence", "--simulate-slowdown", "1,8"))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    counts = torch.bincount(torch.tensor(seen[0] + seen[1]), minlength=num_samples)
+    assert counts.tolist() == [2] * num_samples
+    in_process = [json.loads((out / f"in_process{r}.json").read_text()) for r in (0, 1)]
+    plans = [e for e in read_events(run_dir, 0) if e["kind"] == "round"]
+    calibration_pool = CALIBRATION_POOL * 2 * 4  # batches x calibration steps x batch size
+    assert len(in_process[0]) + len(in_process[1]) <= calibration_pool
+    assert len(plans) >= 3  # a calibration round and at least one epoch's last round each
 
 
 def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
