@@ -374,7 +374,7 @@ class Run:
         plan_config = self._plan_config = PlanConfig(
             world_size=self.world_size, batch_size=step_size, dataset_size=size,
             epochs=epochs, max_samples=budget, policy=config.policy,
-            overhead_target=config.overhead_target)
+            overhead_target=config.overhead_target, round_cap=replica.evaluate_every)
         replica.config = replace(config, epochs=epochs)
         self._epochs_log.epochs_total = plan_config.num_epochs
         precisions = gather_labels(self.precision, world_size=self.world_size) \

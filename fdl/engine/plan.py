@@ -115,6 +115,10 @@ class PlanConfig:
     # Small on purpose: a dead zone as wide as 10% lets a 10% imbalance stand, and the fast
     # rank idles for exactly that long every round (measured with scripts/bench-elche).
     dead_zone: float = 0.01
+    # A single worker averages nothing, so its rounds are ``max_anchor`` steps (the timeline,
+    # live figures, checkpoints and a time budget see them; a short round also restarts the
+    # loader workers' pass), or as many as fit in ``round_cap`` samples (an evaluation interval).
+    round_cap: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "batch_size", "epochs", "min_anchor", "calibration_steps"):
@@ -126,6 +130,8 @@ class PlanConfig:
             _check_int("max_samples", self.max_samples, one_batch_each,
                        why="world_size * batch_size: one batch per worker; or None")
         _check_int("max_anchor", self.max_anchor, self.min_anchor, why="min_anchor")
+        if self.round_cap is not None:
+            _check_int("round_cap", self.round_cap, 1, why="1; or None")
         _check_int("initial_anchor", self.initial_anchor, self.min_anchor, self.max_anchor,
                    why="[min_anchor, max_anchor]")
         target, zone = self.overhead_target, self.dead_zone
@@ -342,7 +348,8 @@ class PlanState:
                         epoch=saved["epoch"], position=saved["position"],
                         anchor_history=tuple(tuple(item) for item in saved["anchor_history"]))
         same_policy = saved["policy"] == config.policy.name
-        if same_policy:  # as it was: a guard's halving below min_anchor stays, sync's 1 too
+        if same_policy and config.world_size > 1:  # as it was: a guard's halving below
+            # min_anchor stays, sync's 1 too (a single worker's is always solo_anchor's)
             state = replace(state, anchor=min(saved["anchor"], config.max_anchor))
         if same_policy and saved["world_size"] == config.world_size:
             state = replace(state, ms_per_sample=tuple(saved["ms_per_sample"]),
@@ -411,10 +418,19 @@ def saved_state_problem(saved: Any) -> str | None:
 
 
 def initial_state(config: PlanConfig) -> PlanState:
-    """The state before the first round (anchor 1 under ``sync``: one DDP step per round)."""
+    """The state before the first round (anchor 1 under ``sync``: one DDP step per round; a
+    single worker's rounds: :func:`solo_anchor`)."""
     local = config.policy.local_steps
-    return PlanState(config=config, anchor=config.initial_anchor if local else 1,
-                     ms_per_sample=(None,) * config.world_size)
+    anchor = solo_anchor(config) if config.world_size == 1 else \
+        config.initial_anchor if local else 1
+    return PlanState(config=config, anchor=anchor, ms_per_sample=(None,) * config.world_size)
+
+
+def solo_anchor(config: PlanConfig) -> int:
+    """A single worker's round, in steps: ``max_anchor``, or fewer within ``round_cap``."""
+    if config.round_cap is None:
+        return config.max_anchor
+    return max(1, min(config.max_anchor, config.round_cap // config.batch_size))
 
 
 def update_speed(old: float | None, new: float, *, weight: float = 1.0) -> float:
@@ -601,6 +617,8 @@ def _calibrating(state: PlanState) -> bool:
 def _planned_shares(state: PlanState) -> tuple[int, ...]:
     """The round's samples per rank before any cut at the epoch end."""
     config = state.config
+    if config.world_size == 1 and not _calibrating(state):
+        return (state.anchor * config.batch_size,)
     if not config.policy.local_steps:
         return (config.batch_size,) * config.world_size
     if _calibrating(state):
@@ -690,7 +708,7 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
     )
     new = replace(state, round_index=state.round_index + 1, epoch=epoch, position=position,
                   ms_per_sample=speeds, prev_shares=None if plan.calibration else planned)
-    if not config.policy.local_steps:
+    if not config.policy.local_steps or config.world_size == 1:  # nothing averaged
         return new
     anchor, reason = _tuned_anchor(new, stats)
     return _with_anchor(new, anchor, reason)
@@ -743,8 +761,8 @@ def halve_anchor(state: PlanState, *, reason: str) -> PlanState:
     need be), recorded in
     ``anchor_history``, and the ceiling set to it so the tuner cannot grow it back (the guard
     lifts the ceiling with :func:`with_ceiling` once the replicas agree again). A no-op under
-    ``sync`` (its anchor is always 1)."""
-    if not state.config.policy.local_steps:
+    ``sync`` (its anchor is always 1) and for a single worker (no replicas to diverge)."""
+    if not state.config.policy.local_steps or state.config.world_size == 1:
         return state
     halved = max(1, state.anchor // 2)
     return replace(_with_anchor(state, halved, reason), ceiling=halved)

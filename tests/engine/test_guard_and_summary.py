@@ -33,8 +33,8 @@ BASE_X = 0.0025  # the baseline rounds' distance / (lr_scale * steps)
 
 
 def plan_state(*, anchor: int = 16) -> PlanState:
-    """A cadence plan in a world of one (rounds that are never elastic), anchor ``anchor``."""
-    config = PlanConfig(world_size=1, batch_size=8, dataset_size=10**7, epochs=1,
+    """A cadence plan of two ranks, anchor ``anchor`` (the guard's lever is the anchor)."""
+    config = PlanConfig(world_size=2, batch_size=8, dataset_size=10**7, epochs=1,
                         policy="cadence", initial_anchor=anchor, max_anchor=200)
     return initial_state(config)
 
@@ -150,8 +150,10 @@ def grow(state: PlanState, rounds: int) -> list[int]:
     anchors = []
     for _ in range(rounds):
         plan = next_round(state)
-        samples = plan.slices[0].num_samples
-        state = advance(state, plan, RoundStats((float(samples),), (samples,), 1000.0))
+        samples = tuple(s.num_samples for s in plan.slices)  # 1 ms a sample on both ranks
+        state = advance(state, plan, RoundStats(tuple(map(float, samples)), samples, 1000.0),
+                        elastic_used=None if plan.elastic is None else samples[plan.elastic],
+                        pool_used=(plan.pool if plan.drains else 0) if plan.pool else None)
         anchors.append(state.anchor)
     return anchors
 

@@ -41,6 +41,7 @@ from fdl.engine.plan import (
     samples_budget,
     saved_state_problem,
     shares,
+    solo_anchor,
     update_speed,
     with_ceiling,
 )
@@ -739,13 +740,31 @@ def test_advance_rejects_a_plan_from_another_state_and_stats_of_another_world():
 def test_a_vanishing_step_time_doubles_the_anchor_up_to_its_maximum():
     # the float found by hypothesis for the old planner, carried over: 1e10 ms of averaging over
     # steps of 2e-300 ms is an infinite overhead; the anchor doubles per round, to max_anchor.
-    state = initial_state(PlanConfig(world_size=1, batch_size=1, dataset_size=1000, epochs=1,
-                                     max_anchor=50))
+    state = initial_state(PlanConfig(world_size=2, batch_size=1, dataset_size=100_000,
+                                     epochs=1, max_anchor=50))
     anchors = []
     for _ in range(6):
-        state = advance(state, next_round(state), RoundStats((4e-300,), (2,), 1e10))
+        state = run_round(state, RoundStats((4e-300, 4e-300), (2, 2), 1e10))
         anchors.append(state.anchor)
     assert anchors == [8, 16, 32, 50, 50, 50]
+
+
+@pytest.mark.parametrize(("policy", "cap", "steps"), [
+    ("cadence", None, 50), ("sync", None, 50), ("async", 250, 25), ("cadence", 5, 1)])
+def test_a_single_worker_runs_rounds_of_max_anchor_steps_within_the_cap(policy, cap, steps):
+    """Nothing to average: a single worker's rounds are max_anchor steps (after cadence's and
+    async's calibration round), or the steps that fit in ``round_cap`` samples."""
+    state = initial_state(PlanConfig(world_size=1, batch_size=10, dataset_size=100_000,
+                                     epochs=1, max_anchor=50, policy=policy, round_cap=cap))
+    if policy != "sync":
+        plan = next_round(state)
+        assert plan.calibration and plan.counts == (2,)
+        state = run_round(state, measured(1.0))
+    for _ in range(3):
+        plan = next_round(state)
+        assert plan.counts == (steps,) and not plan.pool and plan.elastic is None
+        state = run_round(state, measured(1.0, n=steps * 10, sync_ms=50.0))
+        assert state.anchor == steps
 
 
 def test_a_busy_time_that_underflows_per_sample_is_no_measurement():
@@ -960,7 +979,7 @@ def guarded(state: PlanState, guard: str) -> PlanState:
     """``state`` after the divergence guard did ``guard`` ("halve", "lift" or nothing)."""
     if guard == "halve":
         halved = halve_anchor(state, reason="diverged")
-        if state.config.policy.name == "sync":
+        if state.config.policy.name == "sync" or state.config.world_size == 1:
             assert halved == state
         else:
             assert halved.anchor == halved.ceiling == max(1, state.anchor // 2)
@@ -1010,7 +1029,10 @@ def check_shares(step: Round) -> None:
     local = config.policy.name != "sync"
     assert plan.calibration == (local and not state.calibrated)
     assert (step.after.prev_shares is None) == plan.calibration
-    if not local:
+    if config.world_size == 1 and not plan.calibration:  # rounds of solo_anchor steps
+        assert planned == (solo_anchor(config) * config.batch_size,) == (
+            state.anchor * config.batch_size,)
+    elif not local:
         assert planned == (config.batch_size,) * config.world_size
     elif not plan.calibration:
         check_shares_follow_speeds(state, planned)
@@ -1134,7 +1156,8 @@ def check_anchor(step: Round) -> None:
     expected = state.anchor
     ms = [busy / n for busy, n in zip(stats.busy_ms, stats.samples, strict=True)
           if n and usable(busy / n)]
-    if config.policy.name != "sync" and ms and 0 <= stats.sync_ms < math.inf:
+    if config.policy.name != "sync" and config.world_size > 1 and ms and \
+            0 <= stats.sync_ms < math.inf:  # a single worker's anchor is solo_anchor's
         wanted = stats.sync_ms / (config.overhead_target * config.batch_size * max(ms))
         high = min(config.max_anchor, state.ceiling or config.max_anchor)
         if wanted > state.anchor:  # grow to the wanted anchor, at most doubling
@@ -1150,7 +1173,8 @@ def check_anchor(step: Round) -> None:
     else:
         assert after.anchor_history == state.anchor_history
     assert 1 <= after.anchor <= config.max_anchor
-    assert config.policy.name != "sync" or after.anchor == 1
+    assert config.world_size > 1 or after.anchor == solo_anchor(config)
+    assert config.policy.name != "sync" or config.world_size == 1 or after.anchor == 1
     assert state.ceiling is None or after.anchor <= state.ceiling
 
 
