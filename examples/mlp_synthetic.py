@@ -7,16 +7,20 @@ centres, an MLP classifier. Runs solo or under `fdl run`:
 Options (after the script): --hidden N (width, default 512), --train-samples N (8192),
 --noise X (cluster spread, default 2.5), --epochs N (3),
 --batch-size N (64), --lr X (0.05). `fdl run --epochs/--batch-size` override them.
+--read-ms X: each training sample takes X ms to read (a sleep: the latency of a disk or a
+network share, not CPU work); --workers N: a DataLoader with N loader workers
+(scripts/bench-loader measures both).
 --loop: the same training written as a loop of its own on fdl.init's API instead of
 fdl.Trainer (the same engine; scripts/bench-elche measures both).
 """
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import fdl
 
@@ -30,6 +34,30 @@ def make_data(num_samples: int, *, seed: int, noise: float) -> TensorDataset:
     features = centres[labels] + noise * torch.randn(num_samples, NUM_FEATURES,
                                                      generator=generator)
     return TensorDataset(features, labels)
+
+
+class ReadLatency(Dataset):
+    """``data`` whose every sample takes ``read_ms`` to read, as from a slow disk."""
+
+    def __init__(self, data: TensorDataset, read_ms: float):
+        self.data, self.read_s = data, read_ms / 1000
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index):
+        time.sleep(self.read_s)
+        return self.data[index]
+
+
+def train_data(args: argparse.Namespace):
+    """The training set as the options ask: in memory, slow to read, behind loader workers."""
+    data = make_data(args.train_samples, seed=1, noise=args.noise)
+    if args.read_ms:
+        data = ReadLatency(data, args.read_ms)
+    if args.workers:
+        return DataLoader(data, batch_size=args.batch_size, num_workers=args.workers)
+    return data
 
 
 def train_step(model, batch):
@@ -60,8 +88,7 @@ def loop(args: argparse.Namespace, build_model) -> fdl.RunResult:
     model = build_model().to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     run.evaluate(make_data(4096, seed=2, noise=args.noise), evaluate)
-    for batch in run.batches(make_data(args.train_samples, seed=1, noise=args.noise),
-                             model=model, optimizer=optimizer, batch_size=args.batch_size,
+    for batch in run.batches(train_data(args), model=model, optimizer=optimizer, batch_size=args.batch_size,
                              epochs=args.epochs):
         optimizer.zero_grad(set_to_none=True)
         with run.autocast():
@@ -76,6 +103,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_task_arguments(parser)
     parser.add_argument("--loop", action="store_true", help="a loop of its own (fdl.init)")
+    parser.add_argument("--read-ms", type=float, default=0.0,
+                        help="each training sample takes this long to read (a sleep)")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     args = parser.parse_args()
 
     def build_model() -> nn.Module:
@@ -87,7 +117,7 @@ def main() -> None:
         model=build_model,
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
         train_step=train_step,
-        train_data=make_data(args.train_samples, seed=1, noise=args.noise),
+        train_data=train_data(args),
         eval_data=make_data(4096, seed=2, noise=args.noise),
         evaluate=evaluate, batch_size=args.batch_size, epochs=args.epochs, policy="cadence",
     ).fit()
