@@ -622,6 +622,7 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "anchor_history": [list(item) for item in state.anchor_history],
                "final_anchor": state.anchor, "checksum": final_checksum,
                "emulated_sleep_s": [r.sleep_s for r in per_rank],
+               "data_wait_s": [r.data_s for r in per_rank],
                "ddp_comm_s": [r.comm_s for r in per_rank],
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
                "attempt": restart_attempt(), "resumed_from": resumed_from},

@@ -85,13 +85,14 @@ class Totals:
     sleep_s: float = 0.0
     wait_s: float = 0.0
     comm_s: float = 0.0  # DDP's all-reduce inside the steps (sync)
+    data_s: float = 0.0  # waiting for batches inside the steps
     syncs: int = 0
     comm_ms: list[float] = field(default_factory=list)  # min-over-ranks wait per averaging
 
     def figures(self) -> RankFigures:
         """The totals so far as the figures ranks exchange (the loss is the epoch's business)."""
         return RankFigures(samples=self.samples, busy_s=self.busy_s, sleep_s=self.sleep_s,
-                           wait_s=self.wait_s, comm_s=self.comm_s)
+                           wait_s=self.wait_s, comm_s=self.comm_s, data_s=self.data_s)
 
 
 class CheckpointHook(Protocol):
@@ -459,7 +460,7 @@ def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None
         [1 / len(sliced)] * len(sliced)
     replica.progress.write(samples=samples, epoch=plan.epoch, shares=shares,
                           anchor=plan.anchor, sync_s=totals.wait_s + totals.comm_s,
-                          busy_s=totals.busy_s)
+                          busy_s=totals.busy_s, data_s=totals.data_s)
 
 
 def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally, *,
@@ -470,6 +471,7 @@ def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally,
     totals.busy_s += timer.busy_s + warmup.busy_s
     totals.sleep_s += timer.sleep_s + warmup.sleep_s
     totals.comm_s += timer.comm_s + warmup.comm_s
+    totals.data_s += tally.data_s
     replica.timeline.event("round", round=plan.round_index, epoch=plan.epoch, steps=tally.steps,
                            samples=used, planned=plan.slices[replica.rank].num_samples,
                            compute_s=compute_s, data_s=tally.data_s,

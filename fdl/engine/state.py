@@ -58,6 +58,7 @@ class RankFigures:
     sleep_s: float = 0.0  # emulated slowdown
     wait_s: float = 0.0  # blocked at averages
     comm_s: float = 0.0  # in DDP's gradient all-reduce inside the steps (sync)
+    data_s: float = 0.0  # waiting for batches inside the steps (part of busy_s)
     loss_sum: float = 0.0  # the stretch's summed step losses, and how many steps they are
     loss_steps: float = 0.0
 

@@ -2,7 +2,7 @@
 a few times a second from rank 0's progress snapshot (fdl.rundir.progress)::
 
     epoch 2/5 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 73%  1:02 left
-    7,120 samples/s  loss 0.4623  sync 1.8%  anchor 20  ranks 71% 29%  precision bf16 fp32
+    7,120 samples/s  loss 0.4623  sync 1.8%  data 9.3%  anchor 20  ranks 71% 29%  precision bf16 fp32
 
 The launcher reads; the workers only write a small file when it is due, so the display costs
 rank 0 a clock read per step and a file write per :data:`INTERVAL_S` (docs/run.md "Live
@@ -11,6 +11,8 @@ with ``--quiet``, there are only those lines; a script that does not train with 
 writes no snapshot, and nothing is shown. A file that is missing, torn, oversized or not
 what rank 0 writes shows nothing new: the display is never worth stopping a run for.
 
+``data`` is the share of rank 0's step time spent waiting for its batches, shown from 1%:
+a rank fed too slowly by its loader, not a slow device.
 ``precision`` is each rank's, in rank order (the order of ``ranks``), or one word when every
 rank trains in the same; a snapshot without precisions (an engine that gives none) leaves it
 out.
@@ -28,6 +30,7 @@ from typing import Any
 from fdl.rundir.progress import clear_snapshot, read_snapshot
 
 INTERVAL_S = 0.25  # rank 0's snapshots and the redraws: four a second
+DATA_SHOWN = 0.01  # the data wait is shown from this share of the step time
 
 
 def format_status(snapshot: dict[str, Any], *, width: int) -> str:
@@ -48,6 +51,9 @@ def format_status(snapshot: dict[str, Any], *, width: int) -> str:
     overhead = _number(snapshot.get("sync_overhead"), low=0.0)
     if overhead is not None:
         parts.append(f"sync {overhead:.1%}")
+    data_wait = _number(snapshot.get("data_wait"), low=0.0)
+    if data_wait is not None and data_wait >= DATA_SHOWN:
+        parts.append(f"data {min(data_wait, 1.0):.1%}")
     if snapshot.get("anchor") is not None:
         parts.append(f"anchor {_count(snapshot.get('anchor'))}")
     shares = snapshot.get("shares")

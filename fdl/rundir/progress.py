@@ -72,7 +72,8 @@ class ProgressFile:
         return time.monotonic() >= self._next
 
     def write(self, *, samples: float, epoch: int, shares: list[float], anchor: int,
-              sync_s: float, busy_s: float, precisions: list[str] | None = None) -> None:
+              sync_s: float, busy_s: float, data_s: float = 0.0,
+              precisions: list[str] | None = None) -> None:
         """A snapshot at stream position ``samples`` (the run's, counted from its first epoch);
         ``precisions``, when given, are each rank's from now on (:attr:`precisions`). An
         unwritable run directory only costs the display."""
@@ -83,10 +84,11 @@ class ProgressFile:
         with contextlib.suppress(OSError):
             write_json_atomic(self.path, self.snapshot(
                 now=now, samples=samples, epoch=epoch, shares=shares, anchor=anchor,
-                sync_s=sync_s, busy_s=busy_s))
+                sync_s=sync_s, busy_s=busy_s, data_s=data_s))
 
     def snapshot(self, *, now: float, samples: float, epoch: int, shares: list[float],
-                 anchor: int, sync_s: float, busy_s: float) -> dict[str, Any]:
+                 anchor: int, sync_s: float, busy_s: float,
+                 data_s: float = 0.0) -> dict[str, Any]:
         total = self.total or self.epochs * self.epoch_size
         self._points.append((now, samples))
         while len(self._points) > 2 and now - self._points[0][0] > WINDOW_S:
@@ -103,6 +105,7 @@ class ProgressFile:
             "samples_per_s": rate, "eta_s": (total - samples) / rate if rate else None,
             "shares": [round(s, 4) for s in shares], "loss": self.loss,
             "sync_overhead": sync_s / busy_s if busy_s > 0 else None,
+            "data_wait": data_s / busy_s if busy_s > 0 else None,
             "anchor": anchor, "world_size": self.world_size,
         }
         if self.precisions is not None:

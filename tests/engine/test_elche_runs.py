@@ -141,6 +141,10 @@ def test_summary_has_every_contract_field_and_metrics(tmp_path):
     assert set(summary["throughput"]) == {"samples_per_s", "per_rank_samples_per_s"}
     assert len(summary["throughput"]["per_rank_samples_per_s"]) == 2
     assert summary["emulated_sleep_s"][0] == 0 < summary["emulated_sleep_s"][1]
+    for rank in (0, 1):  # the data wait of the run: its rounds' in the rank's timeline
+        rounds = [e for e in read_events(run_dir, rank) if e["kind"] == "round"]
+        assert summary["data_wait_s"][rank] == pytest.approx(sum(e["data_s"] for e in rounds))
+        assert 0 < summary["data_wait_s"][rank] < summary["wall_s"]
     planned = planned_samples(run_dir)
     assert planned[0] > 1.5 * planned[1], planned  # the planner saw rank 1 as the slow one
     assert set(summary["sync"]) == {"rounds", "mean_ms", "overhead"}

@@ -24,6 +24,16 @@ def test_format_shows_every_figure() -> None:
     assert first.count("━") == (100 - len("epoch 2/5 ") - len("  50%  1:02 left")) // 2
 
 
+@pytest.mark.parametrize(("wait", "shown"), [
+    (0.093, "  data 9.3%"), (0.0099, ""), (0.0, ""), (None, ""), (-0.2, ""), ("x", ""),
+    (float("nan"), ""), (7.0, "  data 100.0%"),
+])
+def test_the_data_wait_shows_from_one_percent(wait: object, shown: str) -> None:
+    """A rank fed too slowly by its loader says so; below 1% (or junk) it says nothing."""
+    second = format_status(SNAPSHOT | {"data_wait": wait}, width=200).split("\n")[1]
+    assert second == f"7,120 samples/s  loss 0.4623  sync 1.8%{shown}  anchor 20  ranks 71% 29%"
+
+
 @pytest.mark.parametrize("width", [20, 40, 79, 80, 200])
 def test_lines_fit_the_width(width: int) -> None:
     for line in format_status(SNAPSHOT, width=width).split("\n"):

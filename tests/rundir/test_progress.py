@@ -38,12 +38,13 @@ def test_snapshot_rate_eta_and_epoch_position(tmp_path: Path) -> None:
     assert first["samples_per_s"] is None and first["eta_s"] is None  # one point: no rate yet
     assert first["sync_overhead"] is None
     snap = writer.snapshot(now=102.0, samples=2200, epoch=2, shares=[0.7, 0.3], anchor=8,
-                           sync_s=0.5, busy_s=10.0)
+                           sync_s=0.5, busy_s=10.0, data_s=1.5)
     assert snap["samples_per_s"] == pytest.approx(500.0)
     assert snap["eta_s"] == pytest.approx((4000 - 2200) / 500)
     assert (snap["epoch"], snap["epochs"]) == (3, 4)  # 1-based, as the epoch lines count
     assert snap["epoch_fraction"] == pytest.approx(0.2)
     assert snap["sync_overhead"] == pytest.approx(0.05)
+    assert snap["data_wait"] == pytest.approx(0.15) and first["data_wait"] is None
     assert snap["total_samples"] == 4000 and snap["shares"] == [0.7, 0.3]
 
 
