@@ -38,6 +38,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from fdl.errors import UsageError
 
+MAX_WORKERS = 256  # loader processes per rank
+MAX_PREFETCH = 1024  # batches per loader worker
 ACCEPTED = ("a map-style dataset (len() and data[i]: a torch Dataset, a TensorDataset, a list "
             "of samples) or a torch DataLoader over one")
 
@@ -107,6 +109,42 @@ class TrainData:
                    pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
                    prefetch_factor=loader.prefetch_factor,
                    multiprocessing_context=loader.multiprocessing_context)
+
+    def with_options(self, *, device: torch.device, num_workers: int | None = None,
+                     collate_fn: Callable[[list[Any]], Any] | None = None,
+                     pin_memory: bool | None = None, prefetch: int | None = None) -> TrainData:
+        """This data with the loader options a script gave ``run.batches`` (they win over a
+        DataLoader's): ``num_workers`` loader processes, ``collate_fn``, ``pin_memory`` (None:
+        on when ``device`` is CUDA or the DataLoader pinned) and ``prefetch`` batches per
+        worker (DataLoader's ``prefetch_factor``; needs workers). ``UsageError`` for a value
+        that cannot be used."""
+        changes: dict[str, Any] = {}
+        if num_workers is not None:
+            if isinstance(num_workers, bool) or not isinstance(num_workers, int) or \
+                    not 0 <= num_workers <= MAX_WORKERS:
+                raise UsageError(f"num_workers must be a whole number in [0, {MAX_WORKERS}], "
+                                 f"got {num_workers!r}")
+            changes["num_workers"] = num_workers
+        if collate_fn is not None:
+            if not callable(collate_fn):
+                raise UsageError(f"collate_fn must be a function of a list of samples, got "
+                                 f"{type(collate_fn).__name__}")
+            changes["collate_fn"] = collate_fn
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise UsageError(f"pin_memory must be True or False, got {pin_memory!r}")
+        changes["pin_memory"] = pin_memory if pin_memory is not None else \
+            self.pin_memory or device.type == "cuda"
+        if prefetch is not None:
+            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or \
+                    not 1 <= prefetch <= MAX_PREFETCH:
+                raise UsageError(f"prefetch must be a whole number in [1, {MAX_PREFETCH}] "
+                                 f"(batches per loader worker), got {prefetch!r}")
+            if not changes.get("num_workers", self.num_workers):
+                raise UsageError("prefetch needs loader workers: the training process makes "
+                                 "its batches when it needs them",
+                                 hint="add num_workers=N (N >= 1)")
+            changes["prefetch_factor"] = prefetch
+        return dataclasses.replace(self, **changes)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -268,6 +268,9 @@ class Run:
                 max_steps: int | None = None, max_samples: int | None = None,
                 max_time: float | str | None = None, accumulate: int = 1,
                 open_shard: Callable[[Any], Any] | None = None,
+                num_workers: int | None = None,
+                collate_fn: Callable[[list[Any]], Any] | None = None,
+                pin_memory: bool | None = None, prefetch: int | None = None,
                 ddp: bool = False) -> Iterator[Any]:
         """This rank's batches of every round, on ``run.device``; ``model`` is averaged
         between rounds. ``accumulate=k``: the loop steps the optimizer every k batches (a
@@ -282,6 +285,10 @@ class Run:
         ``open_shard(path) -> samples``, by default one sample per text line), an
         ``IterableDataset`` (each rank iterates its own copy), or a ``fdl.engine.shards``
         stream of the run's batch size.
+        Loader options (they win over a DataLoader's): ``num_workers`` processes that fetch
+        and collate this rank's batches ahead of the step, kept from round to round;
+        ``collate_fn``; ``pin_memory`` (default: on for a CUDA device), so the copy to the
+        device does not block; ``prefetch`` batches per worker.
         ``ddp=True`` (fdl.Trainer): under sync the
         step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
         optimizer's step."""
@@ -290,6 +297,14 @@ class Run:
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
         train = None if _streaming(data) else TrainData.of(data)
+        options = {"num_workers": num_workers, "collate_fn": collate_fn,
+                   "pin_memory": pin_memory, "prefetch": prefetch}
+        if train is not None:
+            train = train.with_options(device=self.device, **options)
+        elif any(value is not None for value in options.values()):
+            raise UsageError(f"loader options ({', '.join(k for k, v in options.items() if v is not None)}) "
+                             f"are for a map-style dataset; streaming data makes its batches "
+                             f"as it reads", hint="give the stream's own loader its workers")
         if batch_size is None and train is not None and train.batch_size is not None:
             batch_size = train.batch_size  # a DataLoader's batch size is the script's value
         given = {"batch_size": batch_size, "epochs": epochs, "max_steps": max_steps,

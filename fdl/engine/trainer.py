@@ -58,6 +58,9 @@ class Trainer:
       ``metrics.jsonl`` record, after the evaluation), ``on_average(model)`` (an average just
       landed in the model: where an EMA of the consensus updates) and ``state_dict`` /
       ``load_state_dict`` (then checkpointed and restored on resume).
+    * ``num_workers``, ``collate_fn``, ``pin_memory`` (default: on for CUDA) and ``prefetch``
+      (batches per worker): how each rank's batches are made, ahead of its steps, by loader
+      processes kept for the whole run (a DataLoader given as ``train_data`` brings its own).
     * ``precision`` (``auto``, ``fp32``, ``bf16``, ``fp16`` or one per rank: ``"bf16,fp32"``)
       and the budgets ``max_steps`` (global steps of ``world_size x batch_size`` samples),
       ``max_samples`` and ``max_time`` (seconds or ``"10m"``) end the run before ``epochs``.
@@ -92,6 +95,11 @@ class Trainer:
     checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
     tensorboard: str | None = None  # "on" (RUN_DIR/tensorboard) or a directory
     callbacks: list[Any] = field(default_factory=list)
+    # Loader options (run.batches'): worker processes, collate_fn, pinned batches, prefetch.
+    num_workers: int | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    pin_memory: bool | None = None
+    prefetch: int | None = None
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
     def fit(self) -> TrainResult:
@@ -125,7 +133,9 @@ class Trainer:
         checked = False
         for batch in run.batches(self.train_data, model=model, optimizer=optimizer,
                                  max_steps=self.max_steps, max_samples=self.max_samples,
-                                 max_time=self.max_time, ddp=True):
+                                 max_time=self.max_time, num_workers=self.num_workers,
+                                 collate_fn=self.collate_fn, pin_memory=self.pin_memory,
+                                 prefetch=self.prefetch, ddp=True):
             if self.schedule is not None:
                 scale = self.schedule(run.progress)
                 for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
