@@ -164,6 +164,39 @@ def parse_precision(value: Any) -> tuple[str, ...]:
     return choices
 
 
+MAX_MICRO_BATCH = 2 ** 20
+
+
+def parse_micro_batch(value: Any) -> tuple[int | str, ...] | None:
+    """``"auto"``, ``"16"`` (every rank) or ``"16,64"`` / ``[16, 64]`` (one per rank) -> the
+    choices as a tuple (``"auto"`` or a whole number in [1, 2**20] each); None or ``off``: no
+    micro-batches (each rank computes its batch at once)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in OFF):
+        return None
+    items = value.split(",") if isinstance(value, str) else \
+        [value] if isinstance(value, int) else value  # a script's micro_batch_size=16
+    choices: list[int | str] = []
+    try:
+        for item in items:
+            text = str(item).strip().lower()
+            if text == "auto":
+                choices.append("auto")
+            elif isinstance(item, bool) or not text.isdigit() or \
+                    not 1 <= int(text) <= MAX_MICRO_BATCH:
+                raise ValueError(text)
+            else:
+                choices.append(int(text))
+    except (TypeError, ValueError):
+        choices = []
+    if not choices:
+        raise UsageError(f"micro_batch_size must be auto or a whole number in [1, "
+                         f"{MAX_MICRO_BATCH}] for every rank, or one per rank, comma-separated; "
+                         f"got {value!r}",
+                         hint="e.g. --micro-batch 16, --micro-batch 16,64 for 2 workers, "
+                              "--micro-batch auto (the largest that fits on each GPU)")
+    return tuple(choices)
+
+
 def parse_budget(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``parse`` for a training budget that may be switched off: None, ``off`` or ``none`` ->
     None (no budget: a flag can lift one that fdl.toml sets)."""
@@ -261,10 +294,11 @@ class SettingSpec:
     engine: bool = False  # the workers' engine reads it (fdl run passes it as `env`)
     panel: str | None = None  # the group in fdl run --help
     bare: str | None = None  # the value of the flag given without one (--tensorboard = "on")
+    flag_text: str | None = None  # the flag when not the name's (--micro-batch)
 
     @property
     def flag_name(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.flag_text or "--" + self.name.replace("_", "-")
 
     def source_name(self, source: str) -> str:
         """Where a value of this setting came from, as a user wrote it: ``--policy``,
@@ -312,6 +346,10 @@ SETTINGS: tuple[SettingSpec, ...] = (
             "Checkpoint every N epochs, or a time: 10m, 90s, 2h.", script=True),
     _engine("precision", ("auto",), parse_precision,
             "auto | fp32 | bf16 | fp16, or one per worker, e.g. bf16,fp32.", script=True),
+    _engine("micro_batch_size", None, parse_micro_batch,
+            "Compute each batch in micro-batches of N (gradients accumulated): N, one per "
+            "worker (16,64), or auto (the largest that fits on each GPU); off: the batch.",
+            env="FDL_MICRO_BATCH", script=True, flag_text="--micro-batch"),
     # Training budgets: training stops at the first one reached (the epochs are one).
     _engine("max_steps", None, parse_budget(parse_positive_int("max_steps")),
             "Stop after N training steps; off: no limit.", script=True),

@@ -32,6 +32,9 @@ class EngineConfig:
     # One choice for every rank, or one per rank; fdl.engine.precision says which rank trains in
     # which and what "auto" becomes on its device.
     precision: tuple[str, ...]
+    # None (each rank computes its batch at once), or one choice for every rank or one per
+    # rank: a micro-batch size or "auto" (fdl.engine.micro_batches).
+    micro_batch_size: tuple[int | str, ...] | None
     # Training budgets: None is no limit (settings.parse_budget); max_time in seconds.
     max_steps: int | None
     max_samples: int | None

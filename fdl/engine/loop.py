@@ -61,6 +61,7 @@ from fdl.engine.data import TrainData
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
+from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
@@ -94,7 +95,8 @@ class RunResult:
 def init(*, policy: str | None = None, backend: str | None = None, seed: int | None = None,
          batch_size: int | None = None, epochs: int | None = None,
          precision: str | None = None, checkpoint_every: int | str | None = None,
-         tensorboard: str | None = None, max_grad_norm: float | None = None) -> Run:
+         tensorboard: str | None = None, max_grad_norm: float | None = None,
+         micro_batch_size: int | str | None = None) -> Run:
     """Join the run: under ``fdl run`` this worker's place in the process group (torchrun's
     environment), alone a solo run on the best device. The values given here are the
     script's; ``fdl run`` flags, ``FDL_*`` and fdl.toml win over them (docs/run.md). Seeds
@@ -102,7 +104,7 @@ def init(*, policy: str | None = None, backend: str | None = None, seed: int | N
     broadcast anyway when ``batches`` starts)."""
     script = {"policy": policy, "backend": backend, "seed": seed, "batch_size": batch_size,
               "epochs": epochs, "precision": precision, "checkpoint_every": checkpoint_every,
-              "tensorboard": tensorboard}
+              "tensorboard": tensorboard, "micro_batch_size": micro_batch_size}
     config = resolve_config(script=script, max_grad_norm=max_grad_norm)
     membership = Membership.from_env()
     device = pick_device(membership.local_rank, config.backend)
@@ -110,8 +112,11 @@ def init(*, policy: str | None = None, backend: str | None = None, seed: int | N
                                                 membership.world_size), device)
     group = join_group(config.backend, device, membership.world_size)
     torch.manual_seed(config.seed)
+    micro = MicroBatches.of(micro_for_rank(config.micro_batch_size, membership.rank,
+                                           membership.world_size), device)
     return Run(script=script, config=config, membership=membership, device=device, group=group,
-               precision=mine, scaler=CountingScaler(device.type) if mine == "fp16" else None)
+               precision=mine, scaler=CountingScaler(device.type) if mine == "fp16" else None,
+               micro_batches=micro)
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -148,6 +153,8 @@ class Run:
       model, and with each epoch's record.
     * ``state(**objects)``: objects with ``state_dict``/``load_state_dict`` (an EMA, a
       GradScaler, a scheduler) saved in checkpoints and loaded on resume.
+    * ``micro_parts(batch)``: the batch in this rank's ``--micro-batch`` parts, each with its
+      share of the loss (fdl.Trainer computes every batch in them).
     * ``finish()``: the summary, the consensus model and the group's end; a :class:`RunResult`.
     """
 
@@ -158,6 +165,9 @@ class Run:
     group: Group
     precision: str = "fp32"  # this rank's: fp32, bf16 or fp16 (fdl.engine.precision)
     scaler: CountingScaler | None = None  # fp16's GradScaler, this rank's own
+    # This rank's micro-batches (fdl.engine.micro_batches): fdl.Trainer computes each batch in
+    # them; a loop of its own reads run.micro_batches.parts(batch).
+    micro_batches: MicroBatches = field(default_factory=lambda: MicroBatches(None))
     history: list[dict[str, Any]] = field(default_factory=list)
     replica: Replica | None = None
     state_objects: dict[str, Any] = field(default_factory=dict)
@@ -203,6 +213,20 @@ class Run:
         if self.replica is None:
             raise UsageError("run.step_model exists once run.batches(...) has started")
         return self.replica.step_model
+
+    def micro_parts(self, batch: Any) -> list[tuple[Any, float]]:
+        """``batch`` in this rank's micro-batches (``--micro-batch``), each with its share of
+        the batch: weight each part's mean loss by it and backward each; ``[(batch, 1.0)]``
+        without micro-batches. Under sync a loop's gradients are reduced after the step's
+        first backward, so parts are refused there: use ``accumulate=k``."""
+        parts = self.micro_batches.parts(batch)
+        if len(parts) > 1 and self.replica is not None and \
+                isinstance(self.replica.comm_meter, GradSync):
+            raise UsageError("micro-batches in a loop of its own under --policy sync: the "
+                             "gradients are all-reduced after the step's first backward",
+                             hint="run.batches(..., batch_size=B // k, accumulate=k) computes "
+                                  "the same step in k parts")
+        return parts
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """This rank's precision for the forward pass (fp32: nothing changes)."""
@@ -539,7 +563,7 @@ class Run:
         summary = _summary(replica, replace(self.config, backend=self.group.backend),
                            wall_s=wall_s, state=state, final_checksum=final_checksum,
                            epochs_log=epochs_log, resumed_from=self._resumed_from,
-                           precisions=self._precisions)
+                           precisions=self._precisions, micro_batches=self.micro_batches)
         run_dir = self.config.run_dir
         if run_dir is not None and self.rank == 0:
             write_summary(run_dir, summary)
@@ -618,9 +642,11 @@ def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimiz
 
 def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: PlanState,
              final_checksum: str, epochs_log: EpochLog, resumed_from: str | None,
-             precisions: list[str]) -> dict[str, Any]:
+             precisions: list[str], micro_batches: MicroBatches) -> dict[str, Any]:
     """summary.json's document, with every rank's figures for the run (one collective)."""
     world = replica.world_size
+    memory = _memory_label(replica.device, micro_batches.label(config.batch_size))
+    memories = gather_labels(memory, world_size=world) if world > 1 else [memory]
     rows = exchange_rows(replica.totals.figures().to_row(), rank=replica.rank,
                          world_size=world, device=replica.device)
     per_rank = [RankFigures.from_row(row) for row in rows]
@@ -638,10 +664,20 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "final_anchor": state.anchor, "checksum": final_checksum,
                "emulated_sleep_s": [r.sleep_s for r in per_rank],
                "data_wait_s": [r.data_s for r in per_rank],
+               "micro_batch_size": [int(m.split()[0]) for m in memories],
+               "peak_memory_bytes": [int(m.split()[1]) if m.split()[1] != "-" else None
+                                     for m in memories],
                "ddp_comm_s": [r.comm_s for r in per_rank],
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
                "attempt": restart_attempt(), "resumed_from": resumed_from},
     )
+
+
+def _memory_label(device: torch.device, micro: int) -> str:
+    """This rank's micro-batch size and its device's peak allocated bytes ("-" off CUDA), as
+    one label for gather_labels."""
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return f"{micro} {peak if peak is not None else '-'}"
 
 
 def _verify() -> bool:

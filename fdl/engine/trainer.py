@@ -13,6 +13,7 @@ docs/elche.md for the policies, the plan and the formulas.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdl.engine.data import batch_size_of
 from fdl.engine.loop import Run, RunResult, init
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS
@@ -58,6 +60,11 @@ class Trainer:
       ``metrics.jsonl`` record, after the evaluation), ``on_average(model)`` (an average just
       landed in the model: where an EMA of the consensus updates) and ``state_dict`` /
       ``load_state_dict`` (then checkpointed and restored on resume).
+    * ``micro_batch_size`` (``fdl run --micro-batch``): each batch computed in parts of N
+      samples, each part's loss weighted by its share and the gradients accumulated, so the
+      step is the batch's (BatchNorm's statistics aside); one per rank (``"16,64"``: a small
+      card computes the batch a large one sets) or ``"auto"`` (on CUDA, halved after each
+      out-of-memory error until a step fits).
     * ``num_workers``, ``collate_fn``, ``pin_memory`` (default: on for CUDA) and ``prefetch``
       (batches per worker): how each rank's batches are made, ahead of its steps, by loader
       processes kept for the whole run (a DataLoader given as ``train_data`` brings its own).
@@ -89,6 +96,9 @@ class Trainer:
     backend: str = ENGINE_DEFAULTS["backend"]
     seed: int = ENGINE_DEFAULTS["seed"]
     precision: str = ENGINE_DEFAULTS["precision"]  # auto | fp32 | bf16 | fp16, or one per rank
+    # Each batch in micro-batches of N (gradients accumulated): N, "16,64" (one per rank) or
+    # "auto" (the largest that fits on each GPU); None: the batch at once.
+    micro_batch_size: int | str | None = None
     max_steps: int | None = None  # budgets that end the run before `epochs` (fdl.init's)
     max_samples: int | None = None
     max_time: float | str | None = None
@@ -109,7 +119,7 @@ class Trainer:
         run = init(policy=self.policy, backend=self.backend, seed=self.seed,
                    batch_size=self.batch_size, epochs=self.epochs, precision=self.precision,
                    checkpoint_every=self.checkpoint_every, tensorboard=self.tensorboard,
-                   max_grad_norm=self.max_grad_norm)
+                   max_grad_norm=self.max_grad_norm, micro_batch_size=self.micro_batch_size)
         try:
             result = self._train(run)
         except BaseException:
@@ -140,18 +150,10 @@ class Trainer:
                 scale = self.schedule(run.progress)
                 for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
                     group["lr"] = base * scale
-            optimizer.zero_grad(set_to_none=True)
-            with run.autocast():
-                out = self.train_step(run.step_model, batch)
-            loss = out.get("loss") if isinstance(out, dict) else out
-            if not checked:
-                _check_loss(loss)
-                checked = True
+            out, loss = self._backward(run, batch, optimizer, check=not checked)
+            checked = True
             if scaler is not None:  # fp16: this rank's own loss scale
-                scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
-            else:
-                loss.backward()
             if clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             if scaler is not None:
@@ -159,10 +161,55 @@ class Trainer:
                 scaler.update()
             else:
                 optimizer.step()
-            if isinstance(out, dict):
-                run.log(**{name: value for name, value in out.items() if name != "loss"})
-            run.log(loss=loss.detach())
+            if out:
+                run.log(**out)
+            run.log(loss=loss)
         return run.finish()
+
+    def _backward(self, run: Run, batch: Any, optimizer: torch.optim.Optimizer, *,
+                  check: bool) -> tuple[dict[str, Any], torch.Tensor]:
+        """The step's forward and backward passes, in this rank's micro-batches: each part's
+        loss weighted by its share of the batch, gradients accumulated (under DDP, reduced
+        once, with the last part). Under ``--micro-batch auto`` on CUDA an out-of-memory error
+        drops the step's gradients and redoes it in halved parts. Returns the step's other
+        scalars and its loss (detached), each the batch's weighted mean."""
+        micro = run.micro_batches
+        while True:
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                return self._backward_parts(run, micro.parts(batch), check=check)
+            except torch.cuda.OutOfMemoryError:
+                if not micro.shrink(batch_size_of(batch)):
+                    raise
+            optimizer.zero_grad(set_to_none=True)  # out of the handler: its frames are freed
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _backward_parts(self, run: Run, parts: list[tuple[Any, float]], *,
+                        check: bool) -> tuple[dict[str, Any], torch.Tensor]:
+        model, scaler = run.step_model, run.scaler
+        scalars: dict[str, Any] = {}
+        total: torch.Tensor | None = None
+        for index, (part, weight) in enumerate(parts):
+            last = index == len(parts) - 1
+            quiet = getattr(model, "no_sync", None)
+            with quiet() if quiet is not None and not last else contextlib.nullcontext():
+                with run.autocast():
+                    out = self.train_step(model, part)
+                loss = out.get("loss") if isinstance(out, dict) else out
+                if check:
+                    _check_loss(loss)
+                    check = False
+                scaled = loss * weight if weight != 1.0 else loss
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            total = scaled.detach() if total is None else total + scaled.detach()
+            if isinstance(out, dict):
+                for name, value in out.items():
+                    if name != "loss":
+                        value = value.detach() if isinstance(value, torch.Tensor) else value
+                        scalars[name] = scalars.get(name, 0.0) + value * weight
+        assert total is not None
+        return scalars, total
 
     def _attach(self, run: Run, model: nn.Module) -> None:
         """Each callback's hooks on the run; those with a state_dict into checkpoints."""

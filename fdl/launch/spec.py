@@ -82,6 +82,7 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
     rendezvous = plan_rendezvous(request, env=env, run_id=run_id)
     _check_slowdown(settings, devices.nproc * rendezvous.max_nodes)
     _check_precision(settings, devices.nproc * rendezvous.max_nodes)
+    _check_micro_batch(settings, devices.nproc * rendezvous.max_nodes)
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
@@ -127,6 +128,16 @@ def _check_precision(settings: Mapping[str, Setting], world_size: int) -> None:
             f"--precision has {len(choices)} values for {world_size} worker(s)",
             hint="give one for every worker (--precision bf16) or one per worker, e.g. "
                  "--precision bf16,fp32 for 2 workers")
+
+
+def _check_micro_batch(settings: Mapping[str, Setting], world_size: int) -> None:
+    """One micro-batch choice for every worker, or one per worker (as --precision)."""
+    choices = settings["micro_batch_size"].value
+    if choices is not None and len(choices) > 1 and len(choices) != world_size:
+        raise UsageError(
+            f"--micro-batch has {len(choices)} values for {world_size} worker(s)",
+            hint="give one for every worker (--micro-batch 16) or one per worker, e.g. "
+                 "--micro-batch 16,64 for 2 workers")
 
 
 def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem: str,
