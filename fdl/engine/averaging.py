@@ -62,9 +62,11 @@ class Averager:
 
     def __init__(self, model: nn.Module, *, rank: int, world_size: int, backend: str,
                  device: torch.device, num_stats: int, params: bool = True,
-                 group: dist.ProcessGroup | None = None):
+                 snapshot: bool = True, group: dist.ProcessGroup | None = None):
         """``params=False`` averages buffers only (``sync``: DDP keeps parameters identical,
-        and re-averaging identical values could change their last bits)."""
+        and re-averaging identical values could change their last bits). ``snapshot=False``
+        (every policy but async, which applies ``average - snapshot`` a round late) keeps no
+        copy of the packed replica: its buffer's memory is not allocated."""
         self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
@@ -81,7 +83,8 @@ class Averager:
         self.stats_offset = self.numel + world_size * self.int_parts * self.num_ints
         self.flat = torch.zeros(self.stats_offset + world_size * num_stats, dtype=dtype,
                                 device=buffer_device)
-        self.snapshot = torch.zeros(self.numel, dtype=dtype, device=buffer_device)
+        self.snapshot = torch.zeros(self.numel, dtype=dtype, device=buffer_device) \
+            if snapshot else None
         self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                           if t.dtype in LOW_PRECISION else None for t in self.tensors]
         self.bytes = self.flat.numel() * self.flat.element_size()
@@ -98,7 +101,7 @@ class Averager:
             exact = tensor if residual is None else tensor.float() + residual
             self.flat[offset:offset + count].copy_(exact.reshape(-1))
             offset += count
-        if keep_snapshot:
+        if keep_snapshot and self.snapshot is not None:
             self.snapshot.copy_(self.flat[:self.numel])
         self.flat[:self.numel].mul_(weight)
         self.flat[self.numel:].zero_()
@@ -137,6 +140,7 @@ class Averager:
     def apply_delta(self) -> None:
         """Async: theta += average - snapshot, keeping the local progress made meanwhile (and,
         for bf16/fp16, the part of the delta that rounding would drop)."""
+        assert self.snapshot is not None, "apply_delta needs the Averager's snapshot"
         delta = self.flat[:self.numel] - self.snapshot
         offset = 0
         for tensor, residual in zip(self.tensors, self.residuals, strict=True):
@@ -149,13 +153,41 @@ class Averager:
                 _store_rounded(tensor, residual, exact)
             offset += count
 
+    @torch.no_grad()
     def distance_from_average(self) -> float:
-        """||snapshot - average|| / ||average||: how far this replica had drifted when it was
-        packed (the divergence guard's measure). Call after the reduction completed."""
+        """||replica - average|| / ||average||: how far this replica had drifted when it was
+        packed (the divergence guard's measure): from the snapshot, or without one from the
+        replica's tensors, which a blocking average has not overwritten yet. Call after the
+        reduction completed (and, without a snapshot, before :meth:`load_average`)."""
         average = self.flat[:self.numel]
         norm = float(average.norm())
+        if norm == 0:
+            return 0.0
         # A NaN or infinite average (a replica blew up) reads as NaN: divergence, not calm.
-        return 0.0 if norm == 0 else float((self.snapshot - average).norm()) / norm
+        if self.snapshot is not None:
+            return float((self.snapshot - average).norm()) / norm
+        squares, offset = 0.0, 0
+        for tensor, residual in zip(self.tensors, self.residuals, strict=True):
+            count = tensor.numel()
+            exact = tensor if residual is None else tensor.float() + residual
+            part = average[offset:offset + count].to(tensor.device)
+            squares += float((exact.reshape(-1).to(part.dtype) - part).square().sum())
+            offset += count
+        return squares ** 0.5 / norm
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """fdl's own memory for this replica, (on the model's device, in host memory): the
+        flat buffer, the snapshot and the bf16/fp16 residuals."""
+        on_device = on_host = 0
+        for tensor in (self.flat, self.snapshot, *self.residuals):
+            if tensor is None:
+                continue
+            size = tensor.numel() * tensor.element_size()
+            if tensor.device.type == "cpu":
+                on_host += size
+            else:
+                on_device += size
+        return on_device, on_host
 
     def _int_values(self, device: torch.device) -> torch.Tensor:
         """Every integer buffer, flattened into one int64 tensor on ``device`` (blocking)."""

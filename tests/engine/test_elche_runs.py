@@ -145,6 +145,11 @@ def test_summary_has_every_contract_field_and_metrics(tmp_path):
         rounds = [e for e in read_events(run_dir, rank) if e["kind"] == "round"]
         assert summary["data_wait_s"][rank] == pytest.approx(sum(e["data_s"] for e in rounds))
         assert 0 < summary["data_wait_s"][rank] < summary["wall_s"]
+    # async keeps a snapshot beside the flat buffer: fdl's memory, on the host under gloo
+    assert [m["device"] for m in summary["fdl_memory_bytes"]] == [0, 0]
+    assert summary["fdl_memory_bytes"][0]["host"] > 2 * 4 * sum(
+        t.numel() for t in torch.load(out / "rank0.pt").values())
+    assert summary["micro_batch_size"] == [32, 32] and summary["peak_memory_bytes"] == [None] * 2
     planned = planned_samples(run_dir)
     assert planned[0] > 1.5 * planned[1], planned  # the planner saw rank 1 as the slow one
     assert set(summary["sync"]) == {"rounds", "mean_ms", "overhead"}
