@@ -38,6 +38,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "tensorboard": {"flag": "on", "env": "tb/env", "file": "tb/file", "script": "tb/script"},
     "precision": {"flag": "bf16,fp32", "env": "fp16", "file": ["fp32", "bf16"],
                   "script": "bf16"},
+    "micro_batch_size": {"flag": "16,64", "env": "auto", "file": [8, "auto"], "script": 32},
     "max_steps": {"flag": "100", "env": "200", "file": 300, "script": 400},
     "max_samples": {"flag": "1000", "env": "2000", "file": 3000, "script": 4000},
     "max_time": {"flag": "90s", "env": "10m", "file": "1.5h", "script": 30},
@@ -61,9 +62,6 @@ def test_every_setting_has_examples() -> None:
         assert set(EXAMPLES[spec.name]) == set(_sources(spec)), spec.name
 
 
-# precision, max_steps, max_samples and max_time are script settings (issue 25) whose Trainer
-# arguments come with the engine's rebuild (fdl/engine/trainer.py, another branch): strict, so
-# the merge that adds them fails here until this mark goes.
 def test_the_script_settings_are_exactly_the_trainers_arguments() -> None:
     """``script=True`` claims an ``fdl.Trainer`` argument: a setting a script cannot pass must
     not say it can, and an argument named like an engine setting must be one."""
