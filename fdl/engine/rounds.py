@@ -218,9 +218,10 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
 def run_slice(replica: Replica, plan: RoundPlan,
               state: PlanState) -> Generator[Any, None, SliceResult]:
     """This rank's part of the round: its own steps (:func:`_own_steps`), then the shared
-    pool's, if the round has one (:func:`_pool_steps`), then its report (:func:`_close_slice`). In the calibration
-    round the run's very first step (allocations, lazy initialisation) is timed apart and left
-    out of the report, so it does not pass for the rank's speed."""
+    pool's, if the round has one (:func:`_pool_steps`), then its report
+    (:func:`_close_slice`). In the calibration round the run's very first step (allocations,
+    lazy initialisation) is timed apart and left out of the report, so it does not pass for
+    the rank's speed."""
     tally = RoundTally.open(replica)
     elastic_used = yield from _own_steps(replica, plan, state, tally)
     pool_used = yield from _pool_steps(replica, plan, state, tally)
