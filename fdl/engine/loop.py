@@ -166,7 +166,7 @@ class Run:
     precision: str = "fp32"  # this rank's: fp32, bf16 or fp16 (fdl.engine.precision)
     scaler: CountingScaler | None = None  # fp16's GradScaler, this rank's own
     # This rank's micro-batches (fdl.engine.micro_batches): fdl.Trainer computes each batch in
-    # them; a loop of its own reads run.micro_batches.parts(batch).
+    # them; a loop of its own asks run.micro_parts(batch).
     micro_batches: MicroBatches = field(default_factory=lambda: MicroBatches(None))
     history: list[dict[str, Any]] = field(default_factory=list)
     replica: Replica | None = None
