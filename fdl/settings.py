@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,31 @@ def parse_precision(value: Any) -> tuple[str, ...]:
 
 
 MAX_MICRO_BATCH = 2 ** 20
+# Settings given once for every worker or once per worker: a one-value and a two-worker example.
+PER_WORKER = {"precision": ("bf16", "bf16,fp32"), "micro_batch_size": ("16", "16,64")}
+
+
+def check_per_worker(name: str, values: Sequence[Any], world_size: int, *,
+                     as_flag: bool = False) -> None:
+    """A :data:`PER_WORKER` setting holds one value (every worker's) or one per worker; another
+    count is a UsageError naming both (``as_flag``: the way ``fdl run`` names it, before any
+    worker starts)."""
+    if len(values) <= 1 or len(values) == world_size:
+        return
+    one, each = PER_WORKER[name]
+    flag = BY_NAME[name].flag_name
+    subject = f"{flag} has {len(values)} values" if as_flag else \
+        f"{name} has {len(values)} values ({','.join(map(str, values))})"
+    raise UsageError(f"{subject} for {world_size} worker(s)",
+                     hint=f"give one for every worker ({flag} {one}) or one per worker, e.g. "
+                          f"{flag} {each} for 2 workers")
+
+
+def choice_for_rank(name: str, values: Sequence[Any], rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s value of a :data:`PER_WORKER` setting (:func:`check_per_worker`)."""
+    assert 0 <= rank < world_size, (rank, world_size)
+    check_per_worker(name, values, world_size)
+    return values[0] if len(values) == 1 else values[rank]
 
 
 def parse_micro_batch(value: Any) -> tuple[int | str, ...] | None:

@@ -646,12 +646,11 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
              precisions: list[str], micro_batches: MicroBatches) -> dict[str, Any]:
     """summary.json's document, with every rank's figures for the run (one collective)."""
     world = replica.world_size
-    memory = _memory_label(replica, micro_batches.label(config.batch_size))
-    memories = [m.split() for m in
-                (gather_labels(memory, world_size=world) if world > 1 else [memory])]
-    rows = exchange_rows(replica.totals.figures().to_row(), rank=replica.rank,
+    memory = _memory_row(replica, micro_batches.label(config.batch_size))
+    rows = exchange_rows(replica.totals.figures().to_row() + memory, rank=replica.rank,
                          world_size=world, device=replica.device)
-    per_rank = [RankFigures.from_row(row) for row in rows]
+    per_rank = [RankFigures.from_row(row[:-len(memory)]) for row in rows]
+    memories = [[int(value) for value in row[-len(memory):]] for row in rows]
     devices = gather_labels(device_label(replica.device), world_size=world) if world > 1 \
         else [str(replica.device)]
     totals = replica.totals
@@ -666,24 +665,23 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "final_anchor": state.anchor, "checksum": final_checksum,
                "emulated_sleep_s": [r.sleep_s for r in per_rank],
                "data_wait_s": [r.data_s for r in per_rank],
-               "micro_batch_size": [int(m[0]) for m in memories],
-               "peak_memory_bytes": [int(m[1]) if m[1] != "-" else None for m in memories],
-               "fdl_memory_bytes": [{"device": int(m[2]), "host": int(m[3])}
-                                    for m in memories],
+               "micro_batch_size": [m[0] for m in memories],
+               "peak_memory_bytes": [m[1] if m[1] >= 0 else None for m in memories],
+               "fdl_memory_bytes": [{"device": m[2], "host": m[3]} for m in memories],
                "ddp_comm_s": [r.comm_s for r in per_rank],
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
                "attempt": restart_attempt(), "resumed_from": resumed_from},
     )
 
 
-def _memory_label(replica: Replica, micro: int) -> str:
-    """This rank's micro-batch size, its device's peak allocated bytes ("-" off CUDA) and
-    fdl's own averaging memory on the device and in host memory, as one label for
-    gather_labels."""
+def _memory_row(replica: Replica, micro: int) -> list[float]:
+    """This rank's micro-batch size, its device's peak allocated bytes (-1 off CUDA) and fdl's
+    own averaging memory on the device and in host memory: whole numbers a float64 row carries
+    exactly, exchanged with the run's figures."""
     device = replica.device
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     own = replica.averager.memory_bytes() if replica.averager is not None else (0, 0)
-    return f"{micro} {peak if peak is not None else '-'} {own[0]} {own[1]}"
+    return [float(micro), float(peak), float(own[0]), float(own[1])]
 
 
 def _verify() -> bool:

@@ -21,23 +21,14 @@ from typing import Any
 import torch
 
 from fdl.engine.data import batch_size_of
-from fdl.errors import UsageError
+from fdl.settings import choice_for_rank
 
 
 def micro_for_rank(spec: tuple[int | str, ...] | None, rank: int,
                    world_size: int) -> int | str | None:
     """Rank ``rank``'s choice: None (no micro-batches), a size or ``"auto"``. A list of another
     length than ``world_size`` is a UsageError naming both."""
-    if spec is None:
-        return None
-    if len(spec) == 1:
-        return spec[0]
-    if len(spec) != world_size:
-        raise UsageError(f"micro_batch_size has {len(spec)} values "
-                         f"({','.join(map(str, spec))}) for {world_size} worker(s)",
-                         hint="give one for every worker (--micro-batch 16) or one per worker, "
-                              "e.g. --micro-batch 16,64 for 2 workers")
-    return spec[rank]
+    return None if spec is None else choice_for_rank("micro_batch_size", spec, rank, world_size)
 
 
 @dataclasses.dataclass
@@ -47,7 +38,6 @@ class MicroBatches:
 
     size: int | None
     auto: bool = False
-    halvings: int = 0
 
     @classmethod
     def of(cls, choice: int | str | None, device: torch.device) -> MicroBatches:
@@ -71,7 +61,7 @@ class MicroBatches:
         current = self.size if self.size is not None else batch_size
         if not self.auto or current <= 1:
             return False
-        self.size, self.halvings = max(1, current // 2), self.halvings + 1
+        self.size = max(1, current // 2)
         return True
 
     def label(self, batch_size: int) -> int:

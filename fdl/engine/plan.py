@@ -551,7 +551,7 @@ def pool_chunk(state: PlanState, rank: int) -> int:
     mine = ms[rank]
     if mine is None or any(m is None for m in ms):
         return 1
-    return max(1, math.floor(max(m for m in ms if m is not None) / mine))
+    return max(1, math.floor(max(ms) / mine))  # type: ignore[type-var]
 
 
 def _calibration_pool(state: PlanState, room: int) -> int:

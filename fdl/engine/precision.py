@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from fdl.errors import UsageError
+from fdl.settings import choice_for_rank
 
 # What autocast runs the forward pass in; fp32 runs without autocast.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,15 +39,7 @@ def precision_for_rank(spec: tuple[str, ...], rank: int, world_size: int) -> str
     """Rank ``rank``'s choice in ``spec`` (the setting's value): a single choice is every
     rank's, a list has one per rank. A list of another length than ``world_size`` is a
     UsageError naming both."""
-    assert 0 <= rank < world_size, (rank, world_size)
-    if len(spec) == 1:
-        return spec[0]
-    if len(spec) != world_size:
-        raise UsageError(f"precision has {len(spec)} values ({','.join(spec)}) for "
-                         f"{world_size} worker(s)",
-                         hint="give one precision for every worker (--precision bf16) or one "
-                              "per worker, e.g. --precision bf16,fp32 for 2 workers")
-    return spec[rank]
+    return choice_for_rank("precision", spec, rank, world_size)
 
 
 def resolve_precision(choice: str, device: torch.device, *,

@@ -19,7 +19,7 @@ from fdl.launch.devices import DevicePlan, plan_devices
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
 from fdl.launch.worker_env import build_worker_env
-from fdl.settings import Setting
+from fdl.settings import PER_WORKER, Setting, check_per_worker
 from fdl.system.gpus import GpuSurvey
 
 
@@ -81,8 +81,10 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
                            env=env)
     rendezvous = plan_rendezvous(request, env=env, run_id=run_id)
     _check_slowdown(settings, devices.nproc * rendezvous.max_nodes)
-    _check_precision(settings, devices.nproc * rendezvous.max_nodes)
-    _check_micro_batch(settings, devices.nproc * rendezvous.max_nodes)
+    for name in PER_WORKER:  # one value for every worker, or one per worker
+        values = settings[name].value
+        if values is not None:
+            check_per_worker(name, values, devices.nproc * rendezvous.max_nodes, as_flag=True)
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
@@ -117,27 +119,6 @@ def _check_slowdown(settings: Mapping[str, Setting], world_size: int) -> None:
         raise UsageError(
             f"--simulate-slowdown has {len(factors)} factor(s) for {world_size} worker(s)",
             hint="give one factor per worker, e.g. --simulate-slowdown 1,2.5 for 2 workers")
-
-
-def _check_precision(settings: Mapping[str, Setting], world_size: int) -> None:
-    """One precision for every worker, or one per worker (checked before any worker starts;
-    the engine says the same if a worker sees otherwise)."""
-    choices = settings["precision"].value
-    if len(choices) > 1 and len(choices) != world_size:
-        raise UsageError(
-            f"--precision has {len(choices)} values for {world_size} worker(s)",
-            hint="give one for every worker (--precision bf16) or one per worker, e.g. "
-                 "--precision bf16,fp32 for 2 workers")
-
-
-def _check_micro_batch(settings: Mapping[str, Setting], world_size: int) -> None:
-    """One micro-batch choice for every worker, or one per worker (as --precision)."""
-    choices = settings["micro_batch_size"].value
-    if choices is not None and len(choices) > 1 and len(choices) != world_size:
-        raise UsageError(
-            f"--micro-batch has {len(choices)} values for {world_size} worker(s)",
-            hint="give one for every worker (--micro-batch 16) or one per worker, e.g. "
-                 "--micro-batch 16,64 for 2 workers")
 
 
 def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem: str,

@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 import fdl
 import fdl.engine.micro_batches as micro_module
-from fdl.engine.micro_batches import MicroBatches, micro_for_rank, take
+from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.errors import UsageError
 from fdl.settings import MAX_MICRO_BATCH, parse_micro_batch
 
@@ -71,14 +71,16 @@ def test_one_choice_is_every_ranks_a_list_is_one_per_rank():
 def test_parts_cover_the_batch_in_order_with_their_shares(batch):
     parts = MicroBatches(4).parts(batch)
     assert [weight for _, weight in parts] == pytest.approx([0.4, 0.4, 0.2])
-    first = parts[0][0]
-    assert type(first) is type(batch)
-    rebuilt = _leaves(take(batch, 0, 10))
-    joined = [torch.cat([_leaves(p)[i] for p, _ in parts]) if isinstance(leaf, torch.Tensor)
-              else leaf for i, leaf in enumerate(rebuilt)]
-    for got, want in zip(joined, _leaves(batch), strict=True):
-        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want or \
-            isinstance(want, list)
+    assert all(type(part) is type(batch) for part, _ in parts)
+    for index, leaf in enumerate(_leaves(batch)):  # each leaf's parts put back together
+        pieces = [_leaves(part)[index] for part, _ in parts]
+        if isinstance(leaf, torch.Tensor):
+            assert [len(p) for p in pieces] == [4, 4, 2]
+            assert torch.equal(torch.cat(pieces), leaf)
+        elif isinstance(leaf, list):  # one item per sample: cut, not copied
+            assert [len(p) for p in pieces] == [4, 4, 2] and [x for p in pieces for x in p] == leaf
+        else:  # not per sample: every part keeps it
+            assert all(p == leaf for p in pieces)
 
 
 def _leaves(batch):
