@@ -76,6 +76,11 @@ CALIBRATION_POOL = 8
 # the last, two workers on shared cores) is then absorbed by the others instead of idling them
 # at the epoch's end (lenet5 in fdl bench --quick: 0.1-0.2 s of a 0.6 s round, before).
 TAIL_POOL = 0.15
+# A take from the tail pool is this fraction of the rank's speed share of what is left (at
+# least pool_chunk): a few large takes first, then smaller ones, so a fast rank pays a handful
+# of store round trips per epoch instead of one per chunk (87 per 8 bench epochs, 18 ms of
+# 1.5 s on loopback; milliseconds each on WiFi), and the last take is still about one step.
+POOL_GUIDED = 0.5
 SPEED_ALPHA = 0.7
 SPEED_CLIP = 2.0
 # Float noise must not add a batch: 3 * 0.1 / 0.05 is 6.000000000000001, not 6.
@@ -552,6 +557,24 @@ def pool_chunk(state: PlanState, rank: int) -> int:
     if mine is None or any(m is None for m in ms):
         return 1
     return max(1, math.floor(max(ms) / mine))  # type: ignore[type-var]
+
+
+def pool_share(state: PlanState, rank: int) -> float:
+    """Rank ``rank``'s share of the ranks' summed speed (0 while a speed is unknown): what it
+    would drain of a pool if every rank took in proportion to its speed."""
+    ms = state.ms_per_sample
+    if any(m is None or not m > 0 for m in ms):
+        return 0.0
+    rates = [1 / m for m in ms]  # type: ignore[operator]
+    return rates[rank] / sum(rates)
+
+
+def pool_take(*, left: int, chunk: int, share: float) -> int:
+    """The batches a rank takes from a draining pool that had ``left`` batches at its last
+    look: ``POOL_GUIDED`` of its ``share`` of them, at least ``chunk`` (guided
+    self-scheduling: a take lasts about the same time on every rank, and the takes shrink to
+    ``chunk`` as the pool empties, so the ranks still end within about one step)."""
+    return max(chunk, math.floor(POOL_GUIDED * share * max(0, left)))
 
 
 def _calibration_pool(state: PlanState, room: int) -> int:

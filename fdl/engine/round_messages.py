@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from fdl.engine.plan import RoundPlan
+from fdl.engine.plan import RoundPlan, pool_take
 
 
 @dataclass
@@ -107,8 +107,10 @@ class SharedPool:
     while the slowest calibrates and none runs more than one step past it; the last rank to
     stop publishes how many batches were taken, which every rank reads before planning the next
     round. The epoch's last round's (``plan.drains``): every rank takes batches until the pool is
-    empty, ``chunk`` at a time (about one step of the slowest rank: fewer round trips for a fast
-    one, and the last rank to finish ends within that of the others)."""
+    empty, each take :func:`fdl.engine.plan.pool_take` of what was left at its last look (half
+    its speed ``share`` of it, at least ``chunk``, about one step of the slowest rank): a few
+    round trips per epoch, and the last rank to finish ends within about a step of the
+    others."""
 
     size: int = 0
     world_size: int = 1
@@ -116,14 +118,17 @@ class SharedPool:
     key: str = ""
     drains: bool = False
     chunk: int = 1
+    share: float = 0.0  # this rank's share of the ranks' speed (0: takes of ``chunk``)
+    left: int = -1  # the batches left at this rank's last look (-1: not looked yet)
 
     @classmethod
-    def open(cls, plan: RoundPlan, *, world_size: int, chunk: int = 1) -> SharedPool:
+    def open(cls, plan: RoundPlan, *, world_size: int, chunk: int = 1,
+             share: float = 0.0) -> SharedPool:
         if not plan.pool:
             return cls()
         pool = cls(plan.pool, world_size, _required_store(),
                    f"fdl/pool/{restart_attempt()}/{plan.round_index}/", plan.drains,
-                   max(1, chunk) if plan.drains else 1)
+                   max(1, chunk) if plan.drains else 1, share if plan.drains else 0.0)
         if not pool.drains:
             pool.store.add(pool.key + "done", 1)
         return pool
@@ -135,8 +140,13 @@ class SharedPool:
             return range(0)
         if not self.drains and int(self.store.add(self.key + "done", 0)) >= self.world_size:
             return range(0)
-        end = int(self.store.add(self.key + "taken", self.chunk))
-        return range(end - self.chunk, min(end, self.size))
+        if self.left == 0:  # this rank's last take emptied the pool
+            return range(0)
+        count = pool_take(left=self.size if self.left < 0 else self.left, chunk=self.chunk,
+                          share=self.share) if self.drains else 1
+        end = int(self.store.add(self.key + "taken", count))
+        self.left = max(0, self.size - end)
+        return range(end - count, min(end, self.size))
 
     def close(self) -> int | None:
         """The batches taken from the pool by every rank (None: no pool; a draining pool: all)."""

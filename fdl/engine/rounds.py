@@ -56,6 +56,7 @@ from fdl.engine.plan import (
     cut_after_next_round,
     next_round,
     pool_chunk,
+    pool_share,
 )
 from fdl.engine.policies import Policy
 from fdl.engine.round_messages import ElasticSignal, SharedPool
@@ -330,7 +331,8 @@ def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     chunk = pool_chunk(state, replica.rank)
     if workers:  # a pass of the loader's workers per take: enough batches to keep them busy
         chunk = max(chunk, replica.dataset.data.num_workers)
-    pool = SharedPool.open(plan, world_size=replica.world_size, chunk=chunk)
+    pool = SharedPool.open(plan, world_size=replica.world_size, chunk=chunk,
+                           share=pool_share(state, replica.rank))
     while taken := pool.take():
         steps = []
         for j in taken:

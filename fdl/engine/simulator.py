@@ -37,6 +37,8 @@ from fdl.engine.plan import (
     initial_state,
     next_round,
     pool_chunk,
+    pool_share,
+    pool_take,
 )
 from fdl.engine.policies import Policy
 from fdl.engine.state import RankState, RoundReport, round_stats
@@ -132,7 +134,8 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
                 profile, plan, plan.elastic, clock[plan.elastic], pending, rng,
                 until_ms=deadline)
         pool_used = _take_from_pool(profile, plan, clock, busy, used, rng,
-                                    chunks=[pool_chunk(state, r) for r in range(world)]) \
+                                    chunks=[pool_chunk(state, r) for r in range(world)],
+                                    shares=[pool_share(state, r) for r in range(world)]) \
             if plan.pool else None
         trained += sum(used)
         arrive = [clock[r] + busy[r] for r in range(world)]
@@ -166,19 +169,27 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
 
 
 def _take_from_pool(profile: Profile, plan: RoundPlan, clock: list[float], busy: list[float],
-                    used: list[int], rng: random.Random, *, chunks: list[int]) -> int:
+                    used: list[int], rng: random.Random, *, chunks: list[int],
+                    shares: list[float]) -> int:
     """The round's shared pool (the engine's ``SharedPool``): a rank done with its slice takes
     the next batch, earliest rank first, while the pool lasts and, in the calibration round,
-    while some rank is still on its own; the epoch's last round's pool is drained, ``chunks[r]``
-    batches per take. Adds to ``busy`` and ``used`` in place; returns the batches taken."""
+    while some rank is still on its own; the epoch's last round's pool is drained, each take
+    ``pool_take`` of what the rank saw left at its last one (``chunks[r]`` at least). A take
+    costs a round trip (``latency_ms``). Adds to ``busy`` and ``used`` in place; returns the
+    batches taken."""
     world = len(busy)
     all_done = math.inf if plan.drains else max(clock[r] + busy[r] for r in range(world))
     taken, left = 0, plan.pool_stop - plan.pool_start
+    seen = [plan.pool] * world  # what each rank saw left at its last take
     while taken < plan.pool:
         now, rank = min((clock[r] + busy[r], r) for r in range(world))
         if now >= all_done:
             break
-        for _ in range(min(chunks[rank] if plan.drains else 1, plan.pool - taken)):
+        count = pool_take(left=seen[rank], chunk=chunks[rank], share=shares[rank]) \
+            if plan.drains else 1
+        busy[rank] += profile.latency_ms
+        seen[rank] = max(0, plan.pool - taken - count)
+        for _ in range(min(count, plan.pool - taken)):
             n = min(left, profile.batch_size)
             busy[rank] += profile.step_ms(rank, n, rng)
             used[rank] += n

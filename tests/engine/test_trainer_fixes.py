@@ -298,3 +298,11 @@ def test_the_epochs_tail_pool_is_drained_by_every_rank_a_chunk_at_a_time():
              list(fast.take()), list(slow.take())]
     assert taken == [[0, 1, 2], [3], [4, 5, 6], [], [], []]
     assert fast.close() == slow.close() == 7
+    # guided: half the rank's speed share of what it saw left, at least its chunk
+    fast = _Pool(20, 2, other, "fdl/pool/test/3/", drains=True, chunk=2, share=0.8)
+    slow = _Pool(20, 2, store, "fdl/pool/test/3/", drains=True, chunk=1, share=0.2)
+    taken = [list(fast.take()), list(slow.take()), list(fast.take()), list(fast.take()),
+             list(slow.take()), list(fast.take()), list(slow.take())]
+    assert taken == [list(range(0, 8)), [8, 9], list(range(10, 14)), [14, 15], [16],
+                     [17, 18], [19]]
+    assert not fast.take() and not slow.take()
