@@ -9,7 +9,8 @@ table of what ran, how it ended and its key figure.
    from it) as two nodes of one ``fdl run`` meeting on 127.0.0.1, each policy, after each alone;
    the pair's throughput against the ideal (the sum of the two solo rates), and the backend the
    mixed group agreed on (``cpu``: host averaging over gloo).
-3. With two GPUs or more: each policy on two GPUs over NCCL.
+3. With two GPUs or more: each policy on two GPUs over NCCL, with the peer-to-peer check's
+   choice (``NCCL_P2P_DISABLE`` set by fdl where the pair lacks peer access).
 
 ``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path).
 ``--rehearse`` runs parts 2 and 3's plumbing on a machine without a GPU (the "GPU" worker is a
@@ -254,8 +255,11 @@ def nccl_runs(out: Path) -> list[Row]:
         if run.exit_code != 0 or run.rate is None:
             rows.append(Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name})"))
         else:
+            p2p = (run.summary or {}).get("nccl_p2p") or {}
             rows.append(Row(name, "pass", f"{run.rate:,.0f} samples/s, backend "
-                                          f"{(run.summary or {}).get('backend')}"))
+                                          f"{(run.summary or {}).get('backend')}, "
+                                          f"NCCL_P2P_DISABLE={p2p.get('env')} "
+                                          f"({p2p.get('source')}: {p2p.get('reason')})"))
     return rows
 
 

@@ -142,6 +142,8 @@ def _render_torch(report: DiagnoseReport) -> None:
         ("NCCL", torch.nccl_version or ("available" if torch.nccl_available else "no")),
         ("gloo", "yes" if torch.gloo_available else "no"),
         ("CUDA usable", f"yes ({torch.device_count} device(s))" if torch.cuda_available else "no"),
+        ("peer access", ", ".join(f"{i}-{j} {'yes' if ok else 'NO'}"
+                                  for i, j, ok in torch.peer_access) or None),
         ("location", torch.path),
         ("probe error", torch.error),
     ])

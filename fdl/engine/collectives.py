@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fdl.engine.p2p import P2P_ENV, P2PChoice, missing_pairs, node_devices, p2p_choice, peer_pairs
 from fdl.errors import UsageError
 
 
@@ -51,6 +52,7 @@ class Group:
     backend: str  # "nccl" or "cpu"
     process_group: Any = None
     created: bool = False  # this process created the default group (and destroys it)
+    p2p: P2PChoice | None = None  # NCCL_P2P_DISABLE as set for NCCL (None: no GPU, no NCCL)
 
 
 def pick_device(local_rank: int, backend: str) -> torch.device:
@@ -85,17 +87,36 @@ def join_group(requested: str, device: torch.device, world_size: int) -> Group:
     can_nccl = device.type == "cuda" and dist.is_nccl_available()
     if world_size <= 1:
         return Group(agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=bool))
+    # before NCCL's first communicator: it reads NCCL_P2P_DISABLE when it is made
+    p2p = nccl_p2p(os.environ) if can_nccl and requested != "cpu" else None
     created = not dist.is_initialized()
     if requested != "auto":
         if created:
             dist.init_process_group(backend="nccl" if requested == "nccl" else "gloo",
                                     device_id=device if device.type == "cuda" else None)
-        return Group(requested, created=created)
+        return Group(requested, created=created, p2p=p2p if requested == "nccl" else None)
     if created:
         dist.init_process_group(backend="gloo")
     backend = agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=all_true)
     return Group(backend, dist.new_group(backend="nccl") if backend == "nccl" else None,
-                 created=created)
+                 created=created, p2p=p2p if backend == "nccl" else None)
+
+
+def nccl_p2p(env: MutableMapping[str, str], *, local_world_size: int | None = None) -> P2PChoice:
+    """Check peer access between the GPUs this node's workers train on and, unless the user set
+    ``NCCL_P2P_DISABLE``, set it to 1 in ``env`` (this process's environment) where a pair
+    lacks it (fdl.engine.p2p says why). Every worker of a node asks the same driver about the
+    same GPUs, so they all choose alike."""
+    local = Membership.from_env(env).local_world_size if local_world_size is None \
+        else local_world_size
+    devices = node_devices(local, torch.cuda.device_count())
+    checked = len(devices) >= 2 and P2P_ENV not in env
+    missing = missing_pairs(peer_pairs(devices, torch.cuda.can_device_access_peer)) \
+        if checked else ()
+    choice = p2p_choice(missing, env=env, checked=len(devices) >= 2)
+    if choice.source == "fdl" and choice.value is not None:
+        env[P2P_ENV] = choice.value
+    return choice
 
 
 def leave_group(group: Group) -> None:

@@ -62,6 +62,7 @@ from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
+from fdl.engine.p2p import P2PChoice
 from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
@@ -111,6 +112,10 @@ def init(*, policy: str | None = None, backend: str | None = None, seed: int | N
     mine = resolve_precision(precision_for_rank(config.precision, membership.rank,
                                                 membership.world_size), device)
     group = join_group(config.backend, device, membership.world_size)
+    if group.p2p is not None and group.p2p.source == "fdl" and group.p2p.value == "1" and \
+            membership.local_rank == 0:
+        _console().info(f"NCCL peer-to-peer off on this node: {group.p2p.reason} "
+                        "(NCCL_P2P_DISABLE=1; NCCL_P2P_DISABLE=0 forces it on)")
     torch.manual_seed(config.seed)
     micro = MicroBatches.of(micro_for_rank(config.micro_batch_size, membership.rank,
                                            membership.world_size), device)
@@ -564,7 +569,8 @@ class Run:
         summary = _summary(replica, replace(self.config, backend=self.group.backend),
                            wall_s=wall_s, state=state, final_checksum=final_checksum,
                            epochs_log=epochs_log, resumed_from=self._resumed_from,
-                           precisions=self._precisions, micro_batches=self.micro_batches)
+                           precisions=self._precisions, micro_batches=self.micro_batches,
+                           p2p=self.group.p2p)
         run_dir = self.config.run_dir
         if run_dir is not None and self.rank == 0:
             write_summary(run_dir, summary)
@@ -643,7 +649,8 @@ def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimiz
 
 def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: PlanState,
              final_checksum: str, epochs_log: EpochLog, resumed_from: str | None,
-             precisions: list[str], micro_batches: MicroBatches) -> dict[str, Any]:
+             precisions: list[str], micro_batches: MicroBatches,
+             p2p: P2PChoice | None = None) -> dict[str, Any]:
     """summary.json's document, with every rank's figures for the run (one collective)."""
     world = replica.world_size
     memory = _memory_row(replica, micro_batches.label(config.batch_size))
@@ -670,7 +677,9 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "fdl_memory_bytes": [{"device": m[2], "host": m[3]} for m in memories],
                "ddp_comm_s": [r.comm_s for r in per_rank],
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
-               "attempt": restart_attempt(), "resumed_from": resumed_from},
+               "attempt": restart_attempt(), "resumed_from": resumed_from,
+               # node 0's NCCL_P2P_DISABLE and why (each node checks its own GPUs)
+               "nccl_p2p": p2p.to_dict() if p2p is not None else None},
     )
 
 

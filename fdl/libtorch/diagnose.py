@@ -141,7 +141,8 @@ def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
                                cuda=torch.cuda_version, windows=windows)
     advice = advise_builds(survey, platform=platform) if platform else advise_builds(
         dataclasses.replace(survey, gpus=()))
-    findings = [*_gpu_findings(survey, torch, coverage, advice), *_host_findings(host, torch)]
+    findings = [*_gpu_findings(survey, torch, coverage, advice), *_host_findings(host, torch),
+                *_peer_findings(torch)]
     libtorch_coverage = None
     if libtorch is not None:
         libtorch_coverage = check_build(survey, label=f"libtorch {libtorch['id']}",
@@ -156,6 +157,15 @@ def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
     verdict = _verdict(survey, torch, coverage, advice, findings)
     return DiagnoseReport(context, host, survey, torch, coverage, advice, tuple(findings),
                           verdict, libtorch, libtorch_coverage)
+
+
+def _peer_findings(torch: TorchInfo) -> list[Finding]:
+    """One finding per GPU pair without peer access: NCCL's P2P on it is what fdl run turns
+    off (fdl.engine.p2p)."""
+    return [Finding("warn", f"GPUs {i} and {j} have no peer-to-peer access: fdl run sets "
+                            "NCCL_P2P_DISABLE=1 for NCCL runs on them (NCCL then goes "
+                            "through host memory; NCCL_P2P_DISABLE=0 forces P2P on)")
+            for i, j, ok in torch.peer_access if not ok]
 
 
 def _libtorch_finding(survey: GpuSurvey, coverage: BuildCoverage) -> Finding:

@@ -68,6 +68,13 @@ nccl_version = get(lambda: torch.cuda.nccl.version()) if nccl else None
 if isinstance(nccl_version, tuple):
     nccl_version = ".".join(map(str, nccl_version))
 root = os.path.dirname(torch.__file__)
+count = get(lambda: torch.cuda.device_count(), 0)
+# NCCL's peer-to-peer needs each pair of GPUs to reach the other's memory (both ways); asking
+# initialises CUDA, so only where there is a pair to ask about
+peer = get(lambda: [[i, j, bool(torch.cuda.can_device_access_peer(i, j))
+                     and bool(torch.cuda.can_device_access_peer(j, i))]
+                    for i in range(count) for j in range(i + 1, count)], []) \
+    if isinstance(count, int) and count >= 2 else []
 emit(
     installed=True, stage="done", path=root,
     libtorch=all(os.path.isdir(os.path.join(root, part))
@@ -80,7 +87,8 @@ emit(
     gloo_available=bool(dist and get(lambda: torch.distributed.is_gloo_available(), False)),
     nccl_available=nccl,
     cuda_available=bool(get(lambda: torch.cuda.is_available(), False)),
-    device_count=get(lambda: torch.cuda.device_count(), 0),
+    device_count=count,
+    peer_access=peer,
 )
 """
 
@@ -113,6 +121,8 @@ class TorchInfo:
     path: str | None = None
     libtorch: bool = False  # the wheel ships lib/, include/, share/cmake/Torch: linkable
     error: str | None = None
+    # (i, j, ok) per pair of CUDA devices i < j: peer access both ways (NCCL's P2P); () under 2
+    peer_access: tuple[tuple[int, int, bool], ...] = ()
 
 
 def probe_torch(*, python: str | None = None, timeout_s: float = 60.0) -> TorchInfo:
@@ -193,6 +203,7 @@ def parse_probe_output(text: str, *, python: str) -> TorchInfo:
         path=_text(record.get("path")),
         libtorch=record.get("libtorch") is True,
         error=error,
+        peer_access=_pairs(record.get("peer_access")),
     )
 
 
@@ -208,6 +219,15 @@ def _last_record(text: str) -> dict[str, Any] | None:
         if isinstance(record, dict) and "installed" in record:
             return record
     return None
+
+
+def _pairs(value: Any) -> tuple[tuple[int, int, bool], ...]:
+    """The probe's ``[[i, j, ok], ...]``; an entry of another shape is dropped."""
+    if not isinstance(value, list):
+        return ()
+    return tuple((item[0], item[1], item[2]) for item in value
+                 if isinstance(item, list) and len(item) == 3 and _count(item[0]) == item[0]
+                 and _count(item[1]) == item[1] and isinstance(item[2], bool))
 
 
 def _text(value: Any) -> str | None:

@@ -158,3 +158,19 @@ def test_a_cuda_host_is_told_that_backend_cpu_averages_through_the_host():
     advice = next(t for t in texts if t.startswith("torch sees CUDA"))
     assert "a CPU run (fdl run --backend cpu)" not in advice
     assert "--nproc-per-node cpu" in advice and "--backend cpu is how GPU workers average" in advice
+
+
+def test_a_gpu_pair_without_peer_access_is_reported_with_what_fdl_run_does():
+    """Two GeForce cards whose driver refuses peer access (the probe's answer, as data): one
+    warning for that pair, none for a pair that has it, and the JSON carries every pair."""
+    torch = dataclasses.replace(cuda_torch(CU130), device_count=3,
+                                peer_access=((0, 1, False), (0, 2, True), (1, 2, True)))
+    result = report("rtx4090", torch)
+    peer = [f for f in result.findings if "peer-to-peer" in f.message]
+    assert len(peer) == 1 and peer[0].level == "warn"
+    assert peer[0].message.startswith("GPUs 0 and 1 have no peer-to-peer access")
+    assert "NCCL_P2P_DISABLE=1" in peer[0].message
+    assert [list(pair) for pair in result.to_dict()["torch"]["peer_access"]] == [
+        [0, 1, False], [0, 2, True], [1, 2, True]]
+    assert not [f for f in report("rtx4090", cuda_torch(CU130)).findings
+                if "peer-to-peer" in f.message]

@@ -190,3 +190,26 @@ def test_parse_probe_output_tolerates_ill_typed_fields() -> None:
     info = parse_probe_output(json.dumps(record), python="py")
     assert (info.device_count, info.gloo_available, info.arch_list) == (0, False, ())
     assert info.error is None
+
+
+def test_probe_asks_peer_access_of_each_gpu_pair_both_ways(tmp_path: Path) -> None:
+    """The real probe and torch, with torch.cuda's device count and peer answers replaced
+    before the probe imports torch (the CUDA boundary: this host has no GPU). GPU 1 cannot
+    reach GPU 2's memory: the pair lacks P2P though 2 reaches 1."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch\n"
+        "torch.cuda.device_count = lambda: 3\n"
+        "torch.cuda.can_device_access_peer = lambda i, j: (i, j) != (1, 2)\n")
+    info = probe_torch(python=fake_python(
+        tmp_path, f'PYTHONPATH="{site}" exec "{sys.executable}" "$@"\n'))
+    assert info.error is None and info.device_count == 3
+    assert info.peer_access == ((0, 1, True), (0, 2, True), (1, 2, False))
+
+
+def test_parse_probe_output_keeps_only_well_formed_peer_pairs() -> None:
+    record = {**DONE, "peer_access": [[0, 1, False], [0, "1", True], [1, 2], "x", [-1, 2, True]]}
+    assert parse_probe_output(json.dumps(record), python="py").peer_access == ((0, 1, False),)
+    assert parse_probe_output(json.dumps({**DONE, "peer_access": {"0": 1}}),
+                              python="py").peer_access == ()
