@@ -36,6 +36,8 @@ from typing import Any
 from fdl.errors import ConfigError, UsageError
 
 POLICIES = ("sync", "cadence", "async")
+# what --policy takes: a policy, or auto (chosen after calibration: fdl.engine.policies)
+POLICY_CHOICES = (*POLICIES, "auto")
 BACKENDS = ("auto", "nccl", "cpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # what each means: fdl.engine.precision
 OFF = ("off", "none")  # a budget (max_steps ...) given as one of these is no budget
@@ -66,7 +68,7 @@ class Setting:
 # ---- parsers: text (flag, env, file) or a typed value (file, script) -> the value -------------
 
 def parse_policy(value: Any) -> str:
-    return _choice("policy", value, POLICIES)
+    return _choice("policy", value, POLICY_CHOICES)
 
 
 def parse_backend(value: Any) -> str:
@@ -358,7 +360,8 @@ def _engine(name: str, default: Any, parse: Callable[[Any], Any], help: str, env
 
 
 SETTINGS: tuple[SettingSpec, ...] = (
-    _engine("policy", "cadence", parse_policy, "sync | cadence | async.", script=True),
+    _engine("policy", "cadence", parse_policy,
+            "sync | cadence | async, or auto (chosen after calibration).", script=True),
     _engine("backend", "auto", parse_backend, "auto | nccl | cpu.", script=True),
     _engine("epochs", 5, parse_positive_int("epochs"), "Epochs.", script=True),
     _engine("batch_size", 64, parse_positive_int("batch_size"),

@@ -64,6 +64,7 @@ from fdl.engine.grad_sync import GradSync
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
 from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
+from fdl.engine.policies import CADENCE, Policy, PolicyChoice
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
 from fdl.engine.rounds import NUM_STATS, Replica, rounds
@@ -186,6 +187,8 @@ class Run:
     _finished: RunResult | None = None
     _plan_config: PlanConfig | None = None
     _precisions: list[str] = field(default_factory=list)
+    _ddp: bool = False  # run.batches(ddp=True): sync steps through DDP's wrapper
+    _policy_choice: PolicyChoice | None = None  # --policy auto's, once made
     _after_average: list[Callable[[], None]] = field(default_factory=list)
     _at_epoch_end: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
 
@@ -403,6 +406,11 @@ class Run:
                                     self.rank, self.world_size,
                                     at_epoch_end=self._at_epoch_end)
         loader = BatchLoader(data) if data is not None else None
+        self._ddp = ddp
+        if self.world_size == 1 and config.policy.decides:  # nothing to measure, nothing to gain
+            self._policy_choice = PolicyChoice(CADENCE, "one worker: nothing to average or "
+                                               "balance", 0.0, 0.0, 0.0, 0.0)
+            config = self.config = replace(config, policy=CADENCE)
         replica = self.replica = self._replica(loader, model, optimizer, accumulate=accumulate,
                                                ddp=ddp, stream=stream)
         step_size = config.batch_size * accumulate
@@ -457,28 +465,9 @@ class Run:
             refuse_collectives_in_steps(model, optimizer, policy=policy.name)
         step_model: nn.Module = model
         comm_meter: DdpCommMeter | GradSync | None = None
-        if distributed and policy.wraps_ddp and ddp:
-            from torch.nn.parallel import DistributedDataParallel
-
-            step_model = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=group.process_group)
-            if config.simulate_slowdown is not None and \
-                    any(factor != 1 for factor in config.simulate_slowdown):
-                # The emulation must sleep on compute only: DDP's all-reduce is timed apart
-                # (fdl.engine.ddp_comm). Its Python hook costs ~5% of a step on gloo (measured
-                # there), so without emulation DDP keeps its own C++ all-reduce and the
-                # all-reduce is inside the step's time, as a plain DDP script measures it.
-                comm_meter = DdpCommMeter.attach(step_model, process_group=group.process_group,
-                                                 device=device)
-        elif distributed and policy.wraps_ddp:
-            comm_meter = GradSync(model, optimizer, device=device,
-                                  via_host=group.backend != "nccl",
-                                  process_group=group.process_group)
-        averager = Averager(model, rank=rank, world_size=world_size, backend=group.backend,
-                            device=device, num_stats=NUM_STATS, group=group.process_group,
-                            params=policy.averages_params, snapshot=policy.background) \
-            if distributed else None
+        if distributed and policy.wraps_ddp:
+            step_model, comm_meter = self._sync_step(model, optimizer, ddp=ddp)
+        averager = self._averager(model, policy) if distributed else None
         run_dir = config.run_dir
         return Replica(
             rank=rank, world_size=world_size, device=device, model=model,
@@ -488,7 +477,7 @@ class Run:
             on_epoch_end=self._epochs_log.epoch_end if self._epochs_log else _no_epoch_end,
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
-            after_average=self._after_average, stream=stream,
+            after_average=self._after_average, stream=stream, on_policy=self._chose,
             evaluate_every=(self._evaluation.every * world_size * config.batch_size * accumulate
                             if self._evaluation and self._evaluation.every else None),
             on_evaluate=self._epochs_log.evaluate_now if self._epochs_log else None,
@@ -498,6 +487,53 @@ class Run:
                                            epoch_size=len(data) if stream is None else 1,
                                            world_size=world_size),
         )
+
+    def _sync_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                   ddp: bool) -> tuple[nn.Module, DdpCommMeter | GradSync | None]:
+        """What a step needs under sync: with ``ddp`` (fdl.Trainer) DDP's wrapper, metered
+        under emulation; in a loop script, the gradient all-reduce in the optimizer's step."""
+        config, group, device = self.config, self.group, self.device
+        if not ddp:
+            return model, GradSync(model, optimizer, device=device,
+                                   via_host=group.backend != "nccl",
+                                   process_group=group.process_group)
+        from torch.nn.parallel import DistributedDataParallel
+
+        step_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=group.process_group)
+        if config.simulate_slowdown is not None and \
+                any(factor != 1 for factor in config.simulate_slowdown):
+            # The emulation must sleep on compute only: DDP's all-reduce is timed apart
+            # (fdl.engine.ddp_comm). Its Python hook costs ~5% of a step on gloo (measured
+            # there), so without emulation DDP keeps its own C++ all-reduce and the
+            # all-reduce is inside the step's time, as a plain DDP script measures it.
+            return step_model, DdpCommMeter.attach(step_model,
+                                                   process_group=group.process_group,
+                                                   device=device)
+        return step_model, None
+
+    def _averager(self, model: nn.Module, policy: Policy) -> Averager:
+        """The averaging buffers ``policy`` needs (sync: buffers only; async: a snapshot)."""
+        group = self.group
+        return Averager(model, rank=self.rank, world_size=self.world_size,
+                        backend=group.backend, device=self.device, num_stats=NUM_STATS,
+                        group=group.process_group, params=policy.averages_params,
+                        snapshot=policy.background)
+
+    def _chose(self, replica: Replica, choice: PolicyChoice) -> None:
+        """``--policy auto`` chose (fdl.engine.rounds, alike on every rank, right after a
+        blocking average: every replica holds the same model): build what the policy needs
+        (sync: DDP or the gradient all-reduce, buffers-only averaging; async: the snapshot)
+        and say so once."""
+        self._policy_choice, policy = choice, choice.policy
+        if policy.wraps_ddp:
+            replica.step_model, replica.comm_meter = self._sync_step(
+                replica.model, replica.optimizer, ddp=self._ddp)
+        if replica.averager is not None and (policy.wraps_ddp or policy.background):
+            replica.averager = self._averager(replica.model, policy)
+        if self.rank == 0:
+            _console().info(f"policy auto: {policy.name}: {choice.reason}")
 
     def _start(self, replica: Replica, plan_config: PlanConfig) -> PlanState:
         """The state training starts from — fresh, or a checkpoint's after a crash or with
@@ -566,11 +602,12 @@ class Run:
         final_checksum = checksum(replica.model)
         replica.timeline.event("final", checksum=final_checksum, anchor=state.anchor)
         replica.timeline.close()
-        summary = _summary(replica, replace(self.config, backend=self.group.backend),
+        summary = _summary(replica, replace(self.config, backend=self.group.backend,
+                                            policy=replica.config.policy),
                            wall_s=wall_s, state=state, final_checksum=final_checksum,
                            epochs_log=epochs_log, resumed_from=self._resumed_from,
                            precisions=self._precisions, micro_batches=self.micro_batches,
-                           p2p=self.group.p2p)
+                           p2p=self.group.p2p, policy_choice=self._policy_choice)
         run_dir = self.config.run_dir
         if run_dir is not None and self.rank == 0:
             write_summary(run_dir, summary)
@@ -650,7 +687,8 @@ def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimiz
 def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: PlanState,
              final_checksum: str, epochs_log: EpochLog, resumed_from: str | None,
              precisions: list[str], micro_batches: MicroBatches,
-             p2p: P2PChoice | None = None) -> dict[str, Any]:
+             p2p: P2PChoice | None = None,
+             policy_choice: PolicyChoice | None = None) -> dict[str, Any]:
     """summary.json's document, with every rank's figures for the run (one collective)."""
     world = replica.world_size
     memory = _memory_row(replica, micro_batches.label(config.batch_size))
@@ -679,7 +717,10 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
                "attempt": restart_attempt(), "resumed_from": resumed_from,
                # node 0's NCCL_P2P_DISABLE and why (each node checks its own GPUs)
-               "nccl_p2p": p2p.to_dict() if p2p is not None else None},
+               "nccl_p2p": p2p.to_dict() if p2p is not None else None,
+               # --policy auto: what it chose and from which figures (None: a policy was given)
+               "policy_choice": policy_choice.to_dict() if policy_choice is not None
+               else None},
     )
 
 

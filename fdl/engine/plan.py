@@ -63,7 +63,7 @@ from typing import Any
 
 from fdl.engine.policies import Policy, policy_named
 from fdl.errors import UsageError
-from fdl.settings import ENGINE_DEFAULTS, POLICIES
+from fdl.settings import ENGINE_DEFAULTS, POLICY_CHOICES
 
 ELASTIC_CAP = 1.5  # the elastic rank may take up to this times its planned share
 # With at most this many full rounds left, the next round takes the rest of the epoch.
@@ -389,7 +389,7 @@ _SAVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prev_shares": (lambda v: v is None or (isinstance(v, list) and all(_count(x) for x in v)),
                     "a list of integers >= 0 or null"),
     "ceiling": (lambda v: v is None or (_count(v) and v >= 1), "an integer >= 1 or null"),
-    "policy": (lambda v: v in POLICIES, " | ".join(POLICIES)),
+    "policy": (lambda v: v in POLICY_CHOICES, " | ".join(POLICY_CHOICES)),
     "world_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
     "dataset_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
     "batch_size": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
@@ -777,6 +777,19 @@ def _with_anchor(state: PlanState, anchor: int, reason: str) -> PlanState:
         return state
     history = (*state.anchor_history, (state.round_index, anchor, reason))
     return replace(state, anchor=anchor, anchor_history=history)
+
+
+def with_policy(state: PlanState, policy: Policy | str, *, reason: str) -> PlanState:
+    """``state`` planning under ``policy`` from its next round on (``auto``'s choice, made
+    alike on every rank): the epoch's position and the speeds stay; under ``sync`` the anchor
+    is 1 (one DDP step per round) and the guard's ceiling goes; under cadence and async the
+    anchor stays. The change is in ``anchor_history`` when the anchor moves."""
+    policy = policy_named(policy)
+    config = replace(state.config, policy=policy)
+    new = replace(state, config=config)
+    if not policy.local_steps:
+        new = replace(_with_anchor(new, 1, reason), ceiling=None)
+    return new
 
 
 def halve_anchor(state: PlanState, *, reason: str) -> PlanState:

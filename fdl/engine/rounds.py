@@ -35,7 +35,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -57,8 +57,9 @@ from fdl.engine.plan import (
     next_round,
     pool_chunk,
     pool_share,
+    with_policy,
 )
-from fdl.engine.policies import Policy
+from fdl.engine.policies import Policy, PolicyChoice, choose_policy
 from fdl.engine.round_messages import ElasticSignal, SharedPool
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
@@ -154,6 +155,8 @@ class Replica:
     evaluate_every: int | None = None  # samples between evaluations within an epoch
     on_evaluate: Callable[[Replica, PlanState], None] | None = None
     after_average: list[Callable[[], None]] = field(default_factory=list)  # run.after_average
+    # auto's choice was made (fdl.engine.loop rebuilds the step and the averaging for it)
+    on_policy: Callable[[Replica, PolicyChoice], None] | None = None
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -178,8 +181,9 @@ class Replica:
 def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState]:
     """Every round of the plan, as the batches this rank trains on (on its device); the
     caller's code between two batches is the step. Returns the finished state."""
-    policy, pending, last_reports = replica.policy, None, []
+    pending, last_reports = None, []
     while not state.finished:
+        policy = replica.policy  # auto's choice changes it once
         plan = next_round(state)
         done = yield from run_slice(replica, plan, state)
         reports: list[RoundReport] | None = None
@@ -198,6 +202,8 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
         if advanced.anchor != state.anchor:
             replica.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
+        if policy.decides and reports and not plan.calibration:
+            advanced = _chosen_policy(replica, advanced, plan, reports)
         state = _guarded(replica, advanced, plan, reports or [])
         state = _within_time(replica, state, plan, reports)
         last_reports = reports or last_reports
@@ -523,6 +529,31 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
         for hook in replica.after_average:
             hook()
     return reports, pending
+
+
+def _chosen_policy(replica: Replica, state: PlanState, plan: RoundPlan,
+                   reports: list[RoundReport]) -> PlanState:
+    """``auto``: the policy the calibrated speeds and this boundary's average pick
+    (fdl.engine.policies.choose_policy; the same figures on every rank, so the same choice),
+    from the next round on: the replica's config and the plan's state change, the run's hook
+    (fdl.engine.loop) rebuilds what the policy needs (DDP or the gradient all-reduce for sync,
+    async's snapshot) and the timeline logs it. Unusable figures leave the choice for the next
+    boundary."""
+    average_ms = round_stats(reports).sync_ms
+    speeds = state.ms_per_sample
+    if not state.calibrated or not math.isfinite(average_ms) or \
+            not all(m is not None and math.isfinite(m) and m > 0 for m in speeds):
+        return state
+    config = replica.config
+    choice = choose_policy(ms_per_sample=[float(m) for m in speeds if m is not None],
+                           average_ms=average_ms, batch_size=replica.step_size,
+                           overhead_target=config.overhead_target,
+                           max_anchor=state.config.max_anchor)
+    replica.config = replace(config, policy=choice.policy)
+    if replica.on_policy is not None:
+        replica.on_policy(replica, choice)
+    replica.timeline.event("policy", round=plan.round_index, **choice.to_dict())
+    return with_policy(state, choice.policy, reason=f"policy auto: {choice.policy.name}")
 
 
 def _record_sync(replica: Replica, plan: RoundPlan, start: float, end: float,

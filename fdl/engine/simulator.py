@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from fdl.engine.plan import (
     PlanConfig,
+    PlanState,
     RoundPlan,
     RoundStats,
     advance,
@@ -39,8 +40,9 @@ from fdl.engine.plan import (
     pool_chunk,
     pool_share,
     pool_take,
+    with_policy,
 )
-from fdl.engine.policies import Policy
+from fdl.engine.policies import Policy, choose_policy
 from fdl.engine.state import RankState, RoundReport, round_stats
 
 FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
@@ -91,6 +93,7 @@ class SimResult:
     final_anchor: int
     idle: tuple[float, ...]
     anchors: list[int] = field(default_factory=list)
+    chosen: str = ""  # auto's pick (the policy itself otherwise)
 
     @property
     def efficiency(self) -> float:
@@ -118,6 +121,7 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
     if not rule.local_steps:
         return _simulate_sync(profile, config, rng)
     state, ranks = initial_state(config), [RankState() for _ in range(world)]
+    chosen = rule  # auto: cadence's rounds until choose_policy picks
     clock, busy_total = [0.0] * world, [0.0] * world
     pending: _Pending | None = None
     averages, anchors, trained = 0, [], 0
@@ -158,14 +162,30 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
         state = advance(state, plan, stats,
                         elastic_used=None if plan.elastic is None else used[plan.elastic],
                         pool_used=pool_used)
+        if chosen.decides and rows is not None and not plan.calibration and \
+                math.isfinite(stats.sync_ms) and state.calibrated:
+            chosen = choose_policy(ms_per_sample=[float(m) for m in state.ms_per_sample
+                                                  if m is not None],
+                                   average_ms=stats.sync_ms, batch_size=config.batch_size,
+                                   overhead_target=config.overhead_target,
+                                   max_anchor=config.max_anchor).policy
+            state = with_policy(state, chosen, reason=f"policy auto: {chosen.name}")
+            rule = chosen
+            if not chosen.local_steps:  # lock-step from here, as the engine's DDP steps
+                leave = [max(leave)] * world
+                if plan.last_in_epoch:
+                    leave = [max(leave) + profile.latency_ms] * world
+                return _simulate_sync(profile, state.config, rng, start=state, wall=max(leave),
+                                      trained=trained, busy_total=busy_total, name=config.policy.name,
+                                      averages=averages)
         anchors.append(state.anchor)
         if plan.last_in_epoch:  # the epoch's loss all-reduce and evaluation: everyone waits
             leave = [max(leave) + profile.latency_ms] * world
         clock = leave
     wall_ms = max(clock)
-    return SimResult(profile.name, rule.name, trained, wall_ms / 1000,
+    return SimResult(profile.name, config.policy.name, trained, wall_ms / 1000,
                      profile.ideal_samples_per_s, averages, state.anchor,
-                     tuple(1 - b / wall_ms for b in busy_total), anchors)
+                     tuple(1 - b / wall_ms for b in busy_total), anchors, chosen.name)
 
 
 def _take_from_pool(profile: Profile, plan: RoundPlan, clock: list[float], busy: list[float],
@@ -218,9 +238,15 @@ def _compute(profile: Profile, plan: RoundPlan, rank: int, start_ms: float,
     return busy, mine.num_samples - left
 
 
-def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random) -> SimResult:
-    state, wall, world = initial_state(config), 0.0, config.world_size
-    busy_total, trained = [0.0] * world, 0
+def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random, *,
+                   start: PlanState | None = None, wall: float = 0.0, trained: int = 0,
+                   busy_total: list[float] | None = None, name: str | None = None,
+                   averages: int = 0) -> SimResult:
+    """Sync in lock-step from ``start`` (default: the run's beginning; auto's switch passes
+    where it chose, with the clock, samples and busy times so far)."""
+    state = initial_state(config) if start is None else start
+    world = config.world_size
+    busy_total = [0.0] * world if busy_total is None else busy_total
     while not state.finished:
         plan = next_round(state)
         trained += plan.num_samples
@@ -230,14 +256,14 @@ def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random) -> 
             busy_total[r] += steps[r]
         wall += max(steps) + DDP_EXPOSED * profile.reduce_ms
         state = advance(state, plan, RoundStats.unknown(world))
-    return SimResult(profile.name, config.policy.name, trained,
-                     wall / 1000, profile.ideal_samples_per_s, 0, 1,
-                     tuple(1 - b / wall for b in busy_total))
+    return SimResult(profile.name, name or config.policy.name, trained,
+                     wall / 1000, profile.ideal_samples_per_s, averages, 1,
+                     tuple(1 - b / wall for b in busy_total), chosen=config.policy.name)
 
 
 RTX_5060_TI_RESNET20_MS = 12.0  # modelled, not measured: ms per batch of 128 on the fast card
 GPT_NANO_MS = 45.0
-PCIE_GBS, GIGABIT_GBS = 6.0, 0.118
+PCIE_GBS, GIGABIT_GBS, WIFI_GBS = 6.0, 0.118, 0.01
 RESNET20_PARAMS, GPT_NANO_PARAMS, BENCH_MLP_PARAMS = 272_474, 10_700_000, 2_380_000
 
 
@@ -254,6 +280,7 @@ def profiles() -> list[Profile]:
         gpt,
         replace(resnet, name="ResNet-20, 1.5x gap", batch_ms=(fast, fast * 1.5)),
         replace(resnet, name="ResNet-20, 4x gap", batch_ms=(fast, fast * 4)),
+        replace(resnet, name="ResNet-20, two equal GPUs", batch_ms=(fast, fast)),
         replace(resnet, name="ResNet-20, 3 ranks (1, 1.5, 3)",
                 batch_ms=(fast, fast * 1.5, fast * 3)),
         replace(resnet, name="ResNet-20 2.6x, jitter 10%", jitter=0.10),
@@ -261,6 +288,8 @@ def profiles() -> list[Profile]:
                 latency_ms=0.3, overlap="thread", contention=0.1),
         replace(gpt, name="GPT-nano 2.8x, 1 Gbit/s network", bandwidth_gbs=GIGABIT_GBS,
                 latency_ms=0.3, overlap="thread", contention=0.1),
+        replace(gpt, name="GPT-nano 2.8x, WiFi (80 Mbit/s)", bandwidth_gbs=WIFI_GBS,
+                latency_ms=3.0, overlap="thread", contention=0.1),
         Profile("this machine's bench: MLP, 2 CPU workers, 2.5x", (21.9, 21.9 * 2.5),
                 BENCH_MLP_PARAMS, 1.0, latency_ms=0.5, host_ms=0.3, jitter=0.10,
                 overlap="thread", contention=0.5, dataset_size=16_384),
@@ -270,17 +299,18 @@ def profiles() -> list[Profile]:
 def table(*, seeds: int = 3, overhead_target: float | None = None) -> str:
     """The markdown table of every profile under every policy: the median efficiency over
     ``seeds`` seeds (and the range), the final anchor and the averages of the median run."""
-    lines = ["| profile | sync | cadence | async | anchor (cadence / async) | averages |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| profile | sync | cadence | async | auto (its pick) | anchor (cadence / async) "
+             "| averages |", "|---|---:|---:|---:|---:|---:|---:|"]
     for profile in profiles():
         cells, anchors, averages = [], [], []
-        for policy in ("sync", "cadence", "async"):
+        for policy in ("sync", "cadence", "async", "auto"):
             runs = sorted((simulate(profile, policy, seed=seed,
                                     overhead_target=overhead_target) for seed in range(seeds)),
                           key=lambda r: r.efficiency)
             median = runs[len(runs) // 2]
-            cells.append(f"{median.efficiency:.3f}")
-            if policy != "sync":
+            cells.append(f"{median.efficiency:.3f}" + (f" ({median.chosen})"
+                                                         if policy == "auto" else ""))
+            if policy in ("cadence", "async"):
                 anchors.append(str(median.final_anchor))
                 averages.append(str(median.averages))
         lines.append(f"| {profile.name} | {' | '.join(cells)} | {' / '.join(anchors)} | "

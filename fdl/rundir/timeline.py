@@ -58,6 +58,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
               "step_ms", "sleep_s", "comm_s", "anchor", "lr_scale"),
     "sync": ("round", "start", "end", "wait_s", "blocking", "bytes"),
     "anchor": ("round", "anchor", "previous", "reason"),
+    "policy": ("round", "chosen", "reason", "speed_spread", "average_ms",
+               "overhead_at_max_anchor", "sync_step_overhead"),
     "guard": ("round", "distance", "level", "streak", "halve", "released"),
     "scalars": ("round", "values"),
     "budget": ("round", "elapsed_s", "reason"),

@@ -56,7 +56,7 @@ _PROCESS_TID = 1  # process-wide records (names, instants, counters) sit on the 
 _COLOURS = {"compute": "thread_state_running", "data": "thread_state_iowait",
             "sync": "thread_state_uninterruptible", "idle": "thread_state_sleeping",
             "emulated": "thread_state_runnable"}
-_INSTANT_NAMES = {"anchor": "anchor", "guard": "guard", "epoch": "epoch end",
+_INSTANT_NAMES = {"anchor": "anchor", "guard": "guard", "epoch": "epoch end", "policy": "policy",
                   "checkpoint": "checkpoint", "final": "final"}
 _GIB = 1024 ** 3
 _MAX_ID = 2 ** 20  # ranks and nodes beyond it are not a run's (a stray rank<N>.jsonl): left out

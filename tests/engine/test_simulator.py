@@ -71,18 +71,41 @@ def test_el_che_beats_sync_on_the_pair_it_was_made_for():
 def test_the_table_has_a_row_per_profile_with_the_simulations_figures(capsys):
     simulator.main(["--seeds", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "| profile | sync | cadence | async | anchor (cadence / async) | averages |"
+    assert lines[0] == ("| profile | sync | cadence | async | auto (its pick) | "
+                        "anchor (cadence / async) | averages |")
     assert len(lines) == len(profiles()) + 2
     for profile, line in zip(profiles(), lines[2:], strict=True):
-        name, *efficiencies, anchors, averages = (cell.strip() for cell in line.split("|")[1:-1])
+        name, *efficiencies, auto, anchors, averages = (cell.strip()
+                                                        for cell in line.split("|")[1:-1])
         runs = {policy: simulate(profile, policy, seed=0) for policy in ("sync", "cadence", "async")}
         assert name == profile.name
         assert efficiencies == [f"{run.efficiency:.3f}" for run in runs.values()], name
+        picked = simulate(profile, "auto", seed=0)
+        assert auto == f"{picked.efficiency:.3f} ({picked.chosen})", name
         assert anchors == f"{runs['cadence'].final_anchor} / {runs['async'].final_anchor}", name
         assert averages == f"{runs['cadence'].averages} / {runs['async'].averages}", name
         sync, cadence, run_async = (float(e) for e in efficiencies)
         assert all(0 < e <= 1 for e in (sync, cadence, run_async)), line
-        # Every profile has a gap: lock-step sync runs every rank at the slowest one's pace.
+        if len(set(profile.batch_ms)) == 1:  # equal devices: sync is at its best
+            assert sync > cadence, name
+            continue
+        # A gap: lock-step sync runs every rank at the slowest one's pace.
         slowest = profile.batch_size * 1000 / (max(profile.batch_ms) + profile.host_ms)
         assert sync <= len(profile.batch_ms) * slowest / profile.ideal_samples_per_s + 0.001, name
         assert sync < cadence, name
+
+
+@pytest.mark.parametrize(("name", "pick"), [
+    ("5060 Ti + 1060, ResNet-20 (2.6x)", "cadence"), ("ResNet-20, two equal GPUs", "sync"),
+    ("GPT-nano 2.8x, WiFi (80 Mbit/s)", "async")])
+def test_auto_picks_by_the_engines_rule_and_then_runs_as_its_pick(name, pick):
+    """auto: cadence's rounds until the first average after calibration, then its pick; where
+    it picks cadence it is cadence's run exactly."""
+    profile = next(p for p in profiles() if p.name == name)
+    auto = simulate(profile, "auto")
+    assert auto.chosen == pick and auto.policy == "auto"
+    assert auto.samples == simulate(profile, pick).samples
+    if pick == "cadence":
+        assert auto.wall_s == simulate(profile, "cadence").wall_s
+    else:  # the pick's run, but for the rounds before it chose
+        assert abs(auto.efficiency - simulate(profile, pick).efficiency) < 0.03, name
