@@ -119,7 +119,7 @@ def test_a_bad_script_value_overridden_by_env_is_never_read():
 def test_unknown_policy_hint_lists_the_choices():
     with pytest.raises(UsageError) as caught:
         resolve_config(script={"policy": "turbo"}, env={})
-    assert caught.value.hint == "use one of: sync, cadence, async"
+    assert caught.value.hint == "use one of: sync, cadence, async, auto"
 
 
 @pytest.mark.parametrize("max_grad_norm", [0, 0.0, -1.0, math.nan])

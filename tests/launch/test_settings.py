@@ -40,7 +40,7 @@ def test_parse_policy_names_the_value_and_the_policies() -> None:
     with pytest.raises(UsageError) as caught:
         parse_policy("lockstep")
     assert caught.value.message == "unknown policy 'lockstep'"
-    assert caught.value.hint == "use one of: sync, cadence, async"
+    assert caught.value.hint == "use one of: sync, cadence, async, auto"
     assert caught.value.exit_code == 2
 
 
