@@ -3,6 +3,9 @@ images (3x32x32, 10 classes, the label a fixed random projection of the image, s
 something to learn), trained by fdl.Trainer with the settings fdl run gives it.
 
     fdl run --nproc-per-node 1 scripts/gpu_pair_train.py --samples 20000
+    fdl run --nproc-per-node 1 scripts/gpu_pair_train.py --augment --workers 2   # the loader
+    fdl run --nproc-per-node 1 --micro-batch auto scripts/gpu_pair_train.py --batch-size 4096 \
+        --memory-gib 2                                                  # micro-batch auto-fit
 
 The data is made from a fixed seed on every node alike (the same length and order everywhere, as
 El Che needs). Nothing is downloaded.
@@ -30,6 +33,28 @@ def make_data(num_samples: int, *, seed: int) -> TensorDataset:
     return TensorDataset(images, (pooled @ projection).argmax(dim=1))
 
 
+class Augmented(torch.utils.data.Dataset):
+    """CIFAR's training transform on stored 8-bit images, per sample in ``__getitem__`` (what a
+    DataLoader's workers do for a real CIFAR run): a random 32x32 crop of the image padded by 4,
+    a random horizontal flip, then to float and normalised. Labels as :func:`make_data`'s."""
+
+    def __init__(self, num_samples: int, *, seed: int) -> None:
+        base = make_data(num_samples, seed=seed)
+        images, self.labels = base.tensors
+        self.images = ((images.clamp(-2, 2) + 2) * 63.75).to(torch.uint8)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        padded = F.pad(self.images[index], (4, 4, 4, 4))
+        top, left = torch.randint(0, 9, (2,)).tolist()
+        image = padded[:, top:top + 32, left:left + 32]
+        if torch.rand(()) < 0.5:
+            image = image.flip(2)
+        return (image.float() / 63.75 - 2), self.labels[index]
+
+
 def build_model() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -51,11 +76,21 @@ def evaluate(model: nn.Module, batch) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=20_000)
+    parser.add_argument("--augment", action="store_true",
+                        help="random crops and flips per sample (uint8 images), as CIFAR's")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="cap this process's CUDA memory (the micro-batch auto-fit check)")
     args = parser.parse_args()
+    if args.memory_gib is not None and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
+    data = Augmented(args.samples, seed=1) if args.augment else make_data(args.samples, seed=1)
     fdl.Trainer(model=build_model, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-                train_step=train_step, train_data=make_data(args.samples, seed=1),
-                eval_data=make_data(1024, seed=2), evaluate=evaluate, batch_size=128,
-                epochs=3).fit()
+                train_step=train_step, train_data=data,
+                eval_data=make_data(1024, seed=2), evaluate=evaluate,
+                batch_size=args.batch_size, epochs=3, num_workers=args.workers).fit()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ table of what ran, how it ended and its key figure.
    mixed group agreed on (``cpu``: host averaging over gloo).
 3. With two GPUs or more: each policy on two GPUs over NCCL, with the peer-to-peer check's
    choice (``NCCL_P2P_DISABLE`` set by fdl where the pair lacks peer access).
+4. The loader on the GPU: CIFAR's per-sample crops and flips through 2 DataLoader workers (data
+   wait under 5% of the run), and ``--micro-batch auto`` finding a micro-batch for a batch of
+   4096 that does not fit in 2 GiB of the card (a real out-of-memory, caught and halved).
 
 ``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path).
 ``--rehearse`` runs parts 2 and 3's plumbing on a machine without a GPU (the "GPU" worker is a
@@ -52,6 +55,9 @@ RUN_TIMEOUT_S = 150
 SAMPLES = {"fast": 100_000, "slow": 3_000}
 REHEARSAL_SAMPLES = {"fast": 2_048, "slow": 512}  # every worker on this CPU: keep it short
 REHEARSAL_SLOWDOWN = 4.0
+LOADER_SAMPLES = 50_000
+LOADER_WAIT_GOAL = 0.05  # issue 26: data wait under 5% of the step with 2 loader workers
+FIT_BATCH, LOADER_MEMORY_GIB = 4096, 2.0  # a batch that cannot fit in that much of the card
 
 
 @dataclass
@@ -89,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows += pair_runs(out, rehearse=args.rehearse)
     if facts["gpus"] >= 2:
         rows += nccl_runs(out)
+    rows += loader_runs(out, rehearse=args.rehearse)
     elapsed = time.monotonic() - started
     print_table(rows)
     failed = [r for r in rows if r.result == "FAIL"]
@@ -190,11 +197,12 @@ def node_env(node: str, *, rehearse: bool) -> dict[str, str]:
 
 
 def start_fdl(run_dir: Path, flags: list[str], *, samples: int,
-              env: dict[str, str]) -> subprocess.Popen:
+              env: dict[str, str], script_args: Sequence[str] = ()) -> subprocess.Popen:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process)
     command = [sys.executable, "-m", "fdl", "run", *flags, "--quiet", "--quiet-ranks",
-               "--run-dir", str(run_dir), str(PAIR_SCRIPT), "--samples", str(samples)]
+               "--run-dir", str(run_dir), str(PAIR_SCRIPT), "--samples", str(samples),
+               *script_args]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.log = log  # type: ignore[attr-defined]
     return proc
@@ -239,6 +247,45 @@ def pair_row(policy: str, run: Run, *, ideal: float, rehearse: bool) -> Row:
     averages = summary.get("sync", {}).get("rounds")
     return Row(name, "pass", f"{run.rate / ideal:.2f} of the ideal ({run.rate:,.0f} of "
                              f"{ideal:,.0f} samples/s), {averages} averages, {devices}")
+
+
+# --- 4. the loader and the micro-batch auto-fit on the GPU -----------------------------------
+
+def loader_runs(out: Path, *, rehearse: bool) -> list[Row]:
+    """CIFAR's per-sample augmentation through 2 DataLoader workers, on the GPU alone: the data
+    wait left (goal: under LOADER_WAIT_GOAL of the run); then ``--micro-batch auto`` on a batch
+    that cannot fit in LOADER_MEMORY_GIB of the card: the micro-batch it settled on."""
+    env = node_env("fast", rehearse=rehearse)
+    samples = REHEARSAL_SAMPLES["fast"] if rehearse else LOADER_SAMPLES
+    directory = out / "loader"
+    run = finish([start_fdl(directory, ["--nproc-per-node", "1"], samples=samples, env=env,
+                            script_args=["--augment", "--workers", "2"])], [directory])
+    name = "loader: augmented CIFAR, 2 workers"
+    if run.exit_code != 0 or run.rate is None:
+        rows = [Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name})")]
+    else:
+        summary = run.summary or {}
+        wait = (summary.get("data_wait_s") or [0.0])[0] / summary["wall_s"]
+        ok = wait < LOADER_WAIT_GOAL or rehearse
+        rows = [Row(name, "pass" if ok else "FAIL",
+                    f"data wait {wait:.1%} of the run (goal < {LOADER_WAIT_GOAL:.0%}), "
+                    f"{run.rate:,.0f} samples/s")]
+    name = f"micro-batch auto, batch {FIT_BATCH} in {LOADER_MEMORY_GIB:g} GiB"
+    if rehearse:
+        return [*rows, Row(name, "skip", "a rehearsal: no CUDA memory to fill")]
+    directory = out / "micro-auto"
+    run = finish([start_fdl(directory, ["--nproc-per-node", "1", "--micro-batch", "auto"],
+                            samples=FIT_BATCH * 8, env=env,
+                            script_args=["--batch-size", str(FIT_BATCH), "--memory-gib",
+                                         f"{LOADER_MEMORY_GIB:g}"])], [directory])
+    summary = run.summary or {}
+    micro = (summary.get("micro_batch_size") or [None])[0]
+    peak = (summary.get("peak_memory_bytes") or [None])[0]
+    if run.exit_code != 0 or micro is None:
+        return [*rows, Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name})")]
+    figure = f"settled on {micro} of {FIT_BATCH}, peak {(peak or 0) / 2**30:.2f} GiB"
+    return [*rows, Row(name, "pass" if micro < FIT_BATCH else "FAIL",
+                       figure if micro < FIT_BATCH else figure + ": nothing ran out of memory")]
 
 
 # --- 3. two GPUs over NCCL --------------------------------------------------------------------

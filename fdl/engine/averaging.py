@@ -29,8 +29,9 @@ computes ``exact = theta + delta + residual``, stores ``theta = exact`` rounded 
 way (identical on every rank). Whoever overwrites theta from outside (a checkpoint restore)
 leaves a stale residual of at most half an ulp.
 
-* ``cpu``: the flat buffer lives in host memory and is reduced over a gloo group. Copies into and
-  out of it are blocking, so no device-to-host copy is read before it completes and no
+* ``cpu``: the flat buffer lives in host memory (page-locked for a CUDA replica: the copies go
+  by DMA, and none of fdl's averaging memory is on the card) and is reduced over a gloo group.
+  Copies into and out of it are blocking, so no device-to-host copy is read before it completes and no
   host-to-device copy is pending when the next snapshot is taken (flodl 0.3 raced here).
 * ``nccl``: the flat buffer lives on the GPU and is reduced by NCCL.
 
@@ -81,10 +82,13 @@ class Averager:
             else torch.float32
         self.int_parts = 1 if dtype == torch.float64 else 2
         self.stats_offset = self.numel + world_size * self.int_parts * self.num_ints
+        # a CUDA replica averaged over the host: page-locked buffers, so the copies in and out
+        # go straight by DMA (and fdl's buffers stay off a card that is short of memory)
+        pinned = self.via_host and device.type == "cuda"
         self.flat = torch.zeros(self.stats_offset + world_size * num_stats, dtype=dtype,
-                                device=buffer_device)
-        self.snapshot = torch.zeros(self.numel, dtype=dtype, device=buffer_device) \
-            if snapshot else None
+                                device=buffer_device, pin_memory=pinned)
+        self.snapshot = torch.zeros(self.numel, dtype=dtype, device=buffer_device,
+                                    pin_memory=pinned) if snapshot else None
         self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                           if t.dtype in LOW_PRECISION else None for t in self.tensors]
         self.bytes = self.flat.numel() * self.flat.element_size()

@@ -61,6 +61,7 @@ from fdl.engine.data import TrainData
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
+from fdl.engine.h2d import DeviceCopies
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
 from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
@@ -478,6 +479,7 @@ class Run:
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
             after_average=self._after_average, stream=stream, on_policy=self._chose,
+            copies=DeviceCopies.for_device(device) if stream is None else None,
             evaluate_every=(self._evaluation.every * world_size * config.batch_size * accumulate
                             if self._evaluation and self._evaluation.every else None),
             on_evaluate=self._epochs_log.evaluate_now if self._epochs_log else None,

@@ -48,6 +48,7 @@ from fdl.engine.config import EngineConfig
 from fdl.engine.data import epoch_permutation, to_device
 from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.grad_sync import GradSync
+from fdl.engine.h2d import DeviceCopies
 from fdl.engine.plan import (
     PlanState,
     RoundPlan,
@@ -155,6 +156,7 @@ class Replica:
     evaluate_every: int | None = None  # samples between evaluations within an epoch
     on_evaluate: Callable[[Replica, PlanState], None] | None = None
     after_average: list[Callable[[], None]] = field(default_factory=list)  # run.after_average
+    copies: DeviceCopies | None = None  # CUDA: batches copied one ahead on a side stream
     # auto's choice was made (fdl.engine.loop rebuilds the step and the averaging for it)
     on_policy: Callable[[Replica, PolicyChoice], None] | None = None
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -287,7 +289,7 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     order = replica.order(plan.epoch) if replica.stream is None else None
     steps = [_samples(replica, order, low, min(low + step_size, mine.stop))
              for low in range(mine.start, mine.stop, step_size)]
-    fetch = _slice_fetch(replica, steps)
+    fetch = _ahead(replica, _slice_fetch(replica, steps), steps)
     warm_first = plan.calibration and state.samples_seen == 0
     sliced = plan.pool_start - state.position  # the slices' positions: a pool's come after
     signal = ElasticSignal.open(plan, rank=replica.rank)
@@ -346,11 +348,12 @@ def _pool_steps(replica: Replica, plan: RoundPlan, state: PlanState,
             high = min(low + step_size, plan.pool_stop)
             steps.append((low, high, _samples(replica, order, low, high)))
         # the calibration pool's single steps are made here; a drained pool's, by the workers
-        fetch = _slice_fetch(replica, [s for _, _, s in steps]) if workers and plan.drains \
-            else None
+        fetch = _ahead(replica, _slice_fetch(replica, [s for _, _, s in steps]),
+                       [s for _, _, s in steps]) if workers and plan.drains else None
         for low, high, samples in steps:
             yield from _timed_step(replica, plan, state, tally,
-                                   fetch or _one_fetch(replica, samples), samples,
+                                   fetch or _ahead(replica, _one_fetch(replica, samples),
+                                                   [samples]), samples,
                                    progress=state.samples_seen + low - state.position,
                                    warm=False)
             tally.pool_samples += high - low
@@ -378,6 +381,16 @@ def _slice_fetch(replica: Replica, steps: list[list[torch.Tensor] | int]) -> Cal
     batches = replica.dataset.batches([chunk for step in steps if not isinstance(step, int)
                                        for chunk in step])
     return lambda: next(batches)
+
+
+def _ahead(replica: Replica, fetch: Callable[[], Any],
+           steps: list[list[torch.Tensor] | int]) -> Callable[[], Any]:
+    """On CUDA, ``fetch`` with each batch's copy to the device issued one batch ahead on a
+    side stream (fdl.engine.h2d), for the batches ``steps`` hold; a stream's batches (no
+    positions to stop at) and CPU batches as they come."""
+    if replica.copies is None or replica.stream is not None:
+        return fetch
+    return replica.copies.ahead(fetch, sum(len(s) for s in steps if not isinstance(s, int)))
 
 
 def _one_fetch(replica: Replica, samples: list[torch.Tensor] | int) -> Callable[[], Any]:

@@ -248,3 +248,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_copies_ahead_on_a_side_stream_keep_the_batches_and_never_synchronize():
+    """fdl.engine.h2d on the real streams: pinned host batches copied one ahead on the side
+    stream arrive intact and in order for a step on the compute stream, with no host
+    synchronization anywhere on the way (torch's sync debug mode raises on one)."""
+    from fdl.engine.h2d import DeviceCopies
+
+    device = torch.device("cuda", 0)
+    host = [torch.randn(256, 1024).pin_memory() for _ in range(6)]
+    weights = torch.randn(1024, 1024, device=device)
+    source = iter(host)
+    fetch = DeviceCopies(device).ahead(lambda: next(source), len(host))
+    outputs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in host:
+            batch = fetch()
+            outputs.append(batch @ weights)  # the step, on the compute stream
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for batch, out in zip(host, outputs, strict=True):
+        assert torch.allclose(out.cpu(), batch @ weights.cpu(), atol=1e-3, rtol=1e-4)
+
+
+def test_a_cuda_replica_averaged_over_the_host_keeps_its_buffers_pinned_and_off_the_card():
+    """--backend cpu on a tight card: the flat buffer and async's snapshot in page-locked host
+    memory, nothing of fdl's on the device (fdl_memory_bytes' split)."""
+    from torch import nn
+
+    from fdl.engine.averaging import Averager
+
+    model = nn.Linear(64, 64).cuda()
+    averager = Averager(model, rank=0, world_size=1, backend="cpu",
+                        device=torch.device("cuda", 0), num_stats=4, snapshot=True)
+    assert averager.flat.is_pinned() and averager.snapshot is not None
+    assert averager.snapshot.is_pinned()
+    on_device, on_host = averager.memory_bytes()
+    assert on_device == 0 and on_host > 0
