@@ -44,7 +44,8 @@ def main() -> None:
              (f"solo fast + solo slow ({slow}x) at once", 2, slow, "concurrent"),
              ("loop: sync", 2, pair, "sync --loop"), ("loop: cadence", 2, pair, "cadence --loop"),
              ("loop: async", 2, pair, "async --loop"),
-             ("loop: sync, equal workers", 2, None, "sync --loop")]
+             ("loop: sync, equal workers", 2, None, "sync --loop"),
+             ("auto", 2, pair, "auto"), ("auto, equal workers", 2, None, "auto")]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
     for repeat in range(args.repeat):  # round-robin: a slow spell of the host hits every cell
         for name, nproc, slowdown, policy in cells:
@@ -60,7 +61,7 @@ def main() -> None:
             print(f"  {repeat + 1}/{args.repeat} {name:<26} {result['samples_per_s']:8.0f} "
                   "samples/s", file=sys.stderr)
     rows = {name: median_row(results) for name, results in runs.items()}
-    report = render(rows, args)
+    report = render(rows, args, runs)
     print(report)
     (args.out / "bench-elche.md").write_text(report + "\n")
     (args.out / "bench-elche.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -80,7 +81,8 @@ def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
             "per_rank": summary["throughput"]["per_rank_samples_per_s"],
             "accuracy": summary["eval"].get("accuracy"), "wall_s": summary["wall_s"],
             "sync_overhead": summary["sync"]["overhead"], "syncs": summary["sync"]["rounds"],
-            "idle": summary["idle_fraction"], "final_anchor": summary.get("final_anchor")}
+            "idle": summary["idle_fraction"], "final_anchor": summary.get("final_anchor"),
+            "policy": summary.get("policy")}
 
 
 def concurrent_solos(out: Path, slowdown: str, args: argparse.Namespace,
@@ -151,7 +153,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
 
 
-def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
+def render(rows: dict[str, dict], args: argparse.Namespace,
+           runs: dict[str, list[dict]]) -> str:
     ideal = rows["solo fast"]["samples_per_s"] + rows[f"solo slow ({args.slow:g}x)"]["samples_per_s"]
     lines = [
         f"El Che benchmark, {time.strftime('%Y-%m-%d')}, CPU ({os.cpu_count()} cores, one "
@@ -186,6 +189,13 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
                  f"{rows['cadence']['samples_per_s'] / ideal:.1%}, "
                  f"{rows['async']['samples_per_s'] / ideal:.1%}); loop sync / torch DDP on "
                  f"equal workers = {loop_eq / ddp:.3f}")
+    for name, fixed in (("auto", ("sync", "cadence", "async")),
+                        ("auto, equal workers", ("sync, equal workers",))):
+        picks = sorted({str(result["policy"]) for result in runs[name]})
+        best = max(fixed, key=lambda f: rows[f]["samples_per_s"])
+        lines.append(f"{name}: picked {' / '.join(picks)}; {rows[name]['samples_per_s']:.0f} "
+                     f"samples/s, {rows[name]['samples_per_s'] / rows[best]['samples_per_s']:.3f}"
+                     f" of the best fixed policy here ({best})")
     for name in ("cadence", "async"):
         row = rows[name]
         lines.append(f"{name}: {row['samples_per_s'] / ideal:.1%} of ideal; per-rank samples/s "
