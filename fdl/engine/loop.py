@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -668,9 +669,13 @@ def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimiz
     """Under cadence and async ranks run different numbers of steps between averages, so a
     collective inside a step (SyncBatchNorm's statistics, a sharded optimizer's broadcasts)
     waits for a peer that is not there and hangs the run. Refuse what fdl can see, before any
-    step: every rank runs this on the same model and stops alike."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    step: every rank runs this on the same model and stops alike.
 
+    ZeroRedundancyOptimizer is looked up among the modules already imported, never imported
+    here: a script that uses one has imported it, and a run that does not need not pay for
+    ``torch.distributed.optim``'s import."""
+    optim = sys.modules.get("torch.distributed.optim")
+    zero = getattr(optim, "ZeroRedundancyOptimizer", None)
     sync_bn = next((name for name, module in model.named_modules()
                     if isinstance(module, nn.SyncBatchNorm)), None)
     if sync_bn is not None:
@@ -679,7 +684,7 @@ def refuse_collectives_in_steps(model: nn.Module, optimizer: torch.optim.Optimiz
                          "different numbers of steps)",
                          hint="use nn.BatchNorm (fdl averages its statistics with the model) "
                               "or --policy sync")
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if zero is not None and isinstance(optimizer, zero):
         raise UsageError(f"ZeroRedundancyOptimizer's collectives in every step hang under "
                          f"--policy {policy} (ranks run different numbers of steps)",
                          hint="use a plain optimizer (fdl averages the replicas) or "

@@ -34,6 +34,8 @@ def loop_run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = (),
                    timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for record in seen:  # run.finish() destroyed the group: no gloo thread left to teardown
+        assert not [t for t in record["threads_after_finish"] if "gloo" in t], record
     return out, run_dir, seen
 
 

@@ -34,3 +34,19 @@ def evaluate(model, batch):
     logits = model(features)
     return {"accuracy": (logits.argmax(dim=1) == labels).float().mean().item(),
             "loss": F.cross_entropy(logits, labels).item()}
+
+
+def native_threads() -> list[str]:
+    """The names of this process's threads, as the kernel has them (Linux): gloo's show as
+    ``gloo_tcp_loop`` and ``pt_gloo_runloop`` while a process group lives."""
+    import os
+
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as handle:
+                names.append(handle.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(names)

@@ -7,7 +7,7 @@ import os
 import sys
 
 import torch
-from common import build_model, build_optimizer, evaluate, make_data, train_step
+from common import build_model, build_optimizer, evaluate, make_data, native_threads, train_step
 
 import fdl
 
@@ -23,4 +23,5 @@ rank = os.environ.get("RANK", "0")
 torch.save(result.model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump({"metrics": result.metrics, "history": result.history,
-               "summary_policy": result.summary["policy"]}, handle)
+               "summary_policy": result.summary["policy"],
+               "threads_after_finish": native_threads()}, handle)

@@ -21,7 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from common import build_model, evaluate, make_data
+from common import build_model, evaluate, make_data, native_threads
 
 import fdl
 
@@ -95,5 +95,6 @@ rank = os.environ.get("RANK", "0")
 torch.save(result.model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump({**seen, "steps": counter.steps, "metrics": result.metrics,
+               "threads_after_finish": native_threads(),
                "history": result.history, "summary": result.summary,
                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}, handle)
