@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fdl.engine.policies import Policy, policy_named
+from fdl.engine.policies import Policy, PolicyChoice, choose_policy, policy_named
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS, POLICY_CHOICES
 
@@ -777,6 +777,21 @@ def _with_anchor(state: PlanState, anchor: int, reason: str) -> PlanState:
         return state
     history = (*state.anchor_history, (state.round_index, anchor, reason))
     return replace(state, anchor=anchor, anchor_history=history)
+
+
+def auto_choice(state: PlanState, average_ms: float) -> PolicyChoice | None:
+    """``--policy auto``'s pick (fdl.engine.policies.choose_policy) from the state's calibrated
+    speeds and the cost of the average just made (``RoundStats.sync_ms``); None while a speed
+    or the cost is unknown (it then waits for the next boundary). The same on every rank, as
+    the state and the stats are."""
+    speeds = state.ms_per_sample
+    if not math.isfinite(average_ms) or \
+            not all(m is not None and math.isfinite(m) and m > 0 for m in speeds):
+        return None
+    config = state.config
+    return choose_policy(ms_per_sample=[float(m) for m in speeds if m is not None],
+                         average_ms=average_ms, batch_size=config.batch_size,
+                         overhead_target=config.overhead_target, max_anchor=config.max_anchor)
 
 
 def with_policy(state: PlanState, policy: Policy | str, *, reason: str) -> PlanState:

@@ -54,13 +54,14 @@ from fdl.engine.plan import (
     RoundPlan,
     RoundStats,
     advance,
+    auto_choice,
     cut_after_next_round,
     next_round,
     pool_chunk,
     pool_share,
     with_policy,
 )
-from fdl.engine.policies import Policy, PolicyChoice, choose_policy
+from fdl.engine.policies import Policy, PolicyChoice
 from fdl.engine.round_messages import ElasticSignal, SharedPool
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
@@ -205,7 +206,7 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
             replica.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
         if policy.decides and reports and not plan.calibration:
-            advanced = _chosen_policy(replica, advanced, plan, reports)
+            advanced = _chosen_policy(replica, advanced, plan, stats.sync_ms)
         state = _guarded(replica, advanced, plan, reports or [])
         state = _within_time(replica, state, plan, reports)
         last_reports = reports or last_reports
@@ -545,24 +546,16 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
 
 
 def _chosen_policy(replica: Replica, state: PlanState, plan: RoundPlan,
-                   reports: list[RoundReport]) -> PlanState:
+                   average_ms: float) -> PlanState:
     """``auto``: the policy the calibrated speeds and this boundary's average pick
-    (fdl.engine.policies.choose_policy; the same figures on every rank, so the same choice),
-    from the next round on: the replica's config and the plan's state change, the run's hook
-    (fdl.engine.loop) rebuilds what the policy needs (DDP or the gradient all-reduce for sync,
-    async's snapshot) and the timeline logs it. Unusable figures leave the choice for the next
-    boundary."""
-    average_ms = round_stats(reports).sync_ms
-    speeds = state.ms_per_sample
-    if not state.calibrated or not math.isfinite(average_ms) or \
-            not all(m is not None and math.isfinite(m) and m > 0 for m in speeds):
+    (fdl.engine.plan.auto_choice, alike on every rank), from the next round on: the replica's
+    config and the plan's state change, the run's hook (fdl.engine.loop) rebuilds what the
+    policy needs (DDP or the gradient all-reduce for sync, async's snapshot) and the timeline
+    logs it. Unusable figures leave the choice for the next boundary."""
+    choice = auto_choice(state, average_ms)
+    if choice is None:
         return state
-    config = replica.config
-    choice = choose_policy(ms_per_sample=[float(m) for m in speeds if m is not None],
-                           average_ms=average_ms, batch_size=replica.step_size,
-                           overhead_target=config.overhead_target,
-                           max_anchor=state.config.max_anchor)
-    replica.config = replace(config, policy=choice.policy)
+    replica.config = replace(replica.config, policy=choice.policy)
     if replica.on_policy is not None:
         replica.on_policy(replica, choice)
     replica.timeline.event("policy", round=plan.round_index, **choice.to_dict())

@@ -35,6 +35,7 @@ from fdl.engine.plan import (
     RoundPlan,
     RoundStats,
     advance,
+    auto_choice,
     initial_state,
     next_round,
     pool_chunk,
@@ -42,11 +43,10 @@ from fdl.engine.plan import (
     pool_take,
     with_policy,
 )
-from fdl.engine.policies import Policy, choose_policy
+from fdl.engine.policies import DDP_EXPOSED, Policy
 from fdl.engine.state import RankState, RoundReport, round_stats
 
 FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
-DDP_EXPOSED = 0.3  # of sync's gradient all-reduce not hidden behind the backward pass
 
 
 @dataclass(frozen=True)
@@ -162,13 +162,10 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
         state = advance(state, plan, stats,
                         elastic_used=None if plan.elastic is None else used[plan.elastic],
                         pool_used=pool_used)
-        if chosen.decides and rows is not None and not plan.calibration and \
-                math.isfinite(stats.sync_ms) and state.calibrated:
-            chosen = choose_policy(ms_per_sample=[float(m) for m in state.ms_per_sample
-                                                  if m is not None],
-                                   average_ms=stats.sync_ms, batch_size=config.batch_size,
-                                   overhead_target=config.overhead_target,
-                                   max_anchor=config.max_anchor).policy
+        picked = auto_choice(state, stats.sync_ms) \
+            if chosen.decides and rows is not None and not plan.calibration else None
+        if picked is not None:  # the engine's rule and switch (fdl.engine.rounds)
+            chosen = picked.policy
             state = with_policy(state, chosen, reason=f"policy auto: {chosen.name}")
             rule = chosen
             if not chosen.local_steps:  # lock-step from here, as the engine's DDP steps

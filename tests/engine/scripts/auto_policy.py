@@ -18,18 +18,18 @@ import torch.nn.functional as F
 from common import build_model, build_optimizer, evaluate, make_data, train_step
 
 import fdl
-import fdl.engine.rounds as rounds
+import fdl.engine.plan as plan
 from fdl.engine.policies import policy_named
 
 out = sys.argv[1]
 if "--force" in sys.argv:
-    chosen, rule = policy_named(sys.argv[sys.argv.index("--force") + 1]), rounds.choose_policy
+    chosen, rule = policy_named(sys.argv[sys.argv.index("--force") + 1]), plan.choose_policy
 
     def forced(**figures):
         return dataclasses.replace(rule(**figures), policy=chosen,
                                    reason=f"forced to {chosen.name} by the test")
 
-    rounds.choose_policy = forced
+    plan.choose_policy = forced  # what plan.auto_choice calls
 samples = int(sys.argv[sys.argv.index("--samples") + 1]) if "--samples" in sys.argv else 1024
 data, eval_data = make_data(samples, seed=1), make_data(256, seed=2)
 if "--loop" in sys.argv:
