@@ -249,22 +249,29 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor of a (nested) batch to ``device``; other values are left alone. A
     mapping with a ``.to`` (HuggingFace's BatchEncoding) moves itself; a dataclass is copied
     with its fields moved."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=device.type == "cuda"),
+                       move=device)
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any], *,
+                move: torch.device | None = None) -> Any:
+    """``fn`` of every tensor of a (nested) batch, through dicts and other mappings, lists,
+    tuples (a named tuple stays one) and dataclasses (copied); other values as they are.
+    With ``move``, a mapping that has a ``.to`` (a BatchEncoding) is moved by its own."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=device.type == "cuda")
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        return fn(batch)
     if isinstance(batch, Mapping):
-        if callable(getattr(batch, "to", None)):
-            return batch.to(device)
-        return {key: to_device(value, device) for key, value in batch.items()}
+        if move is not None and not isinstance(batch, dict) and callable(getattr(batch, "to", None)):
+            return batch.to(move)
+        return {key: map_tensors(value, fn, move=move) for key, value in batch.items()}
     if isinstance(batch, list):
-        return [to_device(value, device) for value in batch]
+        return [map_tensors(value, fn, move=move) for value in batch]
     if isinstance(batch, tuple):
-        moved = [to_device(value, device) for value in batch]
+        moved = [map_tensors(value, fn, move=move) for value in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{
-            f.name: to_device(getattr(batch, f.name), device)
+            f.name: map_tensors(getattr(batch, f.name), fn, move=move)
             for f in dataclasses.fields(batch) if f.init})
     return batch
 

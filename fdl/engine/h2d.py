@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from fdl.engine.data import to_device
+from fdl.engine.data import map_tensors, to_device
 
 
 class CudaStreams:
@@ -98,24 +98,9 @@ class DeviceCopies:
             moved, event = pending.popleft()
             current = self.streams.current()
             self.streams.wait(current, event)
-            for tensor in _tensors(moved):
-                self.streams.used_by(tensor, current)
+            map_tensors(moved, lambda tensor: self.streams.used_by(tensor, current))
             issue()  # the next copy runs while this batch computes
             return moved
 
         return next_batch
 
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor of a (nested) batch, as fdl.engine.data.to_device walks it."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict) or hasattr(batch, "items"):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
-    elif hasattr(batch, "__dataclass_fields__") and not isinstance(batch, type):
-        for name in batch.__dataclass_fields__:
-            yield from _tensors(getattr(batch, name))
