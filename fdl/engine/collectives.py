@@ -129,9 +129,10 @@ def _bind_world_before_it_exists() -> None:
     imported it: the group then stayed referenced past ``destroy_process_group``, its gloo
     threads lived on to the interpreter's teardown, and a worker that had finished training
     aborted there now and then ("terminate called without an active exception", SIGABRT:
-    ~1 run in 40 on this project's tests). Imported first, it binds None. The import costs
-    nothing a training run does not pay anyway (torch._dynamo imports it at the first
-    optimizer); a torch without it is left alone."""
+    ~1 run in 40 on this project's tests). Imported first, it binds None; a torch without it
+    is left alone. Measured cost, not yet understood: sync on 2 equal CPU workers trains ~6%
+    slower with the early import (bench MLP, 2026-11-26 18:28: 5993-6067 samples/s against
+    6339-6476 without it, interleaved); cadence and async are not slowed (bench-elche)."""
     with contextlib.suppress(ImportError):
         import torch.distributed.fsdp  # noqa: F401
 
