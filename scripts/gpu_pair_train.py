@@ -5,7 +5,8 @@ something to learn), trained by fdl.Trainer with the settings fdl run gives it.
     fdl run --nproc-per-node 1 scripts/gpu_pair_train.py --samples 20000
     fdl run --nproc-per-node 1 scripts/gpu_pair_train.py --augment --workers 2   # the loader
     fdl run --nproc-per-node 1 --micro-batch auto scripts/gpu_pair_train.py --batch-size 4096 \
-        --memory-gib 2                                                  # micro-batch auto-fit
+        --memory-gib 0.5                                                # micro-batch auto-fit
+    python scripts/gpu_pair_train.py --augment --workers 2 --loader-rate    # the loader alone
 
 The data is made from a fixed seed on every node alike (the same length and order everywhere, as
 El Che needs). Nothing is downloaded.
@@ -14,6 +15,8 @@ El Che needs). Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from torch.utils.data import TensorDataset
 import fdl
 
 CLASSES = 10
+EPOCHS = 3
 
 
 def make_data(num_samples: int, *, seed: int) -> TensorDataset:
@@ -73,6 +77,24 @@ def evaluate(model: nn.Module, batch) -> dict[str, float]:
     return {"accuracy": (model(images).argmax(dim=1) == labels).float().mean().item()}
 
 
+def loader_rate(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
+                epochs: int) -> float:
+    """Samples per second that a plain DataLoader alone delivers of ``data`` (shuffled, pinned
+    when CUDA is there, workers kept across epochs), timed from its first batch: what the
+    loader can feed a step at most, whatever fdl does around it."""
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=batch_size, shuffle=True, num_workers=workers,
+        pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+    began, samples = None, 0
+    for _ in range(epochs):
+        for images, _labels in loader:
+            if began is None:
+                began = time.perf_counter()
+            else:
+                samples += len(images)
+    return samples / (time.perf_counter() - began)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=20_000)
@@ -82,15 +104,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="cap this process's CUDA memory (the micro-batch auto-fit check)")
+    parser.add_argument("--loader-rate", action="store_true",
+                        help="no training: print the rate a plain DataLoader alone delivers")
     args = parser.parse_args()
     if args.memory_gib is not None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
     data = Augmented(args.samples, seed=1) if args.augment else make_data(args.samples, seed=1)
+    if args.loader_rate:
+        rate = loader_rate(data, batch_size=args.batch_size, workers=args.workers or 0,
+                           epochs=EPOCHS)
+        print(json.dumps({"loader_samples_per_s": rate}))
+        return
     fdl.Trainer(model=build_model, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
                 train_step=train_step, train_data=data,
                 eval_data=make_data(1024, seed=2), evaluate=evaluate,
-                batch_size=args.batch_size, epochs=3, num_workers=args.workers).fit()
+                batch_size=args.batch_size, epochs=EPOCHS, num_workers=args.workers).fit()
 
 
 if __name__ == "__main__":

@@ -198,28 +198,36 @@ def overlap(tmp_path: Path, backend: str) -> list[dict]:
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-def check_overlap(result: dict) -> None:
+def check_overlap(result: dict, *, shared_gpu: bool) -> None:
     """Round k's reduce, launched at the boundary through the engine's Averager, ends after
-    round k+1 began and before its compute ends, and round k+1's first step takes what a first
-    step takes alone."""
+    round k+1 began and before its compute ends, and round k+1's first step does not carry it.
+
+    On a GPU of its own the first step takes what a first step takes alone. Two ranks sharing
+    one GPU (the cpu backend's test) time-slice it between two processes, so a step of one can
+    wait for the other's work: on an H100 the first step took 2.1 ms against 0.35 ms alone,
+    beside a 93 ms reduce. There the bound is a quarter of the reduce (at least 2.5 steps, by
+    the calibration's MIN_RATIO): a first step that waited for the reduce takes all of it."""
     shown = json.dumps(result)  # whole, where pytest would cut a dict short
     assert result["calibrated"], f"no model averaged slowly enough to tell: {shown}"
     assert result["compute_start_to_reduce_end_ms"] > 0, shown
     assert result["reduce_end_to_compute_end_ms"] > 0, shown
-    assert result["first_ms"] <= 3 * result["solo_first_ms"] + 0.5, shown
+    if shared_gpu:
+        assert result["first_ms"] <= result["reduce_ms"] / 4, shown
+    else:
+        assert result["first_ms"] <= 3 * result["solo_first_ms"] + 0.5, shown
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_async_nccl_reduce_overlaps_the_next_rounds_compute(tmp_path):
     for result in overlap(tmp_path, "nccl"):
-        check_overlap(result)
+        check_overlap(result, shared_gpu=False)
 
 
 def test_async_host_average_overlaps_the_next_rounds_compute_on_the_gpu(tmp_path):
     """The cpu backend (a GPU box averaging through the host, as beside a CPU worker): two
     ranks on one GPU, the gloo reduce in the background while the GPU computes."""
     for result in overlap(tmp_path, "cpu"):
-        check_overlap(result)
+        check_overlap(result, shared_gpu=True)
 
 
 def test_a_cuda_worker_and_a_cpu_worker_agree_on_the_cpu_backend(tmp_path):

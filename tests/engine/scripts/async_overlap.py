@@ -147,6 +147,8 @@ def overlapped(matrix: torch.Tensor, averager: Averager, backend: str, steps: in
     compute_end.synchronize()
     ended.synchronize()
     return {"first_ms": timer.step_times_s[0] * 1000, "steps": steps,
+            "next_steps_ms": [t * 1000 for t in timer.step_times_s[1:6]],
+            "round_median_ms": statistics.median(timer.step_times_s) * 1000,
             "round_ms": timer.busy_s * 1000,
             "reduce_overlapped_ms": boundary.elapsed_time(ended),
             "reduce_end_to_compute_end_ms": ended.elapsed_time(compute_end),
