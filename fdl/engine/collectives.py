@@ -130,9 +130,9 @@ def _bind_world_before_it_exists() -> None:
     threads lived on to the interpreter's teardown, and a worker that had finished training
     aborted there now and then ("terminate called without an active exception", SIGABRT:
     ~1 run in 40 on this project's tests). Imported first, it binds None; a torch without it
-    is left alone. Measured cost, not yet understood: sync on 2 equal CPU workers trains ~6%
-    slower with the early import (bench MLP, 2026-11-26 18:28: 5993-6067 samples/s against
-    6339-6476 without it, interleaved); cadence and async are not slowed (bench-elche)."""
+    is left alone. It costs nothing measurable: fdl sync on 2 equal CPU workers, 8 interleaved
+    pairs with and without it (bench MLP, 2026-11-26 19:3x UTC), medians 6347 and 6205
+    samples/s (spread 5363-6594); a first, 2-pair reading of ~6% slower was this host's noise."""
     with contextlib.suppress(ImportError):
         import torch.distributed.fsdp  # noqa: F401
 
