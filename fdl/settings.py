@@ -436,6 +436,8 @@ LAUNCH_OPTIONS: tuple[LaunchOption, ...] = (
                  TORCHRUN_PANEL),
     LaunchOption("master_addr", "text", "Static rendezvous address.", TORCHRUN_PANEL),
     LaunchOption("master_port", "int", "Static rendezvous port.", TORCHRUN_PANEL),
+    LaunchOption("local_addr", "text", "This node's address for the other nodes (default: the "
+                 "one that routes to the rendezvous).", TORCHRUN_PANEL),
     LaunchOption("module", "bool", "SCRIPT is a module name.", TORCHRUN_PANEL, short="-m",
                  after_script=False),
     LaunchOption("devices", "text", "GPU indices to use, e.g. 0,1."),

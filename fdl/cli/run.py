@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from fdl.settings import LAUNCH_OPTIONS, SETTINGS
+from fdl.settings import LAUNCH_OPTIONS, SETTINGS, TORCHRUN_PANEL
 
 if TYPE_CHECKING:
     from fdl.launch.elastic import LaunchResult
@@ -44,7 +44,8 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
                          hint="fdl run --dry-run --json SCRIPT prints the launch spec as JSON")
     given = {key: value for key, value in flags.items() if not _unset(value)}
     live = not quiet and _live_terminal()
-    spec = plan_run(RunRequest(script, script_args, given), live=live, launcher_pid=os.getpid())
+    spec = plan_run(RunRequest(script, script_args, given), live=live, launcher_pid=os.getpid(),
+                    preview=dry_run)
     if dry_run:
         _print_spec(spec, as_json=json_output)
         return
@@ -78,11 +79,13 @@ def _parameters() -> list[inspect.Parameter]:
     ]
     for spec in SETTINGS:
         if spec.flag:
-            option = typer.Option(spec.flag_name, help=spec.help, rich_help_panel=spec.panel)
+            option = typer.Option(*_spellings(spec.flag_name, spec.panel), help=spec.help,
+                                  rich_help_panel=spec.panel)
             params.append(inspect.Parameter(spec.name, keyword, default=None,
                                             annotation=Annotated[Optional[str], option]))  # noqa: UP045
     for launch_option in LAUNCH_OPTIONS:
-        names = [launch_option.flag_name, *([launch_option.short] if launch_option.short else [])]
+        names = [*_spellings(launch_option.flag_name, launch_option.panel),
+                 *([launch_option.short] if launch_option.short else [])]
         option = typer.Option(*names, help=launch_option.help, metavar=launch_option.metavar,
                               rich_help_panel=launch_option.panel)
         kind = {"bool": bool, "int": Optional[int], "text": Optional[str]}[launch_option.kind]  # noqa: UP045
@@ -90,6 +93,13 @@ def _parameters() -> list[inspect.Parameter]:
                                         default=False if kind is bool else None,
                                         annotation=Annotated[kind, option]))
     return params
+
+
+def _spellings(flag: str, panel: str | None) -> list[str]:
+    """``flag``, and for torchrun's own flags torchrun's underscore spelling too
+    (``--nproc_per_node``): a torchrun command line works with ``fdl run`` in its place."""
+    underscored = "--" + flag[2:].replace("-", "_")
+    return [flag, underscored] if panel == TORCHRUN_PANEL and underscored != flag else [flag]
 
 
 run.__signature__ = inspect.Signature(_parameters())  # type: ignore[attr-defined]
@@ -221,6 +231,21 @@ def _interrupted_line(result: LaunchResult, spec: LaunchSpec) -> str:
     return f"{stopped} {point.where()}, all workers stopped; {then}"
 
 
+def _network_line(network: dict[str, Any]) -> str:
+    """fdl.launch.network's choice, in one line."""
+    if "problem" in network:
+        return f"not decided here: {network['problem']} (fdl run refuses this)"
+    hosts = network["hosts_rendezvous"]
+    role = ("hosts the rendezvous" if hosts else
+            f"joins the rendezvous at {network['endpoint_address']}" if hosts is not None else
+            "meets on loopback (the first launcher hosts)")
+    where = f"on {network['interface']}" if network["interface"] else "on no interface of its own"
+    exported = ", ".join(network["env"]) or "nothing"
+    kept = f"; yours kept: {', '.join(network['user_set'])}" if network["user_set"] else ""
+    return (f"{network['family']}; this node {role}, as {network['local_addr']} {where} "
+            f"(exported: {exported}{kept})")
+
+
 def _print_spec(spec: LaunchSpec, *, as_json: bool) -> None:
     from fdl import console
 
@@ -236,6 +261,7 @@ def _print_spec(spec: LaunchSpec, *, as_json: bool) -> None:
         ("devices", document["devices"]["reason"]),
         ("rendezvous", f"{rdzv['backend']} at {rdzv['endpoint']} (run id {rdzv['run_id']}, "
                        f"{rdzv['source']})"),
+        *([("network", _network_line(document["network"]))] if document["network"] else []),
         ("max restarts", document["max_restarts"]),
         ("run directory", document["run_dir"]),
     ])

@@ -25,17 +25,22 @@ if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep
 
 def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
              cwd: Path | None = None, live: bool = False,
-             launcher_pid: int | None = None) -> LaunchSpec:
+             launcher_pid: int | None = None, preview: bool = False) -> LaunchSpec:
     """Everything ``fdl run`` decides before starting a process. ``live``: the launcher will
     show live progress; ``launcher_pid``: the process that will start the workers (None for a
     plan that is only checked, as ``fdl compare`` checks its cells). Both go into the worker
-    environment (:mod:`fdl.launch.worker_env`)."""
+    environment (:mod:`fdl.launch.worker_env`). ``preview`` (``--dry-run``): a node network
+    that cannot be decided here (an endpoint this machine cannot resolve: a Slurm node list
+    read off the cluster) is shown as the problem the real run would refuse, not raised."""
     import os
     import uuid
+    from dataclasses import replace
     from datetime import datetime, timezone
     from pathlib import Path
 
+    from fdl.errors import UsageError
     from fdl.launch.config_file import load_config_file
+    from fdl.launch.network import node_network
     from fdl.launch.spec import build_launch_spec
     from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey, probe_gpus
@@ -52,12 +57,21 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
                                     file_path=file_path)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
-    return build_launch_spec(
+    spec = build_launch_spec(
         request, settings=settings, survey=survey, env=env, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
         logical_cores=os.cpu_count() or 1,  # psutil's count without its 10 ms import
         taken=Path.exists, live=live, launcher_pid=launcher_pid,
     )
+    try:
+        network = node_network(spec.rendezvous, env)  # several nodes: from this node's routes
+    except UsageError as exc:
+        if not preview:
+            raise
+        return replace(spec, network_problem=exc.message)
+    if network is None:
+        return spec
+    return replace(spec, network=network, env={**spec.env, **network.env})
 
 
 def _check_script(request: RunRequest, *, cwd: Path) -> None:

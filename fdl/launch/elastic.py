@@ -227,6 +227,11 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: 
     configs: dict[str, Any] = {"timeout": 900}
     if rdzv.node_rank is not None:
         configs["rank"] = rdzv.node_rank
+    network = spec.network
+    if network is not None and rdzv.backend == "c10d" and network.hosts_rendezvous is not None:
+        # torch's documented c10d setting; its own guess compares host names, and a host name
+        # that resolves to loopback made no node the host (fdl.launch.network)
+        configs["is_host"] = network.hosts_rendezvous
     optional = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S}
     return LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=spec.nproc_per_node,
@@ -234,7 +239,8 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: 
         role="default", rdzv_endpoint=endpoint, rdzv_backend=backend,
         rdzv_configs=configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
         start_method="spawn", log_line_prefix_template="[rank ${rank}] ",
-        local_addr=rdzv.local_addr, **supported_fields(LaunchConfig, optional),
+        local_addr=network.local_addr if network is not None else rdzv.local_addr,
+        **supported_fields(LaunchConfig, optional),
     )
 
 

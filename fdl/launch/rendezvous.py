@@ -7,7 +7,11 @@ starts (:func:`plan_rendezvous`), with torchrun's rules as its users expect them
   that address only);
 * several nodes: the same command on each node with ``--nnodes N`` (or ``MIN:MAX``) and
   ``--rdzv-endpoint HOST:PORT`` (c10d by default; ``--rdzv-backend static`` needs
-  ``--node-rank``);
+  ``--node-rank``), under the run id ``--rdzv-id`` or, when none is given, :data:`DEFAULT_RUN_ID`
+  on every node alike (as torchrun's ``none``: an id drawn per node would put each node in a
+  rendezvous of its own); ``--master-addr`` (and ``--master-port``) with ``--node-rank`` and no
+  endpoint is torchrun's static rendezvous; ``--local-addr`` is the address this node gives
+  the others (default: fdl.launch.network decides it from the routes);
 * inside a Slurm allocation the node count, node rank, endpoint and run id come from SLURM_*.
 
 Endpoints are ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) as torch reads them; a malformed one,
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from fdl.launch.request import RunRequest
 
 LOOKUP_TIMEOUT_S = 15
+DEFAULT_RUN_ID = "fdl"  # several nodes without --rdzv-id: the same on every node
 
 
 @dataclass(frozen=True)
@@ -62,16 +67,27 @@ def plan_rendezvous(request: RunRequest, *, env: Mapping[str, str], run_id: str)
     slurm = None if request.get("standalone") else slurm_job(env)
     nnodes = request.get("nnodes") or (str(slurm.nnodes) if slurm else "1")
     min_nodes, max_nodes = _parse_nnodes(nnodes)
-    backend = request.get("rdzv_backend") or "c10d"
+    static_flags = request.get("master_addr") is not None and \
+        request.get("rdzv_endpoint") is None and slurm is None and max_nodes > 1
+    backend = request.get("rdzv_backend") or ("static" if static_flags else "c10d")
     if backend not in ("c10d", "static"):
         raise UsageError(f"unknown --rdzv-backend {backend!r}", hint="use c10d or static")
     master_port = request.get("master_port")
     if master_port is not None and not 0 < master_port < 2**16:
         raise UsageError(f"--master-port must be a port number 1-65535, got {master_port}",
                          hint="or leave it out for a local rendezvous on a free port")
-    run_id = request.get("rdzv_id") or (slurm.job_id if slurm else run_id)
     if max_nodes == 1 and not request.get("rdzv_endpoint"):
+        if request.get("local_addr") is not None:
+            raise UsageError("--local-addr is for several nodes (--nnodes N with N > 1)",
+                             hint="one node's rendezvous and workers stay on loopback")
+        run_id = request.get("rdzv_id") or (slurm.job_id if slurm else run_id)
         return _single_node(request, backend=backend, run_id=run_id)
+    run_id = request.get("rdzv_id") or (slurm.job_id if slurm else DEFAULT_RUN_ID)
+    local_addr = request.get("local_addr")
+    if local_addr is not None and not (_ip(local_addr) or _HOSTNAME.fullmatch(local_addr)):
+        raise UsageError(f"--local-addr must be an address or host name, got {local_addr!r}",
+                         hint="e.g. --local-addr 192.168.1.20 (this node's address toward the "
+                              "others)")
     endpoint = _endpoint(request, slurm=slurm, backend=backend)
     node_rank = request.get("node_rank")
     node_rank = node_rank if node_rank is not None else (
@@ -81,7 +97,7 @@ def plan_rendezvous(request: RunRequest, *, env: Mapping[str, str], run_id: str)
     elif node_rank is not None and not 0 <= node_rank < max_nodes:
         raise _node_rank_error(node_rank, max_nodes)
     return Rendezvous(backend, endpoint, run_id, min_nodes, max_nodes,
-                      node_rank if backend == "static" else None, None,
+                      node_rank if backend == "static" else None, local_addr,
                       "slurm" if slurm and not request.get("rdzv_endpoint") else "flags")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
+from fdl.launch.network import NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
 from fdl.launch.worker_env import build_worker_env
@@ -37,6 +38,8 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
     quiet_ranks: bool = False
     run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.rundir.layout.check_run_dir)
+    network: NodeNetwork | None = None  # several nodes: how this one reaches the others
+    network_problem: str | None = None  # --dry-run: why the network could not be decided
 
     @property
     def nproc_per_node(self) -> int:
@@ -59,6 +62,8 @@ class LaunchSpec:
                         "threads_per_worker": self.devices.threads_per_worker},
             "workers": [{"local_rank": r, "rank": r if single else None,
                          "device": self.devices.describe(r)} for r in range(self.nproc_per_node)],
+            "network": self.network.to_dict() if self.network is not None else (
+                {"problem": self.network_problem} if self.network_problem else None),
             "env": dict(sorted(self.env.items())),
             "settings": {k: {"value": s.value, "source": s.source}
                          for k, s in self.settings.items()},

@@ -320,3 +320,62 @@ def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
     assert first == project / "runs" / "20300102T030405Z-train-cadence"
     first.mkdir(parents=True)
     assert planned() == project / "runs" / "20300102T030405Z-train-cadence-2"
+
+
+def test_nodes_without_a_run_id_all_meet_under_one(project):
+    """docs/run.md's multi-node command gives no --rdzv-id: every node must derive the same one
+    (each drew its own before, so each waited in a rendezvous of its own)."""
+    args = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"]
+    ids = {dry_run(project, *args)["rendezvous"]["run_id"] for _ in range(2)}
+    assert ids == {"fdl"}
+    assert dry_run(project, *args, "--rdzv-id", "job7")["rendezvous"]["run_id"] == "job7"
+
+
+def test_the_dry_run_shows_how_a_node_reaches_the_others(project):
+    spec = dry_run(project, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400")
+    network = spec["network"]
+    assert network["family"] == "ipv4" and network["local_addr"] == "127.0.0.1"
+    assert network["interface"] == "lo"
+    assert spec["env"]["GLOO_SOCKET_IFNAME"] == spec["env"]["NCCL_SOCKET_IFNAME"] == "lo"
+    assert network["hosts_rendezvous"] is None  # loopback: left to torch (several launchers)
+    assert dry_run(project)["network"] is None  # one node: nothing to decide
+
+
+def test_a_users_socket_interface_is_kept(project):
+    spec = dry_run(project, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400",
+                   env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert spec["network"]["user_set"] == ["GLOO_SOCKET_IFNAME"]
+    assert "GLOO_SOCKET_IFNAME" not in spec["env"]  # the user's own reaches the workers as is
+    assert spec["env"]["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_master_addr_with_a_node_rank_is_torchruns_static_rendezvous(project):
+    spec = dry_run(project, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+                   "29500", "--node-rank", "1")
+    assert spec["rendezvous"]["backend"] == "static"
+    assert spec["rendezvous"]["node_rank"] == 1
+    proc = fdl_run(project, "--nnodes", "2", "--master-addr", "127.0.0.1", "train.py")
+    assert_usage_error(proc, "--node-rank")
+
+
+def test_torchruns_underscore_spellings_are_accepted(project):
+    spec = dry_run(project, "--nproc_per_node", "1", "--max_restarts", "1", "--nnodes", "2",
+                   "--rdzv_endpoint", "127.0.0.1:29400", "--rdzv_id", "j")
+    assert spec["nproc_per_node"] == 1 and spec["max_restarts"] == 1
+    assert spec["rendezvous"]["run_id"] == "j"
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--local-addr", "127.0.0.1"], ["--local-addr is for several nodes"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "203.0.113.9"],
+     ["--local-addr 203.0.113.9 is not an address of this node"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "::1"],
+     ["--local-addr ::1 is ipv6 but the rendezvous 127.0.0.1:29400 is ipv4"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "a b"],
+     ["--local-addr must be an address or host name"]),
+])
+def test_bad_local_addr(project, args, needles):
+    """Refused before anything starts, with --dry-run too where the flag itself is wrong."""
+    proc = fdl_run(project, *args, "train.py")
+    assert_usage_error(proc, *needles)
+    assert not (project / "runs").exists()

@@ -1,0 +1,159 @@
+"""How this node reaches the others in a multi-node ``fdl run``, decided before anything starts.
+
+Left to themselves, torch's rendezvous and gloo guess from the host's name, and on many hosts
+(this project's own VMs, most laptops with an /etc/hosts entry) that name resolves to
+127.0.0.1: the node that owns the rendezvous address does not see it as its own, so no node
+hosts the rendezvous store and every node waits as a client until a timeout; and a worker
+advertises loopback to its peers. So, for several nodes, fdl decides from the routes instead:
+
+* **the endpoint's address**: resolved once (:func:`fdl.launch.rendezvous.lookup_host`); its
+  family (IPv4 or IPv6) is the job's;
+* **whether this node hosts the rendezvous**: the endpoint's address is one of this node's own
+  (a socket can be bound to it; nothing is sent) and its port is free (taken: another launcher
+  of this machine hosts it already). torch's c10d rendezvous takes that as its documented
+  ``is_host`` setting. A loopback endpoint (several launchers on one machine, as tests and
+  ``scripts/test-gpu`` run them) is left to torch, which recognises loopback as its own and,
+  when the port is taken, joins as a client;
+* **this node's address**: ``--local-addr`` when given, else the endpoint's address when this
+  node hosts, else the source address the kernel would use to reach the endpoint (a UDP socket
+  connected to it, which sends nothing). The rendezvous publishes it to the other nodes
+  (torch's ``local_addr``), so rank 0's node is reached there and not at its host name;
+* **the interface**: the one that holds that address, exported as ``GLOO_SOCKET_IFNAME`` and
+  ``NCCL_SOCKET_IFNAME`` to every worker unless the user set them (a user's value wins).
+
+One node needs none of this: its rendezvous and workers stay on loopback
+(:mod:`fdl.launch.rendezvous`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fdl.errors import UsageError
+from fdl.launch.rendezvous import lookup_host, parse_endpoint
+
+if TYPE_CHECKING:
+    from fdl.launch.rendezvous import Rendezvous
+
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """What this node uses to reach the others."""
+
+    family: str  # "ipv4" | "ipv6": the endpoint's, the job's
+    endpoint_address: str
+    hosts_rendezvous: bool | None  # None: a loopback endpoint, left to torch
+    local_addr: str
+    interface: str | None  # None: no interface of this node holds local_addr
+    env: dict[str, str] = field(default_factory=dict)  # what fdl exports (not the user's)
+    user_set: tuple[str, ...] = ()  # the interface variables the user had set
+
+    def to_dict(self) -> dict[str, object]:
+        return {"family": self.family, "endpoint_address": self.endpoint_address,
+                "hosts_rendezvous": self.hosts_rendezvous, "local_addr": self.local_addr,
+                "interface": self.interface, "env": dict(self.env),
+                "user_set": list(self.user_set)}
+
+
+def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork | None:
+    """This node's network for ``rdzv`` (None for one node). Usage errors: an endpoint that
+    does not resolve, a ``--local-addr`` that is not this node's."""
+    if rdzv.max_nodes == 1:
+        return None
+    host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
+                                min_port=0)
+    family, sockaddr = lookup_host(host, port)
+    endpoint_address = sockaddr[0]
+    hosts = hosts_rendezvous(family, endpoint_address, port)
+    if rdzv.local_addr is not None:
+        local_family, local_sockaddr = lookup_host(rdzv.local_addr, 0)
+        local = local_sockaddr[0]
+        if local_family != family:
+            raise UsageError(f"--local-addr {rdzv.local_addr} is {_family(local_family)} but "
+                             f"the rendezvous {rdzv.endpoint} is {_family(family)}",
+                             hint="give an address of the endpoint's family: one job, one "
+                                  "address family")
+        if not owns_address(family, local):
+            raise UsageError(f"--local-addr {rdzv.local_addr} is not an address of this node",
+                             hint="give the address of this node's interface toward the others "
+                                  "(ip addr lists them), or leave --local-addr out")
+    else:
+        local = endpoint_address if owns_address(family, endpoint_address) \
+            else route_source(family, endpoint_address, port)
+    interface = interface_of(local)
+    user_set = tuple(name for name in INTERFACE_VARIABLES if env.get(name))
+    exported = {name: interface for name in INTERFACE_VARIABLES
+                if interface is not None and name not in user_set}
+    return NodeNetwork(_family(family), endpoint_address, hosts, local, interface, exported,
+                       user_set)
+
+
+def hosts_rendezvous(family: int, address: str, port: int) -> bool | None:
+    """Whether this node hosts the rendezvous at ``address``:``port`` (None: a loopback
+    address, which torch recognises itself)."""
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        return None
+    return owns_address(family, address) and port_free(family, address, port)
+
+
+def port_free(family: int, address: str, port: int) -> bool:
+    """Whether nothing listens on ``address``:``port`` of this node (binding it tells)."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds
+            sock.bind((address, port))
+    except OSError:
+        return False
+    return True
+
+
+def owns_address(family: int, address: str) -> bool:
+    """Whether ``address`` is one of this node's own: a socket binds to it (sends nothing)."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+    except OSError:
+        return False
+    return True
+
+
+def route_source(family: int, address: str, port: int) -> str:
+    """The address this node would send from to reach ``address`` (a UDP socket connected to
+    it: the kernel picks the route and the source; nothing is sent). A usage error when no
+    route leads there."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, port or 9))
+            return sock.getsockname()[0]
+    except OSError as exc:
+        raise UsageError(f"no route from this node to the rendezvous address {address} "
+                         f"({exc.strerror or exc})",
+                         hint="check that this node is on the same network as the endpoint's "
+                              "node (ip route get ADDRESS)") from exc
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this node's interface that holds ``address`` (None: none does)."""
+    import psutil
+
+    wanted = ipaddress.ip_address(address.split("%")[0])
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if ipaddress.ip_address(entry.address.split("%")[0]) == wanted:
+                    return name
+            except ValueError:
+                continue
+    return None
+
+
+def _family(family: int) -> str:
+    return "ipv6" if family == socket.AF_INET6 else "ipv4"

@@ -1,0 +1,71 @@
+"""Two machines for real: two network namespaces of this host (tests/nodes/netns.py), each with
+its own network stack and an interface name of its own, run the documented multi-node command
+(docs/run.md "Several machines") and train together, as two home machines would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from helpers import clean_env, started
+from netns import Node, need_namespaces, two_nodes
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "mlp_synthetic.py"
+PORT = 29400
+DEADLINE_S = 90  # a guard only: a run that meets takes seconds
+TRAIN = ["--hidden", "32", "--train-samples", "2048", "--epochs", "2", "--batch-size", "64"]
+
+
+def documented_command(node: Node, endpoint: str, run_dir: Path, *extra: str) -> list[str]:
+    """docs/run.md's command, the same on every node but for its own run directory."""
+    return node.command([sys.executable, "-m", "fdl", "run", "--nnodes", "2",
+                         "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, *extra,
+                         "--quiet", "--run-dir", str(run_dir), str(EXAMPLE), *TRAIN])
+
+
+def run_nodes(commands: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
+    """Start every node's command at once and wait for all (any still running at the deadline
+    is stopped, so a hang shows what each node said)."""
+    with ExitStack() as stack:
+        procs = [stack.enter_context(started(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+            env=clean_env({"OMP_NUM_THREADS": "1"}))) for argv in commands]
+        deadline = time.monotonic() + DEADLINE_S
+        outputs = []
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.terminate()
+                out, _ = proc.communicate(timeout=60)
+            outputs.append((proc.returncode, out))
+    return outputs
+
+
+def shown(outputs: list[tuple[int, str]]) -> str:
+    return "\n".join(f"--- node{n} exit {code}:\n{text[-3000:]}"
+                     for n, (code, text) in enumerate(outputs))
+
+
+@pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6-only"])
+def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
+    """No --rdzv-id, interfaces named differently on each node, the host name resolving to
+    loopback: both nodes meet at node 0's address and train one model together."""
+    need_namespaces()
+    with two_nodes(ipv6=ipv6) as (node0, node1):
+        endpoint = f"[{node0.address}]:{PORT}" if ipv6 else f"{node0.address}:{PORT}"
+        dirs = [tmp_path / "node0", tmp_path / "node1"]
+        outputs = run_nodes([documented_command(node, endpoint, run_dir)
+                             for node, run_dir in zip((node0, node1), dirs, strict=True)],
+                            tmp_path)
+    assert [code for code, _ in outputs] == [0, 0], shown(outputs)
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs
+                 if (d / "summary.json").is_file()]
+    assert summaries and summaries[0]["world_size"] == 2, shown(outputs)
