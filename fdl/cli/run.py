@@ -123,6 +123,8 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
                     use=spec.run_dir_use)
     console.info(f"fdl run: {spec.nproc_per_node} worker(s) per node, {spec.devices.reason}; "
                  f"run directory {spec.run_dir}")
+    if spec.network is not None and spec.network.several_nodes:
+        console.info(_waiting_line(spec))
     with live_progress(spec.run_dir, enabled=live):
         result = launch(spec, listener=listener)
     if result.exit_code == 0:
@@ -231,17 +233,33 @@ def _interrupted_line(result: LaunchResult, spec: LaunchSpec) -> str:
     return f"{stopped} {point.where()}, all workers stopped; {then}"
 
 
+def _waiting_line(spec: LaunchSpec) -> str:
+    """What a node of a multi-node run waits for, before torch's rendezvous blocks."""
+    from fdl.launch.elastic import JOIN_TIMEOUT_S
+
+    rdzv, network = spec.rendezvous, spec.network
+    assert network is not None
+    nodes = f"{rdzv.min_nodes}" if rdzv.min_nodes == rdzv.max_nodes else \
+        f"{rdzv.min_nodes} to {rdzv.max_nodes}"
+    role = {True: "this node hosts it", False: "this node joins it",
+            None: "on loopback"}[network.hosts_rendezvous]
+    return (f"fdl run: waiting for {nodes} nodes at {rdzv.endpoint} ({role}, as "
+            f"{network.local_addr}; run id {rdzv.run_id}; up to {JOIN_TIMEOUT_S // 60} min)")
+
+
 def _network_line(network: dict[str, Any]) -> str:
     """fdl.launch.network's choice, in one line."""
     if "problem" in network:
         return f"not decided here: {network['problem']} (fdl run refuses this)"
+    exported = ", ".join(network["env"]) or "nothing"
+    kept = f"; yours kept: {', '.join(network['user_set'])}" if network["user_set"] else ""
+    if not network["several_nodes"]:
+        return f"one node: on loopback ({network['interface']}; exported: {exported}{kept})"
     hosts = network["hosts_rendezvous"]
     role = ("hosts the rendezvous" if hosts else
             f"joins the rendezvous at {network['endpoint_address']}" if hosts is not None else
             "meets on loopback (the first launcher hosts)")
     where = f"on {network['interface']}" if network["interface"] else "on no interface of its own"
-    exported = ", ".join(network["env"]) or "nothing"
-    kept = f"; yours kept: {', '.join(network['user_set'])}" if network["user_set"] else ""
     return (f"{network['family']}; this node {role}, as {network['local_addr']} {where} "
             f"(exported: {exported}{kept})")
 

@@ -31,16 +31,16 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     plan that is only checked, as ``fdl compare`` checks its cells). Both go into the worker
     environment (:mod:`fdl.launch.worker_env`). ``preview`` (``--dry-run``): a node network
     that cannot be decided here (an endpoint this machine cannot resolve: a Slurm node list
-    read off the cluster) is shown as the problem the real run would refuse, not raised."""
+    read off the cluster) is shown as the problem the real run would refuse, not raised; every
+    other problem is refused alike."""
     import os
     import uuid
     from dataclasses import replace
     from datetime import datetime, timezone
     from pathlib import Path
 
-    from fdl.errors import UsageError
     from fdl.launch.config_file import load_config_file
-    from fdl.launch.network import node_network
+    from fdl.launch.network import EndpointNotResolved, node_network
     from fdl.launch.spec import build_launch_spec
     from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey, probe_gpus
@@ -65,12 +65,10 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     )
     try:
         network = node_network(spec.rendezvous, env)  # several nodes: from this node's routes
-    except UsageError as exc:
+    except EndpointNotResolved as exc:
         if not preview:
             raise
         return replace(spec, network_problem=exc.message)
-    if network is None:
-        return spec
     return replace(spec, network=network, env={**spec.env, **network.env})
 
 

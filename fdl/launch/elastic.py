@@ -58,6 +58,7 @@ from fdl.rundir.crash import Crash, read_crash
 
 SHUTDOWN_TIMEOUT_S = 5
 LOG_TAIL_LINES = 20
+JOIN_TIMEOUT_S = 900  # how long a node waits for the others at the rendezvous
 # torch's c10d rendezvous, with the workers' store on the node's address only (one-node runs).
 LOOPBACK_C10D = "fdl-loopback-c10d"
 
@@ -224,7 +225,7 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: 
     from torch.distributed.launcher.api import LaunchConfig
 
     rdzv = spec.rendezvous
-    configs: dict[str, Any] = {"timeout": 900}
+    configs: dict[str, Any] = {"timeout": JOIN_TIMEOUT_S}
     if rdzv.node_rank is not None:
         configs["rank"] = rdzv.node_rank
     network = spec.network
@@ -239,7 +240,8 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: 
         role="default", rdzv_endpoint=endpoint, rdzv_backend=backend,
         rdzv_configs=configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
         start_method="spawn", log_line_prefix_template="[rank ${rank}] ",
-        local_addr=network.local_addr if network is not None else rdzv.local_addr,
+        local_addr=network.local_addr if network is not None and network.several_nodes
+        else rdzv.local_addr,
         **supported_fields(LaunchConfig, optional),
     )
 

@@ -21,8 +21,15 @@ advertises loopback to its peers. So, for several nodes, fdl decides from the ro
 * **the interface**: the one that holds that address, exported as ``GLOO_SOCKET_IFNAME`` and
   ``NCCL_SOCKET_IFNAME`` to every worker unless the user set them (a user's value wins).
 
-One node needs none of this: its rendezvous and workers stay on loopback
-(:mod:`fdl.launch.rendezvous`).
+One node: its rendezvous and stores stay on loopback (:mod:`fdl.launch.rendezvous`), and gloo,
+which would otherwise bind whatever the host's name resolves to (a LAN address on many hosts,
+reachable from the network), is pinned to the loopback interface through
+``GLOO_SOCKET_IFNAME`` unless the user set it (torchrun leaves it to the host's name).
+
+An interface the user names (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``; gloo and NCCL take
+a comma-separated list) must exist on this node, be up and, for several nodes, hold an address
+of the job's family: otherwise gloo fails at the first collective with a C++ error, after
+every node has started.
 """
 
 from __future__ import annotations
@@ -42,34 +49,46 @@ if TYPE_CHECKING:
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
+class EndpointNotResolved(UsageError):
+    """The rendezvous host does not resolve here: ``fdl run`` refuses, ``--dry-run`` shows it
+    (a Slurm node list read off the cluster resolves only on it)."""
+
+
 @dataclass(frozen=True)
 class NodeNetwork:
     """What this node uses to reach the others."""
 
     family: str  # "ipv4" | "ipv6": the endpoint's, the job's
     endpoint_address: str
-    hosts_rendezvous: bool | None  # None: a loopback endpoint, left to torch
+    hosts_rendezvous: bool | None  # None: a loopback endpoint (or one node), left to torch
     local_addr: str
     interface: str | None  # None: no interface of this node holds local_addr
     env: dict[str, str] = field(default_factory=dict)  # what fdl exports (not the user's)
     user_set: tuple[str, ...] = ()  # the interface variables the user had set
+    several_nodes: bool = True
 
     def to_dict(self) -> dict[str, object]:
-        return {"family": self.family, "endpoint_address": self.endpoint_address,
+        return {"several_nodes": self.several_nodes, "family": self.family, "endpoint_address": self.endpoint_address,
                 "hosts_rendezvous": self.hosts_rendezvous, "local_addr": self.local_addr,
                 "interface": self.interface, "env": dict(self.env),
                 "user_set": list(self.user_set)}
 
 
-def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork | None:
-    """This node's network for ``rdzv`` (None for one node). Usage errors: an endpoint that
-    does not resolve, a ``--local-addr`` that is not this node's."""
+def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
+    """This node's network for ``rdzv``. Usage errors: an endpoint that does not resolve, a
+    ``--local-addr`` that is not this node's, an interface the user set that cannot work."""
     if rdzv.max_nodes == 1:
-        return None
+        return _one_node(env)
     host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
                                 min_port=0)
-    family, sockaddr = lookup_host(host, port)
+    try:
+        family, sockaddr = lookup_host(host, port)
+    except UsageError as exc:
+        raise EndpointNotResolved(exc.message, hint=exc.hint) from exc
     endpoint_address = sockaddr[0]
+    user_set = tuple(name for name in INTERFACE_VARIABLES if env.get(name))
+    for name in user_set:
+        check_interfaces(name, env[name], family=family)
     hosts = hosts_rendezvous(family, endpoint_address, port)
     if rdzv.local_addr is not None:
         local_family, local_sockaddr = lookup_host(rdzv.local_addr, 0)
@@ -92,6 +111,48 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork | None
                 if interface is not None and name not in user_set}
     return NodeNetwork(_family(family), endpoint_address, hosts, local, interface, exported,
                        user_set)
+
+
+def _one_node(env: Mapping[str, str]) -> NodeNetwork:
+    """One node: gloo on the loopback interface unless the user named one."""
+    interface = interface_of("127.0.0.1")
+    user_set = tuple(name for name in ("GLOO_SOCKET_IFNAME",) if env.get(name))
+    for name in user_set:
+        check_interfaces(name, env[name], family=None)
+    exported = {"GLOO_SOCKET_IFNAME": interface} if interface and not user_set else {}
+    return NodeNetwork("ipv4", "127.0.0.1", None, "127.0.0.1", interface, exported, user_set,
+                       several_nodes=False)
+
+
+def check_interfaces(variable: str, value: str, *, family: int | None) -> None:
+    """A usage error unless every interface ``value`` names exists here, is up and (with
+    ``family``) holds an address of that family."""
+    import psutil
+
+    addresses, stats = psutil.net_if_addrs(), psutil.net_if_stats()
+    for name in (part.strip() for part in value.split(",")):
+        if name not in addresses:
+            raise UsageError(f"{variable}={value}: this node has no interface {name!r} "
+                             f"(it has {', '.join(sorted(addresses)) or 'none'})",
+                             hint=f"set {variable} to this node's interface toward the others, "
+                                  "or unset it and fdl picks the one that routes there")
+        # administratively down (psutil's isup also wants a carrier, which a link may lack for
+        # a moment after it comes up)
+        if name in stats and "up" not in stats[name].flags.split(","):
+            raise UsageError(f"{variable}={value}: interface {name!r} is down",
+                             hint=f"bring it up, or set {variable} to an interface that is up")
+        if family is not None and not any(_usable(entry, family) for entry in addresses[name]):
+            raise UsageError(f"{variable}={value}: interface {name!r} has no {_family(family)} "
+                             "address, the family of the rendezvous endpoint",
+                             hint="one job, one address family: name an interface with an "
+                                  f"{_family(family)} address, or give an endpoint of its family")
+
+
+def _usable(entry, family: int) -> bool:
+    """An address of ``family`` that reaches beyond the link (IPv6 link-local ones do not)."""
+    if entry.family != family:
+        return False
+    return not ipaddress.ip_address(entry.address.split("%")[0]).is_link_local
 
 
 def hosts_rendezvous(family: int, address: str, port: int) -> bool | None:

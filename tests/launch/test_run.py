@@ -69,9 +69,10 @@ def test_ddp_script_matches_torchrun_bit_for_bit(ddp_run, tmp_path):
     # Worker environment: exactly torchrun's variables, plus what the planned spec adds
     # (recorded in config.json, shown by --dry-run), with the spec's values.
     added = json.loads((ddp_run.run_dir / "config.json").read_text())["env"]
-    # Besides fdl's own: threads, and the devices (empty for CPU workers: CUDA hidden).
+    # Besides fdl's own: threads, the devices (empty for CPU workers: CUDA hidden), and gloo
+    # pinned to the loopback interface (one node).
     assert {k for k in added if not k.startswith("FDL_")} - {"CUDA_DEVICE_ORDER"} == \
-        {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}
+        {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME"}
     for rank in (0, 1):
         env_ours = json.loads((ddp_run.out / f"rank{rank}.json").read_text())
         env_theirs = json.loads((theirs / f"rank{rank}.json").read_text())

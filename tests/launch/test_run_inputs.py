@@ -338,7 +338,9 @@ def test_the_dry_run_shows_how_a_node_reaches_the_others(project):
     assert network["interface"] == "lo"
     assert spec["env"]["GLOO_SOCKET_IFNAME"] == spec["env"]["NCCL_SOCKET_IFNAME"] == "lo"
     assert network["hosts_rendezvous"] is None  # loopback: left to torch (several launchers)
-    assert dry_run(project)["network"] is None  # one node: nothing to decide
+    one = dry_run(project)  # one node: gloo pinned to loopback, not the host name's address
+    assert not one["network"]["several_nodes"] and one["env"]["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "NCCL_SOCKET_IFNAME" not in one["env"]
 
 
 def test_a_users_socket_interface_is_kept(project):
@@ -378,4 +380,14 @@ def test_bad_local_addr(project, args, needles):
     """Refused before anything starts, with --dry-run too where the flag itself is wrong."""
     proc = fdl_run(project, *args, "train.py")
     assert_usage_error(proc, *needles)
+    assert not (project / "runs").exists()
+
+
+@pytest.mark.parametrize("nodes", [[], ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"]],
+                         ids=["one node", "two nodes"])
+def test_a_socket_interface_this_node_lacks_is_refused(project, nodes):
+    """gloo would fail at its first collective, after every node started, in C++ frames."""
+    for dry in ([], ["--dry-run"]):
+        proc = fdl_run(project, *nodes, *dry, "train.py", env={"GLOO_SOCKET_IFNAME": "lo,nope9"})
+        assert_usage_error(proc, "GLOO_SOCKET_IFNAME=lo,nope9", "no interface 'nope9'")
     assert not (project / "runs").exists()

@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import pytest
+from helpers import wait_until
 
 IPV4 = ("198.18.0.1", "198.18.0.2")
 IPV6 = ("fd00:fd1::1", "fd00:fd1::2")
@@ -96,11 +97,23 @@ def two_nodes(*, ipv6: bool = False) -> Iterator[tuple[Node, Node]]:
             _ip("-n", name, "addr", "add", f"{address}/{prefix}", "dev", interface, *extra)
             _ip("-n", name, "link", "set", interface, "up")
             nodes.append(Node(name, interface, address))
+        for node in nodes:
+            _wait_for_carrier(node)
         yield nodes[0], nodes[1]
     finally:
         for name in names:
             _kill_inside(name)
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def _wait_for_carrier(node: Node) -> None:
+    """Until the link has a carrier (both ends of a veth up): a moment after it comes up."""
+    def carrier() -> bool:
+        shown = subprocess.run(node.command(["ip", "link", "show", node.interface]),
+                               capture_output=True, text=True).stdout
+        return "NO-CARRIER" not in shown and "LOWER_UP" in shown
+
+    wait_until(carrier, f"a carrier on {node.interface} in {node.namespace}")
 
 
 def _kill_inside(namespace: str) -> None:

@@ -69,3 +69,32 @@ def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
     summaries = [json.loads((d / "summary.json").read_text()) for d in dirs
                  if (d / "summary.json").is_file()]
     assert summaries and summaries[0]["world_size"] == 2, shown(outputs)
+
+
+def test_an_interface_that_cannot_reach_the_others_is_refused(tmp_path):
+    """A user's GLOO_SOCKET_IFNAME naming another node's interface, a down one, or one without
+    an address of the job's family: one usage error on this node, before anything starts."""
+    need_namespaces()
+    script = tmp_path / "train.py"
+    script.write_text("print('hello from the worker')\n")
+
+    def dry_run(node: Node, endpoint: str, interface: str) -> subprocess.CompletedProcess:
+        return subprocess.run(node.command([
+            sys.executable, "-m", "fdl", "run", "--dry-run", "--nnodes", "2",
+            "--rdzv-endpoint", endpoint, "train.py"]), capture_output=True, text=True,
+            cwd=tmp_path, env=clean_env({"GLOO_SOCKET_IFNAME": interface}), timeout=120)
+
+    def refused(proc: subprocess.CompletedProcess, needle: str) -> None:
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+    with two_nodes() as (node0, node1):
+        endpoint = f"{node0.address}:{PORT}"
+        assert dry_run(node1, endpoint, node1.interface).returncode == 0
+        refused(dry_run(node1, endpoint, node0.interface),
+                f"this node has no interface {node0.interface!r}")
+        subprocess.run(node1.command(["ip", "link", "set", node1.interface, "down"]), check=True)
+        refused(dry_run(node1, "127.0.0.1:29400", node1.interface),
+                f"interface {node1.interface!r} is down")
+    with two_nodes(ipv6=True) as (_, node1):  # its interface: IPv6 and link-local only
+        refused(dry_run(node1, "127.0.0.1:29400", node1.interface),
+                f"interface {node1.interface!r} has no ipv4 address")
