@@ -66,6 +66,9 @@ def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
                              for node, run_dir in zip((node0, node1), dirs, strict=True)],
                             tmp_path)
     assert [code for code, _ in outputs] == [0, 0], shown(outputs)
+    waiting = f"waiting for 2 nodes at {endpoint}"
+    assert f"{waiting} (this node hosts it, as {node0.address}" in outputs[0][1], shown(outputs)
+    assert f"{waiting} (this node joins it, as {node1.address}" in outputs[1][1], shown(outputs)
     summaries = [json.loads((d / "summary.json").read_text()) for d in dirs
                  if (d / "summary.json").is_file()]
     assert summaries and summaries[0]["world_size"] == 2, shown(outputs)
