@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fdl.engine.agreement import agree, data_facts, runtime_facts
 from fdl.engine.averaging import Averager, checksum
 from fdl.engine.batch_loader import BatchLoader
 from fdl.engine.collectives import (
@@ -119,6 +120,7 @@ def init(*, policy: str | None = None, backend: str | None = None, seed: int | N
             membership.local_rank == 0:
         _console().info(f"NCCL peer-to-peer off on this node: {group.p2p.reason} "
                         "(NCCL_P2P_DISABLE=1; NCCL_P2P_DISABLE=0 forces it on)")
+    agree(runtime_facts(config), world_size=membership.world_size)
     torch.manual_seed(config.seed)
     micro = MicroBatches.of(micro_for_rank(config.micro_batch_size, membership.rank,
                                            membership.world_size), device)
@@ -459,7 +461,9 @@ class Run:
             raise UsageError("run.batches(..., model=, optimizer=) takes the nn.Module and the "
                              "torch.optim.Optimizer the loop trains with")
         distributed, policy = self.membership.distributed, config.policy
-        if distributed:
+        if distributed:  # the same data and model everywhere, before rank 0's weights go out
+            agree(data_facts(data.data if data is not None else None, model, seed=config.seed),
+                  world_size=world_size)
             broadcast_from_rank0([t.data for t in (*model.parameters(), *model.buffers())],
                                  via_host=group.backend != "nccl", group=group.process_group)
         torch.manual_seed(rank_seed(config.seed, rank))

@@ -16,27 +16,34 @@ from helpers import clean_env, started
 from netns import Node, need_namespaces, two_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
+DISAGREE = ROOT / "tests" / "engine" / "scripts" / "disagree_train.py"
+STOP_S = 30  # issue 27: a node with different data stops both within this
 EXAMPLE = ROOT / "examples" / "mlp_synthetic.py"
 PORT = 29400
 DEADLINE_S = 90  # a guard only: a run that meets takes seconds
 TRAIN = ["--hidden", "32", "--train-samples", "2048", "--epochs", "2", "--batch-size", "64"]
 
 
-def documented_command(node: Node, endpoint: str, run_dir: Path, *extra: str) -> list[str]:
+def documented_command(node: Node, endpoint: str, run_dir: Path, *extra: str,
+                       script: tuple[str, ...] = (str(EXAMPLE), *TRAIN)) -> list[str]:
     """docs/run.md's command, the same on every node but for its own run directory."""
     return node.command([sys.executable, "-m", "fdl", "run", "--nnodes", "2",
                          "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, *extra,
-                         "--quiet", "--run-dir", str(run_dir), str(EXAMPLE), *TRAIN])
+                         "--quiet", "--run-dir", str(run_dir), *script])
 
 
-def run_nodes(commands: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
-    """Start every node's command at once and wait for all (any still running at the deadline
-    is stopped, so a hang shows what each node said)."""
+def run_nodes(commands: list[list[str]], cwd: Path, *, envs: list[dict[str, str]] | None = None,
+              deadline_s: float = DEADLINE_S) -> list[tuple[int, str]]:
+    """Start every node's command at once (``envs``: each node's own variables) and wait for
+    all; any still running after ``deadline_s`` is stopped, so a hang shows what each node
+    said (and fails a test that expects the nodes to have ended)."""
+    envs = envs or [{} for _ in commands]
     with ExitStack() as stack:
         procs = [stack.enter_context(started(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-            env=clean_env({"OMP_NUM_THREADS": "1"}))) for argv in commands]
-        deadline = time.monotonic() + DEADLINE_S
+            env=clean_env({"OMP_NUM_THREADS": "1", **extra})))
+            for argv, extra in zip(commands, envs, strict=True)]
+        deadline = time.monotonic() + deadline_s
         outputs = []
         for proc in procs:
             try:
@@ -101,3 +108,21 @@ def test_an_interface_that_cannot_reach_the_others_is_refused(tmp_path):
     with two_nodes(ipv6=True) as (_, node1):  # its interface: IPv6 and link-local only
         refused(dry_run(node1, "127.0.0.1:29400", node1.interface),
                 f"interface {node1.interface!r} has no ipv4 address")
+
+
+def test_different_data_on_one_node_stops_both(tmp_path):
+    """Node 1 reads other samples of the same length (a silent mixture before): both nodes
+    stop before training, each saying in one line which rank and node differ, and in what."""
+    need_namespaces()
+    with two_nodes() as (node0, node1):
+        endpoint = f"{node0.address}:{PORT}"
+        outputs = run_nodes(
+            [documented_command(node, endpoint, tmp_path / f"node{n}",
+                                script=(str(DISAGREE), "data"))
+             for n, node in enumerate((node0, node1))], tmp_path,
+            envs=[{"DISAGREE_HERE": "0"}, {"DISAGREE_HERE": "1"}], deadline_s=STOP_S)
+    line = "rank 1 (node 1, "
+    for code, text in outputs:
+        assert code not in (0, -15), shown(outputs)  # failed, not stopped at the deadline
+        assert line in text and "differ in data fingerprint" in text, shown(outputs)
+        assert "trained data" not in text
