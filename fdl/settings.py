@@ -46,6 +46,7 @@ SOURCES_ENV = "FDL_SOURCES"  # JSON {name: source}, so workers can record proven
 RUN_DIR_ENV = "FDL_RUN_DIR"  # always set by fdl run: where the workers write
 RESUME_ENV = "FDL_RESUME"  # "1": load the newest valid checkpoint (fdl run --resume)
 LAUNCHER_PID_ENV = "FDL_LAUNCHER_PID"  # the workers die with the launcher (fdl.launch.worker)
+NODE_ADDR_ENV = "FDL_NODE_ADDR"  # several nodes: this node's address (fdl.launch.network)
 # Seconds between rank 0's progress snapshots (fdl.rundir.progress); set by fdl run when it shows
 # live progress on a terminal, absent otherwise (no snapshots written).
 PROGRESS_ENV = "FDL_PROGRESS"
@@ -463,7 +464,8 @@ def is_launcher_variable(name: str) -> bool:
 
 def setting_env_names() -> tuple[str, ...]:
     """Every ``FDL_*`` variable that sets a setting, plus the ones fdl run gives its workers."""
-    return (*(s.env for s in SETTINGS), SOURCES_ENV, RESUME_ENV, LAUNCHER_PID_ENV, PROGRESS_ENV)
+    return (*(s.env for s in SETTINGS), SOURCES_ENV, RESUME_ENV, LAUNCHER_PID_ENV, PROGRESS_ENV,
+            NODE_ADDR_ENV)
 
 
 def without_run_settings(env: Mapping[str, str]) -> dict[str, str]:

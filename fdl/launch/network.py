@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from fdl.errors import UsageError
 from fdl.launch.rendezvous import lookup_host, parse_endpoint
+from fdl.settings import NODE_ADDR_ENV
 
 if TYPE_CHECKING:
     from fdl.launch.rendezvous import Rendezvous
@@ -109,6 +110,7 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
     user_set = tuple(name for name in INTERFACE_VARIABLES if env.get(name))
     exported = {name: interface for name in INTERFACE_VARIABLES
                 if interface is not None and name not in user_set}
+    exported[NODE_ADDR_ENV] = local  # the survivors of a lost node name it by this address
     return NodeNetwork(_family(family), endpoint_address, hosts, local, interface, exported,
                        user_set)
 

@@ -52,6 +52,7 @@ def main(argv: list[str]) -> None:
         _run(argv)
     except Exception as exc:
         _exit_on_fdl_error(exc)
+        _exit_on_lost_peer(exc, argv)
         _record_crash(exc, argv)
         raise
 
@@ -68,6 +69,30 @@ def _exit_on_fdl_error(exc: Exception) -> None:
     sys.stderr.write(f"error: {exc.message}\n" + (f"hint: {exc.hint}\n" if exc.hint else ""))
     sys.stderr.flush()
     sys.exit(exc.exit_code)
+
+
+class PeerLost(Exception):
+    """A peer left the run (fdl.engine.agreement.lost_peer says which)."""
+
+
+def _exit_on_lost_peer(exc: Exception, argv: list[str]) -> None:
+    """A collective that failed because a peer left (another node killed or crashed): one
+    line naming the peer (fdl.engine.agreement.lost_peer) and exit 1, instead of gloo's
+    message and a traceback through the training loop. ``FDL_DEBUG=1`` keeps the traceback."""
+    if os.environ.get("FDL_DEBUG") or "fdl.engine.agreement" not in sys.modules:
+        return
+    from fdl.engine.agreement import lost_peer
+
+    line = lost_peer(exc)
+    if line is None:
+        return
+    # Recorded (with the collective's frames) so that the root-cause block still blames the
+    # rank that crashed first, when one did, and shows this line when none did.
+    _record_crash(PeerLost(line).with_traceback(exc.__traceback__), argv)
+    sys.stderr.write(f"error: {line}\nhint: its own log or terminal says why; this worker "
+                     "stopped with it\n")
+    sys.stderr.flush()
+    sys.exit(1)
 
 
 def _record_crash(exc: Exception, argv: list[str]) -> None:

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, started
+from helpers import clean_env, end_process_tree, started, wait_until
 from netns import Node, need_namespaces, two_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,3 +126,32 @@ def test_different_data_on_one_node_stops_both(tmp_path):
         assert code not in (0, -15), shown(outputs)  # failed, not stopped at the deadline
         assert line in text and "differ in data fingerprint" in text, shown(outputs)
         assert "trained data" not in text
+
+
+def test_a_killed_node_stops_its_peer_in_a_collective_naming_it(tmp_path):
+    """Node 1's launcher is killed mid-training (its workers die with it): node 0, blocked in a
+    collective (sync: every step all-reduces), stops within 30 s, in one line naming the rank,
+    node and address it lost, not gloo's C++ message. (Under cadence/async a survivor can be
+    waiting on the round's store messages instead: that wait is not yet bounded, issue 27 D4.)"""
+    need_namespaces()
+    train = ["--hidden", "64", "--train-samples", "400000", "--epochs", "20",  # minutes long
+             "--policy", "sync"]
+    with two_nodes() as (node0, node1), ExitStack() as stack:
+        endpoint = f"{node0.address}:{PORT}"
+        procs = [stack.enter_context(started(
+            documented_command(node, endpoint, tmp_path / f"node{n}",
+                               script=(str(EXAMPLE), *train)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            env=clean_env({"OMP_NUM_THREADS": "1"}))) for n, node in enumerate((node0, node1))]
+        timelines = [tmp_path / f"node{n}" / "timeline" for n in range(2)]
+        wait_until(lambda: any('"kind": "round"' in p.read_text() for t in timelines
+                               if t.is_dir() for p in t.glob("rank*.jsonl")),
+                   "both nodes training", proc=procs[0], timeout=DEADLINE_S)
+        end_process_tree(procs[1])  # node 1 is gone, its workers with its launcher
+        try:
+            out, _ = procs[0].communicate(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 0 still running {STOP_S} s after node 1 was killed")
+    assert procs[0].returncode == 1, out[-3000:]
+    assert "error: the run lost a peer: the connection to rank " in out, out[-3000:]
+    assert f", {node1.address}) closed during a collective" in out, out[-3000:]
