@@ -64,12 +64,14 @@ from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
 from fdl.engine.h2d import DeviceCopies
+from fdl.engine.liveness import liveness
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
 from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
 from fdl.engine.policies import CADENCE, Policy, PolicyChoice
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
+from fdl.engine.round_messages import group_store
 from fdl.engine.rounds import NUM_STATS, Replica, rounds
 from fdl.engine.state import RankFigures
 from fdl.engine.steps import CountingScaler, StepWatch
@@ -121,6 +123,8 @@ def init(*, policy: str | None = None, backend: str | None = None, seed: int | N
         _console().info(f"NCCL peer-to-peer off on this node: {group.p2p.reason} "
                         "(NCCL_P2P_DISABLE=1; NCCL_P2P_DISABLE=0 forces it on)")
     agree(runtime_facts(config), world_size=membership.world_size)
+    if membership.world_size > 1 and config.policy.local_steps and group_store() is not None:
+        liveness(group_store())  # every rank ticks from here on (fdl.engine.liveness)
     torch.manual_seed(config.seed)
     micro = MicroBatches.of(micro_for_rank(config.micro_batch_size, membership.rank,
                                            membership.world_size), device)

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from fdl.engine.liveness import Liveness, liveness, wait_alive, wait_for
 from fdl.engine.plan import RoundPlan, pool_take
 
 
@@ -32,6 +33,7 @@ class ElasticSignal:
     store: Any = None
     key: str = ""
     watch: DoneWatch | None = None
+    alive: Liveness | None = None
 
     @classmethod
     def open(cls, plan: RoundPlan, *, rank: int) -> ElasticSignal:
@@ -40,6 +42,7 @@ class ElasticSignal:
         store = _required_store()
         signal = cls("receive" if rank == plan.elastic else "send", store,
                      f"fdl/elastic/{restart_attempt()}/")
+        signal.alive = liveness(store)
         if signal.role == "receive":
             signal.watch = DoneWatch.start(_watch_store(store), signal._key("done", plan))
         return signal
@@ -53,8 +56,8 @@ class ElasticSignal:
         if not self.role:
             return None
         if self.role == "receive":
-            assert self.watch is not None
-            self.watch.join()  # it may have run its whole reservation first
+            assert self.watch is not None and self.alive is not None
+            self.watch.join(self.store, alive=self.alive)  # it may have run its reservation
             self.store.delete_key(self._key("done", plan))
             self.store.set(self._key("used", plan), str(used))
             if plan.round_index >= 2:  # every rank has read it: ranks are at most a round apart
@@ -62,6 +65,9 @@ class ElasticSignal:
             return used
         if rank == plan.signal_from:
             self.store.set(self._key("done", plan), "1")
+        assert self.alive is not None
+        wait_for(self.store, self._key("used", plan), alive=self.alive,
+                 waiting_for=f"the elastic rank {plan.elastic}'s report")
         return int(self.store.get(self._key("used", plan)))
 
     def _key(self, name: str, plan: RoundPlan) -> str:
@@ -71,8 +77,8 @@ class ElasticSignal:
 @dataclass
 class DoneWatch:
     """A daemon thread blocked in ``store.wait([key])`` (the GIL released) that sets ``done``
-    when the key exists, or when the wait failed (the store's timeout, a lost store): then
-    :meth:`join` raises what it raised."""
+    when the key exists, or when the wait failed (a lost store): then :meth:`join` raises what
+    it raised. :meth:`join` gives up on a silent peer (fdl.engine.liveness)."""
 
     done: threading.Event
     error: list[BaseException]
@@ -92,9 +98,10 @@ class DoneWatch:
         threading.Thread(target=run, name="fdl-elastic-watch", daemon=True).start()
         return watch
 
-    def join(self) -> None:
-        """Until the key exists; raises the wait's error."""
-        self.done.wait()
+    def join(self, store: Any, *, alive: Liveness) -> None:
+        """Until the key exists; raises the wait's error, or PeerGone when a rank goes silent
+        first (read through ``store``, the caller's)."""
+        wait_alive(self.done, store, alive=alive, waiting_for="the slowest rank to finish")
         if self.error:
             raise self.error[0]
 
@@ -157,7 +164,9 @@ class SharedPool:
         if int(self.store.add(self.key + "stopped", 1)) == self.world_size:
             taken = int(self.store.add(self.key + "taken", 0))
             self.store.set(self.key + "used", str(min(taken, self.size)))
-        return int(self.store.get(self.key + "used"))  # waits for the last rank to stop
+        wait_for(self.store, self.key + "used", alive=liveness(self.store),
+                 waiting_for="the calibration pool's last rank")
+        return int(self.store.get(self.key + "used"))
 
 
 def restart_attempt() -> str:

@@ -1,0 +1,40 @@
+"""fdl.engine.liveness on a real TCPStore: a rank whose counter stops is named after SILENT_S,
+a rank that ticks never is, and a wait for a key ends the moment it is set (the multi-node
+test kills a namespace node for real: tests/nodes)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fdl.engine.liveness import SILENT_S, Liveness, PeerGone, wait_alive, wait_for
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+
+
+def test_a_rank_whose_counter_stops_is_named_after_the_silence(store):
+    key = "fdl/alive/0/"
+    alive = Liveness(store, rank=0, world_size=2, key=key)  # not started: ticks by hand
+    store.add(f"{key}1", 1)
+    assert alive.silent(store, now=0.0) is None  # first look
+    assert alive.silent(store, now=SILENT_S - 0.1) is None
+    store.add(f"{key}1", 1)  # rank 1 ticked: its silence starts again
+    assert alive.silent(store, now=SILENT_S + 1) is None
+    assert alive.silent(store, now=2 * SILENT_S + 0.5) is None
+    assert alive.silent(store, now=2 * SILENT_S + 1) == 1
+
+
+def test_a_wait_ends_when_the_key_is_set_or_a_peer_is_gone(store, monkeypatch):
+    alive = Liveness(store, rank=0, world_size=2, key="fdl/alive/0/")
+    threading.Timer(0.2, lambda: store.set("k", "1")).start()
+    wait_for(store, "k", alive=alive, waiting_for="k")  # returns: the key came
+    assert store.get("k") == b"1"
+    monkeypatch.setattr(Liveness, "silent", lambda self, reader, now=None: 1)  # rank 1 silent
+    with pytest.raises(PeerGone, match=r"rank 1 stopped answering .* waited for the report"):
+        wait_alive(threading.Event(), store, alive=alive, waiting_for="the report")
