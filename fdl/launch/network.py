@@ -69,7 +69,8 @@ class NodeNetwork:
     several_nodes: bool = True
 
     def to_dict(self) -> dict[str, object]:
-        return {"several_nodes": self.several_nodes, "family": self.family, "endpoint_address": self.endpoint_address,
+        return {"several_nodes": self.several_nodes, "family": self.family,
+                "endpoint_address": self.endpoint_address,
                 "hosts_rendezvous": self.hosts_rendezvous, "local_addr": self.local_addr,
                 "interface": self.interface, "env": dict(self.env),
                 "user_set": list(self.user_set)}
@@ -107,7 +108,6 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
         local = endpoint_address if owns_address(family, endpoint_address) \
             else route_source(family, endpoint_address, port)
     interface = interface_of(local)
-    user_set = tuple(name for name in INTERFACE_VARIABLES if env.get(name))
     exported = {name: interface for name in INTERFACE_VARIABLES
                 if interface is not None and name not in user_set}
     exported[NODE_ADDR_ENV] = local  # the survivors of a lost node name it by this address
