@@ -45,9 +45,6 @@ class Node:
         """``argv`` run inside this node's namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
 
-    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(self.command(argv), **kwargs)
-
 
 def namespaces_unavailable() -> str | None:
     """Why this host cannot make namespaces (None: it can)."""
