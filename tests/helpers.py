@@ -65,6 +65,22 @@ def end_process_tree(proc: subprocess.Popen) -> None:
             stream.close()
 
 
+def wait_all(procs: list[subprocess.Popen], deadline: float) -> list[str]:
+    """Each process's output; any still running at ``deadline`` is killed (its code is then
+    negative), so a hang on one node shows what every node said instead of a bare timeout.
+    SIGTERM lets each agent stop its own workers."""
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.terminate()
+            out, _ = proc.communicate(timeout=60)
+        outputs.append(out)
+    return outputs
+
+
 def libtorch_list(env: dict[str, str]) -> dict:
     """What ``fdl libtorch list --json`` says of the store of ``env``'s FLODL_HOME, parsed: the
     store as a user sees it, not as the test's own Store object reads it. Fails the test if

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, free_port, run_fdl, started, wait_until, wait_until_gone
+from helpers import clean_env, free_port, run_fdl, started, wait_all, wait_until, wait_until_gone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -167,22 +167,6 @@ def test_ctrl_c_stops_everything_and_exits_130(tmp_path):
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     _no_survivors(out)
-
-
-def wait_all(procs: list[subprocess.Popen], deadline: float) -> list[str]:
-    """Each process's output; any still running at ``deadline`` is killed (its code is then
-    negative), so a hang on one node shows what every node said instead of a bare timeout.
-    SIGTERM lets each agent stop its own workers."""
-    outputs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.terminate()
-            out, _ = proc.communicate(timeout=60)
-        outputs.append(out)
-    return outputs
 
 
 def test_two_nodes_on_loopback(tmp_path):

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, end_process_tree, started, wait_until
+from helpers import clean_env, end_process_tree, started, wait_all, wait_until
 from netns import Node, need_namespaces, two_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,17 +43,8 @@ def run_nodes(commands: list[list[str]], cwd: Path, *, envs: list[dict[str, str]
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
             env=clean_env({"OMP_NUM_THREADS": "1", **extra})))
             for argv, extra in zip(commands, envs, strict=True)]
-        deadline = time.monotonic() + deadline_s
-        outputs = []
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.terminate()
-                out, _ = proc.communicate(timeout=60)
-            outputs.append((proc.returncode, out))
-    return outputs
+        outputs = wait_all(procs, deadline=time.monotonic() + deadline_s)
+        return [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
 
 
 def shown(outputs: list[tuple[int, str]]) -> str:
