@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from fdl.engine.config import plain
 from fdl.errors import UsageError
 from fdl.settings import NODE_ADDR_ENV
 
@@ -67,7 +68,7 @@ def runtime_facts(config: EngineConfig) -> dict[str, str]:
     from fdl.version import __version__
 
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    settings = {name: _plain(getattr(config, name)) for name in SHARED_SETTINGS}
+    settings = {name: plain(getattr(config, name)) for name in SHARED_SETTINGS}
     return {"fdl version": __version__,
             "torch release": torch.__version__.split("+")[0],
             "python": ".".join(platform.python_version_tuple()[:2]),
@@ -218,15 +219,6 @@ def _seeded_generators(seed: int) -> Iterator[None]:
         if numpy:
             numpy.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
-
-
-def _plain(value: Any) -> Any:
-    name = getattr(value, "name", None)  # a Policy
-    if isinstance(name, str):
-        return name
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 def _short(text: str, limit: int = 120) -> str:

@@ -50,7 +50,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting with its source, as config.json's ``engine`` section records them."""
-        return {key: {"value": _plain(getattr(self, key)), "source": source}
+        return {key: {"value": plain(getattr(self, key)), "source": source}
                 for key, source in self.sources.items()}
 
 
@@ -72,6 +72,6 @@ def resolve_config(*, script: Mapping[str, Any], env: Mapping[str, str] | None =
     )
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """A setting's value as JSON holds it (a policy by its name)."""
     return value.name if isinstance(value, Policy) else value

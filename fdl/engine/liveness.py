@@ -24,7 +24,7 @@ from typing import Any
 
 from fdl.errors import FdlError
 
-__all__ = ["PeerGone", "liveness", "wait_alive", "wait_for"]
+__all__ = ["PeerGone", "liveness", "store_clone", "wait_alive", "wait_for"]
 
 BEAT_S = 2.0  # between a rank's ticks (each a store round trip, from a thread)
 SILENT_S = 15.0  # a rank whose counter has not moved for this long is gone (7 beats)
@@ -103,7 +103,7 @@ def wait_for(store: Any, key: str, *, alive: Liveness, waiting_for: str) -> None
     if store.check([key]):
         return
     done, error = threading.Event(), []
-    waiter = _waiter_store(store)
+    waiter = store_clone(store, "wait")
 
     def run() -> None:
         try:
@@ -131,14 +131,16 @@ def wait_alive(done: threading.Event, store: Any, *, alive: Liveness, waiting_fo
                                                   "worker stopped with it")
 
 
-_WAITERS: dict[int, tuple[Any, Any]] = {}
+_CLONES: dict[tuple[int, str], tuple[Any, Any]] = {}
 
 
-def _waiter_store(store: Any) -> Any:
-    """This process's clone of ``store`` for :func:`wait_for`'s thread (one at a time)."""
-    held = _WAITERS.get(id(store))
+def store_clone(store: Any, role: str) -> Any:
+    """This process's clone of ``store`` for the thread doing ``role`` (a store object must
+    not be blocked in ``wait`` by one thread while another sends on it); one per store and
+    role, reused, since each role waits for one key at a time."""
+    held = _CLONES.get((id(store), role))
     if held is None:  # the store is held with its clone: its id is never reused meanwhile
-        held = _WAITERS[id(store)] = (store, store.clone())
+        held = _CLONES[(id(store), role)] = (store, store.clone())
     return held[1]
 
 

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from fdl.engine.liveness import Liveness, liveness, wait_alive, wait_for
+from fdl.engine.liveness import Liveness, liveness, store_clone, wait_alive, wait_for
 from fdl.engine.plan import RoundPlan, pool_take
 
 
@@ -44,7 +44,7 @@ class ElasticSignal:
                      f"fdl/elastic/{restart_attempt()}/")
         signal.alive = liveness(store)
         if signal.role == "receive":
-            signal.watch = DoneWatch.start(_watch_store(store), signal._key("done", plan))
+            signal.watch = DoneWatch.start(store_clone(store, "watch"), signal._key("done", plan))
         return signal
 
     def arrived(self, plan: RoundPlan) -> bool:
@@ -180,19 +180,6 @@ def _required_store() -> Any:
     if store is None:
         raise RuntimeError("an elastic round or a pool needs the process group's store")
     return store
-
-
-_WATCH_STORES: dict[int, tuple[Any, Any]] = {}
-
-
-def _watch_store(store: Any) -> Any:
-    """This process's clone of ``store`` for the watch thread (a store object must not be
-    blocked in ``wait`` by one thread while another sends on it); one per store, reused, since
-    a rank watches one round at a time."""
-    held = _WATCH_STORES.get(id(store))
-    if held is None:  # the store is held with its clone: its id is never reused meanwhile
-        held = _WATCH_STORES[id(store)] = (store, store.clone())
-    return held[1]
 
 
 def group_store() -> Any:
