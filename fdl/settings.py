@@ -254,6 +254,20 @@ def parse_time(name: str) -> Callable[[Any], float]:
     return parse
 
 
+MAX_COLLECTIVE_TIMEOUT_S = 86400.0  # a day: beyond it a stuck peer is never noticed
+
+
+def parse_collective_timeout(value: Any) -> float | None:
+    """``auto`` (None: fdl.engine.collectives decides) or a time up to a day, in seconds."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    seconds = parse_time("collective_timeout")(value)
+    if seconds > MAX_COLLECTIVE_TIMEOUT_S:
+        raise UsageError(f"collective_timeout must be at most a day (24h), got {value!r}",
+                         hint="e.g. --collective-timeout 10m, or auto")
+    return seconds
+
+
 def parse_tensorboard(value: Any) -> str | None:
     """``off`` -> None; ``on`` (the run directory's ``tensorboard/``) or a directory. A bare
     ``--tensorboard`` means ``on`` (:data:`SettingSpec.bare`)."""
@@ -396,6 +410,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("tensorboard", None, parse_tensorboard,
             "Write TensorBoard scalars: on (RUN_DIR/tensorboard), off, or a directory.",
             script=True, bare="on"),
+    _engine("collective_timeout", None, parse_collective_timeout,
+            "How long a collective waits for a peer before the run stops: 90s, 10m; auto: "
+            "5m with several nodes, torch's own on one (30m over gloo)."),
     SettingSpec("run_dir", None, parse_run_dir,
                 "Run directory (default runs/<UTC>-<stem>-<policy>).", "FDL_RUN_DIR"),
     SettingSpec("nproc_per_node", "auto", parse_nproc,

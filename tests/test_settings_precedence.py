@@ -44,6 +44,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "max_time": {"flag": "90s", "env": "10m", "file": "1.5h", "script": 30},
     "divergence_threshold": {"env": "0.25"},
     "overhead_target": {"env": "0.1"},
+    "collective_timeout": {"flag": "90s", "env": "10m", "file": "2m"},
     "run_dir": {"flag": "runs/flag", "env": "runs/env", "file": "runs/file"},
     "nproc_per_node": {"flag": "3", "env": "4", "file": 1},
     "max_restarts": {"flag": "1", "env": "2", "file": 3},

@@ -24,11 +24,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import random
-import re
-import socket
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -38,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from fdl.engine.config import plain
+from fdl.engine.peers import PEERS, node_label
 from fdl.errors import UsageError
-from fdl.settings import NODE_ADDR_ENV
 
 if TYPE_CHECKING:
     from torch import nn
@@ -53,9 +50,6 @@ SHARED_SETTINGS = ("policy", "backend", "epochs", "batch_size", "seed", "simulat
                    "max_samples", "max_time", "divergence_threshold", "overhead_target",
                    "max_grad_norm")
 SAMPLED_ITEMS = 4  # items of the data read for its fingerprint
-# gloo: "Connection closed by peer [ADDR]:PORT", "Read error [ADDR]:PORT: Connection reset by peer"
-_BY_PEER = re.compile(r"[Cc]onnection (?:closed|reset) by peer")
-_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:%]+)\]:\d+")
 DIGEST = 16  # hex characters kept of a sha256
 
 
@@ -85,11 +79,6 @@ def data_facts(data: TrainData | None, model: nn.Module, *, seed: int) -> dict[s
     facts["train samples"] = str(size)
     facts["data fingerprint"] = _data_digest(data, seed=seed) if size else "empty"
     return facts
-
-
-#: every rank's :func:`node_label`, by rank, once the group has agreed (fdl.launch.worker names
-#: a lost peer with it)
-PEERS: list[str] = []
 
 
 def agree(facts: Mapping[str, str], *, world_size: int, group: Any = None) -> None:
@@ -123,32 +112,6 @@ def first_difference(gathered: list[tuple[str, dict[str, str]]]) -> str | None:
             return (f"rank {rank} ({label}) and rank 0 ({label0}) differ in {field}: "
                     f"{_short(facts[field])} against missing")
     return None
-
-
-def node_label() -> str:
-    """Which node a rank is on, as people name it: the node rank, the host name and, with
-    several nodes, the node's address (``FDL_NODE_ADDR``, from fdl.launch.network)."""
-    address = os.environ.get(NODE_ADDR_ENV)
-    return f"node {os.environ.get('GROUP_RANK', '0')}, {socket.gethostname()}" + (
-        f", {address}" if address else "")
-
-
-def lost_peer(exc: BaseException) -> str | None:
-    """What a collective's error says of a peer that left (its process ended: a node killed,
-    crashed or stopped), in one line naming it; None for any other error. gloo reports the
-    peer's address ("Connection closed by peer [ADDR]:PORT", or "Read error [ADDR]:PORT:
-    Connection reset by peer"); :data:`PEERS` turns it into ranks and a node."""
-    text = str(exc)
-    match = _PEER_ADDRESS.search(text)
-    if match is None or not _BY_PEER.search(text):
-        return None
-    address = match.group(1)
-    ranks = [rank for rank, label in enumerate(PEERS) if label.endswith(f", {address}")]
-    who = (f"rank {ranks[0]} ({PEERS[ranks[0]]})" if len(ranks) == 1 else
-           f"ranks {', '.join(map(str, ranks))} ({PEERS[ranks[0]].rsplit(',', 2)[0]}, {address})"
-           if ranks else address)
-    return (f"the run lost a peer: the connection to {who} closed during a collective (its "
-            "worker or node stopped or crashed)")
 
 
 def _file_digest(path: str) -> str:

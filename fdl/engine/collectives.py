@@ -13,6 +13,7 @@ import gc
 import os
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -79,8 +80,25 @@ def agreed_backend(requested: str, *, can_nccl: bool, all_can_nccl: Callable[[bo
     return "nccl" if all_can_nccl(can_nccl) else "cpu"
 
 
-def join_group(requested: str, device: torch.device, world_size: int) -> Group:
-    """Join the process group (once per process: an existing default group is used as is).
+SEVERAL_NODES_TIMEOUT_S = 300.0  # a collective's wait for a peer, several nodes (auto)
+
+
+def group_timeout(setting: float | None, membership: Membership) -> timedelta | None:
+    """How long the group's collectives wait for a peer: the setting (``--collective-timeout``)
+    when given; with several nodes, :data:`SEVERAL_NODES_TIMEOUT_S` (a node that stops answering
+    without closing its connections, a laptop whose WiFi dropped, would otherwise hold the other
+    for gloo's 30 minutes); on one node, torch's own (None)."""
+    if setting is not None:
+        return timedelta(seconds=setting)
+    if membership.local_world_size < membership.world_size:
+        return timedelta(seconds=SEVERAL_NODES_TIMEOUT_S)
+    return None
+
+
+def join_group(requested: str, device: torch.device, world_size: int, *,
+               timeout: timedelta | None = None) -> Group:
+    """Join the process group (once per process: an existing default group is used as is),
+    its collectives waiting up to ``timeout`` for a peer (None: torch's default).
 
     ``nccl`` and ``cpu`` make the default group of that kind. ``auto`` makes a gloo default
     group (every worker can), agrees on one backend over it (:func:`agreed_backend`) and, when
@@ -96,12 +114,14 @@ def join_group(requested: str, device: torch.device, world_size: int) -> Group:
     if requested != "auto":
         if created:
             dist.init_process_group(backend="nccl" if requested == "nccl" else "gloo",
-                                    device_id=device if device.type == "cuda" else None)
+                                    device_id=device if device.type == "cuda" else None,
+                                    timeout=timeout)
         return Group(requested, created=created, p2p=p2p if requested == "nccl" else None)
     if created:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=timeout)
     backend = agreed_backend(requested, can_nccl=can_nccl, all_can_nccl=all_true)
-    return Group(backend, dist.new_group(backend="nccl") if backend == "nccl" else None,
+    return Group(backend, dist.new_group(backend="nccl", timeout=timeout)
+                 if backend == "nccl" else None,
                  created=created, p2p=p2p if backend == "nccl" else None)
 
 

@@ -12,6 +12,9 @@ and the wait ends with :class:`PeerGone`. A live rank, however slow its steps, t
 policies whose rounds have such messages tick (cadence, async, auto); sync's ranks meet in
 collectives alone. (At one beat a second, sync's emulated-slowdown test read the slow rank's
 sleep at 2.15x its compute once in five runs, against 1.6-1.7x without a ticking thread.)
+Between the same slices the wait reads whether a rank posted why it failed
+(fdl.engine.peers): a peer that fails with an error stops the others within a slice, named
+with its error.
 """
 
 from __future__ import annotations
@@ -22,17 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fdl.errors import FdlError
+from fdl.engine.peers import STOPPED_WITH_IT, PeerGone, failed_line, peer_name, posted_cause
 
 __all__ = ["PeerGone", "liveness", "store_clone", "wait_alive", "wait_for"]
 
 BEAT_S = 2.0  # between a rank's ticks (each a store round trip, from a thread)
 SILENT_S = 15.0  # a rank whose counter has not moved for this long is gone (7 beats)
 SLICE_S = 1.0  # a wait's slice, between looks at the counters
-
-
-class PeerGone(FdlError):
-    """A rank stopped ticking while another waited for its message."""
 
 
 @dataclass
@@ -123,12 +122,14 @@ def wait_alive(done: threading.Event, store: Any, *, alive: Liveness, waiting_fo
     """Until ``done`` is set; :class:`PeerGone` when a rank goes silent first (its counters
     read through ``store``, this thread's)."""
     while not done.wait(SLICE_S):
+        failed = posted_cause(store, rank=alive.rank, world_size=alive.world_size)
+        if failed is not None:
+            raise PeerGone(failed_line(*failed), hint=STOPPED_WITH_IT)
         gone = alive.silent(store)
         if gone is not None:
             raise PeerGone(f"the run lost a peer: {peer_name(gone)} stopped answering (no "
                            f"sign of life for {SILENT_S:g} s) while this rank waited for "
-                           f"{waiting_for}", hint="its own log or terminal says why; this "
-                                                  "worker stopped with it")
+                           f"{waiting_for}", hint=STOPPED_WITH_IT)
 
 
 _CLONES: dict[tuple[int, str], tuple[Any, Any]] = {}
@@ -142,10 +143,3 @@ def store_clone(store: Any, role: str) -> Any:
     if held is None:  # the store is held with its clone: its id is never reused meanwhile
         held = _CLONES[(id(store), role)] = (store, store.clone())
     return held[1]
-
-
-def peer_name(rank: int) -> str:
-    """``rank`` with its node, once the group has agreed (fdl.engine.agreement)."""
-    from fdl.engine.agreement import PEERS
-
-    return f"rank {rank} ({PEERS[rank]})" if rank < len(PEERS) else f"rank {rank}"

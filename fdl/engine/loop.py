@@ -54,6 +54,7 @@ from fdl.engine.collectives import (
     device_label,
     exchange_rows,
     gather_labels,
+    group_timeout,
     join_group,
     leave_group,
     pick_device,
@@ -67,6 +68,7 @@ from fdl.engine.h2d import DeviceCopies
 from fdl.engine.liveness import liveness
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
+from fdl.engine.peers import keep_store
 from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
 from fdl.engine.policies import CADENCE, Policy, PolicyChoice
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
@@ -117,12 +119,14 @@ def init(*, policy: str | None = None, backend: str | None = None, seed: int | N
     device = pick_device(membership.local_rank, config.backend)
     mine = resolve_precision(precision_for_rank(config.precision, membership.rank,
                                                 membership.world_size), device)
-    group = join_group(config.backend, device, membership.world_size)
+    group = join_group(config.backend, device, membership.world_size,
+                       timeout=group_timeout(config.collective_timeout, membership))
     if group.p2p is not None and group.p2p.source == "fdl" and group.p2p.value == "1" and \
             membership.local_rank == 0:
         _console().info(f"NCCL peer-to-peer off on this node: {group.p2p.reason} "
                         "(NCCL_P2P_DISABLE=1; NCCL_P2P_DISABLE=0 forces it on)")
     agree(runtime_facts(config), world_size=membership.world_size)
+    keep_store(group_store() if membership.world_size > 1 else None)  # to tell of a failure
     if membership.world_size > 1 and config.policy.local_steps and group_store() is not None:
         liveness(group_store())  # every rank ticks from here on (fdl.engine.liveness)
     torch.manual_seed(config.seed)

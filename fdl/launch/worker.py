@@ -51,10 +51,21 @@ def main(argv: list[str]) -> None:
     try:
         _run(argv)
     except Exception as exc:
+        _tell_peers(exc)
         _exit_on_fdl_error(exc)
         _exit_on_lost_peer(exc, argv)
         _record_crash(exc, argv)
         raise
+
+
+def _tell_peers(exc: Exception) -> None:
+    """Post this rank's root cause for the other ranks, on every node (fdl.engine.peers), unless
+    it is itself a peer's failure; nothing for a script that never joined fdl's group."""
+    peers = sys.modules.get("fdl.engine.peers")
+    store = peers.kept_store() if peers is not None else None
+    if store is None or peers.is_consequence(exc):
+        return
+    peers.tell_peers(store, peers.cause_of(exc), rank=int(os.environ.get("RANK", "0")))
 
 
 def _exit_on_fdl_error(exc: Exception) -> None:
@@ -72,25 +83,31 @@ def _exit_on_fdl_error(exc: Exception) -> None:
 
 
 class PeerLost(Exception):
-    """A peer left the run (fdl.engine.agreement.lost_peer says which)."""
+    """A peer left the run or stopped answering (fdl.engine.peers.stopped_by_peer says so)."""
 
 
 def _exit_on_lost_peer(exc: Exception, argv: list[str]) -> None:
-    """A collective that failed because a peer left (another node killed or crashed): one
-    line naming the peer (fdl.engine.agreement.lost_peer) and exit 1, instead of gloo's
-    message and a traceback through the training loop. ``FDL_DEBUG=1`` keeps the traceback."""
-    if os.environ.get("FDL_DEBUG") or "fdl.engine.agreement" not in sys.modules:
+    """A collective that failed because a peer left (another node killed or crashed) or never
+    came (the group's timeout): one line naming the peer and, when a peer posted one, its
+    error (fdl.engine.peers), and exit 1,
+    instead of gloo's message and a traceback through the training loop. ``FDL_DEBUG=1``
+    keeps the traceback."""
+    peers = sys.modules.get("fdl.engine.peers")
+    if os.environ.get("FDL_DEBUG") or peers is None:
         return
-    from fdl.engine.agreement import lost_peer
-
-    line = lost_peer(exc)
+    line = peers.stopped_by_peer(exc)
     if line is None:
         return
+    store = peers.kept_store()
+    failed = None if store is None else peers.cause_within(
+        store, rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if failed is not None:
+        line = peers.failed_line(*failed)
     # Recorded (with the collective's frames) so that the root-cause block still blames the
     # rank that crashed first, when one did, and shows this line when none did.
     _record_crash(PeerLost(line).with_traceback(exc.__traceback__), argv)
-    sys.stderr.write(f"error: {line}\nhint: its own log or terminal says why; this worker "
-                     "stopped with it\n")
+    sys.stderr.write(f"error: {line}\nhint: {peers.STOPPED_WITH_IT}\n")
     sys.stderr.flush()
     sys.exit(1)
 

@@ -65,19 +65,3 @@ def test_the_data_fingerprint_sees_the_samples_not_the_augmentation():
         first["data fingerprint"]
     tensors = data_facts(TrainData.of(TensorDataset(base, base.sum(1))), model, seed=5)
     assert tensors["train samples"] == "64"
-
-
-def test_a_lost_peer_is_named_from_gloos_message(monkeypatch):
-    """Both ways gloo reports a peer whose process ended; any other error is left alone."""
-    from fdl.engine import agreement
-
-    monkeypatch.setattr(agreement, "PEERS", ["node 0, a, 198.18.0.1", "node 1, b, 198.18.0.2"])
-    closed = RuntimeError("[pair.cc:553] Connection closed by peer [198.18.0.2]:21167. This is")
-    reset = RuntimeError("[pair.cc:537] Read error [198.18.0.2]:43701: Connection reset by peer.")
-    for error in (closed, reset):
-        assert agreement.lost_peer(error) == (
-            "the run lost a peer: the connection to rank 1 (node 1, b, 198.18.0.2) closed "
-            "during a collective (its worker or node stopped or crashed)")
-    unknown = RuntimeError("Connection closed by peer [10.9.9.9]:1")  # before the group agreed
-    assert "the connection to 10.9.9.9 closed" in agreement.lost_peer(unknown)
-    assert agreement.lost_peer(RuntimeError("CUDA out of memory [1]:2")) is None

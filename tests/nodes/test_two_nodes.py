@@ -148,3 +148,27 @@ def test_a_killed_node_stops_its_peer_naming_it(tmp_path, policy):
     assert procs[0].returncode == 1, out[-3000:]
     assert "error: the run lost a peer: " in out, out[-3000:]
     assert "rank 1 (node 1, " in out and f", {node1.address})" in out, out[-3000:]
+
+
+FAIL = ROOT / "tests" / "engine" / "scripts" / "fail_mid_run.py"
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_a_node_that_fails_tells_its_peer_why(tmp_path, policy):
+    """Node 1's script raises mid-training: node 0 stops within 30 s, in one line naming the
+    rank, its node and its error (posted in the store as it failed: fdl.engine.peers), where
+    before it said only that a connection closed, or waited out a timeout."""
+    need_namespaces()
+    with two_nodes() as (node0, node1):
+        endpoint = f"{node0.address}:{PORT}"
+        outputs = run_nodes(
+            [documented_command(node, endpoint, tmp_path / f"node{n}", "--policy", policy,
+                                script=(str(FAIL), "40"))
+             for n, node in enumerate((node0, node1))], tmp_path,
+            envs=[{"FAIL_HERE": "0"}, {"FAIL_HERE": "1"}], deadline_s=DEADLINE_S)
+    (code0, out0), (code1, out1) = outputs
+    assert code0 == 1 and code1 != 0, shown(outputs)
+    assert "ValueError: a bad batch at step 40" in out1, shown(outputs)
+    assert ("error: the run lost a peer: rank 1 (node 1, " in out0 and
+            f", {node1.address}) failed: ValueError: a bad batch at step 40 (the script's own "
+            "error)" in out0), shown(outputs)
