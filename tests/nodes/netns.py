@@ -6,6 +6,10 @@ machines), addressed inside ranges reserved for tests (198.18.0.0/15, fd00::/8),
 out: nothing a test runs can reach any other address. The host's name resolves to 127.0.0.1
 here, as on many machines, which is what makes a default gloo advertise loopback to its peers.
 
+A link may be capped (``rate``: ``1gbit``, ``100mbit``) with a token bucket (``tc`` ``tbf``) on
+both ends, as a home LAN or WiFi caps it; this kernel has no ``netem``, so no delay is added.
+scripts/bench-lan builds its nodes here too.
+
 Needs root and ``ip`` (iproute2). :func:`namespaces_unavailable` says why not, in one line;
 ``CI_REQUIRE_NETNS=1`` (set by .ci/run) turns that skip into a failure, so CI cannot pass with
 the multi-node tests silently skipped. Everything is torn down afterwards, the processes left
@@ -23,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
-import pytest
 from helpers import wait_until
 
 IPV4 = ("198.18.0.1", "198.18.0.2")
@@ -66,15 +69,17 @@ def need_namespaces() -> None:
     why = namespaces_unavailable()
     if why is None:
         return
+    import pytest  # here: scripts/bench-lan imports this module without pytest's plugins
+
     if os.environ.get(REQUIRE) == "1":
         pytest.fail(f"{why}, and {REQUIRE}=1 requires the multi-node tests to run")
     pytest.skip(why)
 
 
 @contextmanager
-def two_nodes(*, ipv6: bool = False) -> Iterator[tuple[Node, Node]]:
+def two_nodes(*, ipv6: bool = False, rate: str | None = None) -> Iterator[tuple[Node, Node]]:
     """Two namespaces joined by a veth pair, IPv4 only or IPv6 only (then with no IPv4 address
-    but loopback's), torn down on the way out."""
+    but loopback's), each direction capped at ``rate`` when given, torn down on the way out."""
     tag = uuid.uuid4().hex[:6]
     names = (f"fdln{tag}a", f"fdln{tag}b")
     addresses = IPV6 if ipv6 else IPV4
@@ -93,6 +98,8 @@ def two_nodes(*, ipv6: bool = False) -> Iterator[tuple[Node, Node]]:
             extra = ["nodad"] if ipv6 else []  # usable at once, not after duplicate detection
             _ip("-n", name, "addr", "add", f"{address}/{prefix}", "dev", interface, *extra)
             _ip("-n", name, "link", "set", interface, "up")
+            if rate is not None:
+                _cap(name, interface, rate)
             nodes.append(Node(name, interface, address))
         for node in nodes:
             _wait_for_carrier(node)
@@ -101,6 +108,19 @@ def two_nodes(*, ipv6: bool = False) -> Iterator[tuple[Node, Node]]:
         for name in names:
             _kill_inside(name)
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def _cap(namespace: str, interface: str, rate: str) -> None:
+    """A token bucket on the interface's egress: ``rate`` sustained, a burst of 10 ms of it (at
+    least 64 KiB: tbf needs a burst above rate / HZ) and 50 ms of queue."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    number, unit = next((rate[:-len(u)], u) for u in units if rate.endswith(u))
+    burst = max(64 * 1024, int(float(number) * units[unit] / 8 / 100))
+    done = subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev",
+                           interface, "root", "tbf", "rate", rate, "burst", str(burst),
+                           "latency", "50ms"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc tbf {rate} on {interface}: {done.stderr.strip()}")
 
 
 def _wait_for_carrier(node: Node) -> None:

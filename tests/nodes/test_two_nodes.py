@@ -172,3 +172,16 @@ def test_a_node_that_fails_tells_its_peer_why(tmp_path, policy):
     assert ("error: the run lost a peer: rank 1 (node 1, " in out0 and
             f", {node1.address}) failed: ValueError: a bad batch at step 40 (the script's own "
             "error)" in out0), shown(outputs)
+
+
+def test_a_capped_link_carries_a_token_bucket_on_both_ends():
+    """scripts/bench-lan's slow links: both ends of the pair shape their egress to the rate
+    (tc tbf), so each direction is capped as a home LAN or WiFi caps it."""
+    need_namespaces()
+    with two_nodes(rate="100mbit") as nodes:
+        shown_qdiscs = [subprocess.run(node.command(["tc", "qdisc", "show", "dev",
+                                                     node.interface]),
+                                       capture_output=True, text=True, check=True).stdout
+                        for node in nodes]
+    for text in shown_qdiscs:
+        assert "qdisc tbf" in text and "rate 100Mbit" in text, text
