@@ -3,6 +3,7 @@
     fdl diagnose            # the report: Context, System, GPUs, Python torch, Compatibility
     fdl diagnose --json     # one JSON document ("schema": 1, see docs/cli.md)
     fdl diagnose --strict   # exit 1 when a GPU is not covered by the installed torch build
+    fdl diagnose --peer node0:29400   # can this node reach a rendezvous endpoint? (exit 1: no)
 
 The GPU survey honours ``CUDA_VISIBLE_DEVICES`` and the test seam ``FDL_GPU_SURVEY=<file.json>``.
 torch is probed in a subprocess; it is never imported here.
@@ -25,10 +26,18 @@ def diagnose(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     strict: Annotated[bool, typer.Option(
         "--strict", help="Exit 1 when any GPU is not covered by the installed torch.")] = False,
+    peer: Annotated[str | None, typer.Option(
+        "--peer", metavar="HOST[:PORT]",
+        help="Only check that this node reaches a rendezvous endpoint (port 29400 by default) "
+             "and say what blocks it; exit 1 when it does not.")] = None,
 ) -> None:
     """Survey GPUs, driver, CPU, tools and the torch wheel; say what to fix."""
     from fdl import console
     from fdl.libtorch.diagnose import collect_report
+
+    if peer is not None:
+        _peer(peer, json_output=json_output)
+        return
 
     with console.status("surveying host, GPUs and torch..."):
         report = collect_report()
@@ -37,6 +46,35 @@ def diagnose(
     else:
         _render(report)
     if strict and report.gpus_uncovered:
+        raise typer.Exit(1)
+
+
+def _peer(endpoint: str, *, json_output: bool) -> None:
+    """``--peer``: the check of :mod:`fdl.launch.peer_check`, shown or as JSON."""
+    from fdl import console
+    from fdl.launch.peer_check import check_peer
+    from fdl.libtorch.diagnose import Finding
+
+    with console.status(f"checking {endpoint}..."):
+        found = check_peer(endpoint)
+    if json_output:
+        console.print_json({"schema": 1, "peer": found.to_dict()})
+    else:
+        console.rule("Peer")
+        route = (f"{found.local_addr} on {found.interface or 'no interface of its own'}"
+                 if found.local_addr else None)
+        console.print_pairs([("endpoint", found.endpoint),
+                             ("address", f"{found.address} ({found.family})"
+                              if found.address else None),
+                             ("this node", route)])
+        level = "ok" if found.ok else "error"
+        _render_finding(Finding(level, found.message, found.hint))
+        if found.hostname_on_loopback:
+            _render_finding(Finding(
+                "info", "this host's name resolves to loopback: torch alone would advertise "
+                "127.0.0.1 to the other nodes; fdl run takes the address above from the "
+                "routes and exports its interface as GLOO_SOCKET_IFNAME", None))
+    if not found.ok:
         raise typer.Exit(1)
 
 

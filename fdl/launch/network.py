@@ -108,6 +108,8 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
     else:
         local = endpoint_address if owns_address(family, endpoint_address) \
             else route_source(family, endpoint_address, port)
+    from fdl.system.host import interface_of  # psutil: several nodes only, not every launch
+
     interface = interface_of(local)
     exported = {name: interface for name in INTERFACE_VARIABLES
                 if interface is not None and name not in user_set}
@@ -139,6 +141,8 @@ def loopback_interface() -> str | None:
                 return name
     except (OSError, ValueError):
         pass
+    from fdl.system.host import interface_of
+
     return interface_of("127.0.0.1")
 
 
@@ -215,23 +219,6 @@ def route_source(family: int, address: str, port: int) -> str:
                          f"({exc.strerror or exc})",
                          hint="check that this node is on the same network as the endpoint's "
                               "node (ip route get ADDRESS)") from exc
-
-
-def interface_of(address: str) -> str | None:
-    """The name of this node's interface that holds ``address`` (None: none does)."""
-    import psutil
-
-    wanted = ipaddress.ip_address(address.split("%")[0])
-    for name, addresses in psutil.net_if_addrs().items():
-        for entry in addresses:
-            if entry.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                if ipaddress.ip_address(entry.address.split("%")[0]) == wanted:
-                    return name
-            except ValueError:
-                continue
-    return None
 
 
 def _family(family: int) -> str:

@@ -18,7 +18,7 @@ from fdl.libtorch.coverage import BuildAdvice, BuildCoverage, advise_builds, che
 from fdl.libtorch.wheel import CPU_WHEEL as CPU_WHEEL_INSTALL
 from fdl.libtorch.wheel import torch_install
 from fdl.system.gpus import GpuSurvey
-from fdl.system.host import HostInfo
+from fdl.system.host import HostInfo, NetInterface
 from fdl.system.torchenv import TorchInfo
 from fdl.version import __version__
 
@@ -220,16 +220,31 @@ def _gpu_findings(survey: GpuSurvey, torch: TorchInfo, coverage: BuildCoverage |
     return findings
 
 
+def _families(interface: NetInterface) -> str:
+    """``IPv4``, ``IPv6`` or ``IPv4+IPv6`` (a dual-stack interface), from its addresses that
+    another machine could use (not link-local)."""
+    import ipaddress
+
+    usable = [a for a in interface.ipv4 + interface.ipv6
+              if not ipaddress.ip_address(a).is_link_local]
+    kinds = sorted({f"IPv{ipaddress.ip_address(a).version}" for a in usable})
+    return "+".join(kinds)
+
+
 def _host_findings(host: HostInfo, torch: TorchInfo) -> list[Finding]:
     findings = []
     routable = host.routable_interfaces
     if len(routable) > 1:
-        names = ", ".join(i.name for i in routable)
-        families = {"IPv4" if i.ipv4 else "IPv6" for i in routable}
+        names = ", ".join(f"{i.name} ({_families(i)})" for i in routable)
+        mixed = len({_families(i) for i in routable}) > 1
+        default = host.default_route_interface
         findings.append(Finding(
-            "info", f"several network interfaces ({names}): for multi-node runs pin gloo "
-            f"to the one the nodes share{' and one address family' if len(families) > 1 else ''}",
-            f"export GLOO_SOCKET_IFNAME={routable[0].name}"))
+            "info", f"several network interfaces ({names}): in a multi-node run fdl run "
+            "exports the one that routes to the rendezvous endpoint as GLOO_SOCKET_IFNAME and "
+            "NCCL_SOCKET_IFNAME (yours win when set)"
+            + (", and the job uses the endpoint's address family" if mixed else "")
+            + (f"; the default route leaves by {default}" if default else ""),
+            "fdl diagnose --peer NODE0:29400"))
     if torch.cuda_available:
         findings.append(Finding(
             "info", "torch sees CUDA: CPU workers (fdl run --nproc-per-node cpu, which hides "

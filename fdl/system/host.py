@@ -89,6 +89,7 @@ class HostInfo:
     container: str | None
     tools: tuple[ToolVersion, ...]
     interfaces: tuple[NetInterface, ...]
+    default_route_interface: str | None = None  # where traffic to the internet would leave
 
     @property
     def routable_interfaces(self) -> tuple[NetInterface, ...]:
@@ -119,6 +120,7 @@ def probe_host(*, tool_timeout_s: float = 5.0) -> HostInfo:
         container=detect_container(),
         tools=probe_tools(timeout_s=tool_timeout_s),
         interfaces=probe_interfaces(),
+        default_route_interface=default_route_interface(),
     )
 
 
@@ -217,3 +219,39 @@ def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
         return ipaddress.ip_address(address)
     except ValueError:
         return ipaddress.ip_address("0.0.0.0")
+
+
+#: documentation addresses (RFC 5737, RFC 3849): a route toward them is the default route
+_DEFAULT_ROUTE_PROBES = ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1"))
+
+
+def default_route_interface() -> str | None:
+    """The interface the default route leaves by (IPv4's, else IPv6's): the source address of a
+    UDP socket connected toward a documentation address (the kernel picks the route; nothing
+    is sent). None without a default route."""
+    for family, address in _DEFAULT_ROUTE_PROBES:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect((address, 9))
+                source = sock.getsockname()[0]
+        except OSError:
+            continue
+        name = interface_of(source)
+        if name is not None:
+            return name
+    return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's interface that holds ``address`` (None: none does)."""
+    wanted = _ip(address.split("%")[0])
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if _ip(entry.address.split("%")[0]) == wanted:
+                    return name
+            except ValueError:
+                continue
+    return None

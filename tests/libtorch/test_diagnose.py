@@ -128,11 +128,22 @@ def test_driver_too_old_for_blackwell():
     assert result.advice.driver_needed == "570.26"
 
 
-def test_multi_homed_host_gets_gloo_interface_advice():
-    host = dataclasses.replace(HOST, interfaces=(*HOST.interfaces, NetInterface("eth0", ("10.0.0.2",), (), True, False), NetInterface("wg0", (), ("fd00::2",), True, False)))
-    finding = next(f for f in report("none", CPU_TORCH, host).findings if "GLOO" in (f.command or ""))
-    assert finding.command == "export GLOO_SOCKET_IFNAME=eth0"
-    assert "address family" in finding.message
+def test_a_multi_homed_host_is_told_what_fdl_run_picks_from_the_routes():
+    """Not the alphabetically first interface (docker0 before enp4s0): fdl run picks the one
+    that routes to the endpoint, which `fdl diagnose --peer` shows; a dual-stack interface is
+    both families, not IPv4."""
+    interfaces = (*HOST.interfaces,
+                  NetInterface("docker0", ("172.17.0.1",), (), True, False),
+                  NetInterface("enp4s0", ("192.168.1.20",), ("fe80::1",), True, False),
+                  NetInterface("tailscale0", ("100.64.0.2",), ("fd7a::2",), True, False))
+    host = dataclasses.replace(HOST, interfaces=interfaces, default_route_interface="enp4s0")
+    finding = next(f for f in report("none", CPU_TORCH, host).findings
+                   if "several network interfaces" in f.message)
+    assert finding.command == "fdl diagnose --peer NODE0:29400"
+    assert "(docker0 (IPv4), enp4s0 (IPv4), tailscale0 (IPv4+IPv6))" in finding.message
+    assert "the job uses the endpoint's address family" in finding.message
+    assert finding.message.endswith("; the default route leaves by enp4s0")
+    assert "export GLOO_SOCKET_IFNAME" not in (finding.command or "")
 
 
 def test_nvcc_major_mismatch_is_noted():

@@ -15,6 +15,8 @@ import pytest
 from helpers import clean_env, end_process_tree, started, wait_all, wait_until
 from netns import Node, need_namespaces, two_nodes
 
+from fdl.launch.peer_check import hostname_on_loopback
+
 ROOT = Path(__file__).resolve().parents[2]
 DISAGREE = ROOT / "tests" / "engine" / "scripts" / "disagree_train.py"
 STOP_S = 30  # issue 27: a node with different data stops both within this
@@ -185,3 +187,38 @@ def test_a_capped_link_carries_a_token_bucket_on_both_ends():
                         for node in nodes]
     for text in shown_qdiscs:
         assert "qdisc tbf" in text and "rate 100Mbit" in text, text
+
+
+def peer_check(node: Node, endpoint: str) -> tuple[int, dict]:
+    proc = subprocess.run(node.command([sys.executable, "-m", "fdl", "diagnose", "--peer",
+                                        endpoint, "--json"]),
+                          capture_output=True, text=True, env=clean_env(), timeout=60)
+    return proc.returncode, json.loads(proc.stdout)["peer"]
+
+
+def test_diagnose_peer_says_what_stands_between_two_machines(tmp_path):
+    """`fdl diagnose --peer` from node 1: before node 0 listens, a refusal (start node 0 first);
+    once something listens on the endpoint, reachable, through the address and interface the
+    route gives; on node 0 itself, "this node"; a name that does not resolve, said so."""
+    need_namespaces()
+    with two_nodes() as (node0, node1):
+        endpoint = f"{node0.address}:{PORT}"
+        code, refused = peer_check(node1, endpoint)
+        assert code == 1 and refused["outcome"] == "refused", refused
+        assert "nothing listens on the port" in refused["message"]
+        assert (refused["local_addr"], refused["interface"]) == (node1.address, node1.interface)
+        listen = ("import socket, sys; s = socket.socket(); "
+                  f"s.bind(('{node0.address}', {PORT})); s.listen(); print('ready', flush=True);"
+                  " sys.stdin.read()")
+        with started(node0.command([sys.executable, "-c", listen]), stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, text=True) as listener:
+            assert listener.stdout.readline().strip() == "ready"
+            code, reachable = peer_check(node1, endpoint)
+            assert code == 0 and reachable["outcome"] == "reachable", reachable
+            code, own = peer_check(node0, endpoint)
+            assert code == 0 and own["outcome"] == "this node", own
+            assert "something already listens on the port" in own["message"]
+        code, unknown = peer_check(node1, "node-that-is-nowhere.invalid")
+        assert code == 1 and unknown["outcome"] == "unresolved", unknown
+        assert unknown["endpoint"] == "node-that-is-nowhere.invalid:29400"
+        assert unknown["hostname_on_loopback"] is hostname_on_loopback()  # this host's name
