@@ -28,7 +28,8 @@ random number::
   tail round barely moves it, a full round's mean is followed closely.
 * **Anchor.** ``wanted = sync_ms / (overhead_target * batch_size * ms_slow)`` is the anchor
   whose averaging costs ``overhead_target`` of the compute; above the current anchor it is
-  taken (rounded up, at most doubling per round), below half of it the anchor shrinks by one.
+  taken (rounded up), at most doubling at the first average that asks for it and whole when the
+  next one asks again; below half of it the anchor shrinks by one.
   Clamped to ``[min_anchor, min(max_anchor, ceiling)]``; the divergence guard lowers
   the ``ceiling`` (see :func:`with_ceiling`) so the tuner cannot undo a halving.
 
@@ -747,9 +748,11 @@ def _tuned_anchor(state: PlanState, stats: RoundStats) -> tuple[int, str]:
     """``wanted = sync_ms / (overhead_target * batch_size * ms_slow)``: the anchor at which an
     average costs ``overhead_target`` of a round's compute (``ms_slow`` the slowest rank's
     ms per sample as measured in the same round, so the figure does not depend on how long
-    that round was). Above the anchor, the anchor grows to ``ceil(wanted)`` but at most
-    doubles per round (one slow average, e.g. the first one while connections are made, must
-    not set the anchor for the run); below half of it, it shrinks by one. Clamped to
+    that round was). Above the anchor, the anchor grows to ``ceil(wanted)``: at most doubling
+    when the last round did not grow it (one slow average, e.g. the first one while connections
+    are made, must not set the anchor for the run), whole when it did and this average asks
+    again (a slow link: doubling from 4 to 200 took six rounds of a 0.9 s average each at
+    100 Mbit/s, 0.3 of a short run); below half of it, it shrinks by one. Clamped to
     ``[min_anchor, min(max_anchor, ceiling)]``. Unusable stats leave it alone."""
     config, anchor = state.config, state.anchor
     measured = [busy / n for busy, n in zip(stats.busy_ms, stats.samples, strict=True)
@@ -761,7 +764,8 @@ def _tuned_anchor(state: PlanState, stats: RoundStats) -> tuple[int, str]:
     overhead = stats.sync_ms / (anchor * batch_ms)
     if wanted > anchor:
         target, sign = config.overhead_target, ">"
-        new = min(math.ceil(wanted - _CEIL_TOLERANCE), 2 * anchor) if math.isfinite(wanted) \
+        limit = math.inf if _grew_last_round(state) else 2 * anchor
+        new = min(math.ceil(wanted - _CEIL_TOLERANCE), limit) if math.isfinite(wanted) \
             else 2 * anchor
     elif wanted < anchor / 2:
         target, sign, new = config.overhead_target / 2, "<", anchor - 1
@@ -770,6 +774,15 @@ def _tuned_anchor(state: PlanState, stats: RoundStats) -> tuple[int, str]:
     high = config.max_anchor if state.ceiling is None else min(config.max_anchor, state.ceiling)
     new = min(max(new, config.min_anchor), high)
     return new, f"overhead {overhead:.3g} {sign} {target:.3g}"
+
+
+def _grew_last_round(state: PlanState) -> bool:
+    """Whether the round just run (``state``: the state after it) was the first planned with an
+    anchor the tuner had grown."""
+    if not state.anchor_history:
+        return False
+    round_index, _, reason = state.anchor_history[-1]
+    return round_index == state.round_index - 1 and " > " in reason
 
 
 def _with_anchor(state: PlanState, anchor: int, reason: str) -> PlanState:

@@ -700,9 +700,24 @@ def test_anchor_grows_to_the_wanted_anchor():
     assert tuned(6.3).anchor == 7
 
 
-def test_anchor_at_most_doubles_per_round():
+def test_anchor_at_most_doubles_at_the_first_ask_and_grows_whole_at_the_second():
+    """One slow average (the first, while connections are made) at most doubles the anchor;
+    when the next average asks for more again (a slow link), it gets all it asks for, so the
+    anchor is not six rounds of costly averages away from where it pays."""
     assert tuned(50.0).anchor == 8
     assert tuned(50.0, anchor=8).anchor == 16
+    once = tuned(50.0)
+    sync_ms = 50.0 * TARGET * 10 * 1.0
+    again = run_round(once, measured(1.0, 1.0, sync_ms=sync_ms))
+    assert (once.anchor, again.anchor) == (8, 50)
+    assert again.anchor_history[-1] == (2, 50, "overhead 0.312 > 0.05")  # at anchor 8
+    # a round that held the anchor, then an ask: it doubles again
+    steady = run_round(again, measured(1.0, 1.0, sync_ms=sync_ms))
+    assert steady.anchor == 50 and steady.anchor_history == again.anchor_history
+    asks = run_round(replace(steady, anchor=10), measured(1.0, 1.0, sync_ms=4.0 * sync_ms))
+    assert asks.anchor == 20
+    # and a ceiling (the divergence guard's) still caps the whole growth
+    assert run_round(replace(once, ceiling=12), measured(1.0, 1.0, sync_ms=sync_ms)).anchor == 12
 
 
 def test_anchor_growth_is_not_inflated_by_float_noise():
@@ -1201,9 +1216,13 @@ def check_anchor(step: Round) -> None:
             0 <= stats.sync_ms < math.inf:  # a single worker's anchor is solo_anchor's
         wanted = stats.sync_ms / (config.overhead_target * config.batch_size * max(ms))
         high = min(config.max_anchor, state.ceiling or config.max_anchor)
-        if wanted > state.anchor:  # grow to the wanted anchor, at most doubling
-            grown = math.ceil(wanted - 1e-9) if math.isfinite(wanted) else math.inf
-            expected = min(max(min(grown, 2 * state.anchor), config.min_anchor), high)
+        if wanted > state.anchor:  # grow to the wanted anchor: at most doubling, unless the
+            # round just run was the first with an anchor grown (then all of it)
+            last = state.anchor_history[-1] if state.anchor_history else None
+            whole = last is not None and last[0] == state.round_index and " > " in last[2]
+            grown = math.ceil(wanted - 1e-9) if math.isfinite(wanted) else 2 * state.anchor
+            limit = grown if whole else 2 * state.anchor
+            expected = min(max(min(grown, limit), config.min_anchor), high)
         elif wanted < state.anchor / 2:  # shrink by one
             expected = min(max(state.anchor - 1, config.min_anchor), high)
     assert after.anchor == expected
