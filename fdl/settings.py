@@ -76,6 +76,13 @@ def parse_backend(value: Any) -> str:
     return _choice("backend", value, BACKENDS)
 
 
+AVERAGE_DTYPES = ("fp32", "bf16")
+
+
+def parse_average_dtype(value: Any) -> str:
+    return _choice("average_dtype", value, AVERAGE_DTYPES)
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     text = str(value).strip().lower()
     if text not in allowed:
@@ -410,6 +417,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("tensorboard", None, parse_tensorboard,
             "Write TensorBoard scalars: on (RUN_DIR/tensorboard), off, or a directory.",
             script=True, bare="on"),
+    _engine("average_dtype", "fp32", parse_average_dtype,
+            "fp32 | bf16: what an average sends (bf16: half the bytes, each rank's rounding "
+            "error carried to its next average)."),
     _engine("collective_timeout", None, parse_collective_timeout,
             "How long a collective waits for a peer before the run stops: 90s, 10m; auto: "
             "5m with several nodes, torch's own on one (30m over gloo)."),

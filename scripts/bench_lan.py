@@ -37,6 +37,10 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=2.5)
     parser.add_argument("--repeat", type=int, default=3,
                         help="seeds per cell (1..N), interleaved; the table shows medians")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="the policies run on two nodes, comma-separated")
+    parser.add_argument("--average-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="what an average sends on two nodes (fdl run --average-dtype)")
     parser.add_argument("--sync-time", default="40s",
                         help="sync's cells behind a cap stop after this much training (their "
                              "samples/s is what counts; a full run at 100 Mbit/s takes "
@@ -46,8 +50,10 @@ def main() -> None:
     args = parser.parse_args()
     rates = [rate.strip() for rate in args.rates.split(",") if rate.strip()]
     bad = [rate for rate in rates if not any(rate.endswith(u) for u in RATE_GBS)]
-    if bad or not args.slow > 1 or args.repeat < 1:
-        parser.error(f"--rates takes gbit/mbit caps (got {bad}), --slow > 1, --repeat >= 1")
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if bad or not args.slow > 1 or args.repeat < 1 or not set(args.policies) <= set(POLICIES):
+        parser.error(f"--rates takes gbit/mbit caps (got {bad}), --policies some of "
+                     f"{','.join(POLICIES)}, --slow > 1, --repeat >= 1")
     why = namespaces_unavailable()
     if why is not None:
         raise SystemExit(f"bench-lan: {why} (two network namespaces stand for two machines)")
@@ -57,7 +63,7 @@ def main() -> None:
     pair = f"1,{args.slow:g}"
     cells = [("solo fast", None, "cadence"), ("solo slow", None, "cadence"),
              ("sync, one node (accuracy)", None, "sync")]
-    cells += [(policy, rate, policy) for rate in rates for policy in POLICIES]
+    cells += [(policy, rate, policy) for rate in rates for policy in args.policies]
     runs: dict[tuple[str, str | None], list[dict]] = {(n, r): [] for n, r, _ in cells}
     for seed in range(1, args.repeat + 1):  # round-robin: a slow spell hits every cell
         for name, rate, policy in cells:
@@ -68,7 +74,8 @@ def main() -> None:
                                   slowdown=slowdown if "solo" in name else pair)
             else:
                 budget = ["--max-time", args.sync_time] if policy == "sync" else []
-                result = two_node_run(out, rate, policy, seed, [*model, *budget], pair)
+                result = two_node_run(out, rate, policy, seed, [*model, *budget], pair,
+                                      average_dtype=args.average_dtype)
             runs[(name, rate)].append(result)
             print(f"  seed {seed} {name:<26} {rate or 'no network':<10} "
                   f"{result['samples_per_s']:8.0f} samples/s", file=sys.stderr, flush=True)
@@ -94,7 +101,7 @@ def one_node(out: Path, policy: str, seed: int, model: list[str], *, nproc: int,
 
 
 def two_node_run(out: Path, rate: str, policy: str, seed: int, model: list[str],
-                 pair: str) -> dict:
+                 pair: str, *, average_dtype: str) -> dict:
     """docs/run.md's two-node command on two namespace nodes whose link is capped at
     ``rate``; node 0 trains at full speed, node 1 emulated ``pair``'s slower."""
     with two_nodes(rate=rate) as nodes:
@@ -104,6 +111,7 @@ def two_node_run(out: Path, rate: str, policy: str, seed: int, model: list[str],
             argv = node.command([sys.executable, "-m", "fdl", "run", "--nnodes", "2",
                                  "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
                                  "--quiet", "--policy", policy, "--seed", str(seed),
+                                 "--average-dtype", average_dtype,
                                  "--simulate-slowdown", pair, "--run-dir", str(out / f"node{n}"),
                                  str(EXAMPLE), *model])
             procs.append(subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE,
@@ -157,7 +165,8 @@ def simulated(rate: str, policy: str, args: argparse.Namespace) -> float:
                       bandwidth_gbs=_rate_gbs(rate), latency_ms=0.3 if _rate_gbs(rate) >=
                       GIGABIT_GBS else 3.0, overlap="thread", contention=0.1,
                       dataset_size=args.train_samples, epochs=args.epochs,
-                      batch_size=args.batch_size)
+                      batch_size=args.batch_size,
+                      value_bytes=2 if args.average_dtype == "bf16" else 4)
     return statistics.median(simulate(profile, policy, seed=seed).efficiency
                              for seed in range(args.repeat))
 
@@ -174,7 +183,8 @@ def render(runs: dict[tuple[str, str | None], list[dict]], rates: list[str],
         f"each, one thread), {time.strftime('%Y-%m-%d')}; node 1 emulated {args.slow:g}x "
         f"slower; MLP hidden {args.hidden}, batch {args.batch_size}, {args.epochs} epochs x "
         f"{args.train_samples} samples; medians of {args.repeat} seeds (min-max); sync behind "
-        f"a cap stops after {args.sync_time} of training.",
+        f"a cap stops after {args.sync_time} of training; averages sent in "
+        f"{args.average_dtype}.",
         "",
         f"ideal = solo fast + solo slow (no network) = {ideal:.0f} samples/s",
         "",
@@ -183,7 +193,7 @@ def render(runs: dict[tuple[str, str | None], list[dict]], rates: list[str],
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for rate in rates:
-        for policy in POLICIES:
+        for policy in args.policies:
             rows = runs[(policy, rate)]
             rates_s = sorted(r["samples_per_s"] for r in rows)
             gaps = [r["accuracy"] - ref for r, ref in zip(rows, reference, strict=True)

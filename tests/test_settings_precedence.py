@@ -45,6 +45,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "divergence_threshold": {"env": "0.25"},
     "overhead_target": {"env": "0.1"},
     "collective_timeout": {"flag": "90s", "env": "10m", "file": "2m"},
+    "average_dtype": {"flag": "bf16", "env": "bf16", "file": "bf16"},
     "run_dir": {"flag": "runs/flag", "env": "runs/env", "file": "runs/file"},
     "nproc_per_node": {"flag": "3", "env": "4", "file": 1},
     "max_restarts": {"flag": "1", "env": "2", "file": 3},

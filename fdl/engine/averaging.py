@@ -29,6 +29,22 @@ computes ``exact = theta + delta + residual``, stores ``theta = exact`` rounded 
 way (identical on every rank). Whoever overwrites theta from outside (a checkpoint restore)
 leaves a stale residual of at most half an ulp.
 
+**bf16 on the wire** (``--average-dtype bf16``, for a slow link): the parameters travel as
+bf16 displacements from the last average, half the bytes (with 2 ranks; a gather sends
+``(n - 1) / 2`` of a float32 all-reduce's bytes per rank, so none are saved from 4 ranks on).
+Every rank keeps that average, the *reference* R (float32, identical everywhere: the same
+bits), and sends ``q_r = bf16(w_r (theta_r - R) + e_r)``, keeping ``e_r`` (float32), what the
+rounding dropped, for its next average (error feedback: nothing is lost, it arrives one average
+late). The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every add, an
+error no rank could carry. Their float32 sum (in rank order: the same bits everywhere) plus R is
+the average (the weights sum to 1), landed in the float32 buffer, so what
+follows (loading it, async's delta, the divergence guard) is unchanged, and R becomes it. A
+displacement is small beside the parameters, so bf16's 8 bits of mantissa cost little of it;
+the parameters themselves in bf16 would lose the small updates. The integer and stats rows go in
+a float32 collective of their own, beside. The reference is the model as built (after rank 0's
+broadcast) and is taken again from the model where it was overwritten whole (a resume:
+:meth:`Averager.rebase`).
+
 * ``cpu``: the flat buffer lives in host memory (page-locked for a CUDA replica: the copies go
   by DMA, and none of fdl's averaging memory is on the card) and is reduced over a gloo group.
   Copies into and out of it are blocking, so no device-to-host copy is read before it completes and no
@@ -63,11 +79,14 @@ class Averager:
 
     def __init__(self, model: nn.Module, *, rank: int, world_size: int, backend: str,
                  device: torch.device, num_stats: int, params: bool = True,
-                 snapshot: bool = True, group: dist.ProcessGroup | None = None):
+                 snapshot: bool = True, group: dist.ProcessGroup | None = None,
+                 wire: str = "fp32"):
         """``params=False`` averages buffers only (``sync``: DDP keeps parameters identical,
         and re-averaging identical values could change their last bits). ``snapshot=False``
         (every policy but async, which applies ``average - snapshot`` a round late) keeps no
-        copy of the packed replica: its buffer's memory is not allocated."""
+        copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"``
+        sends the parameters as bf16 displacements (the module docstring); the replicas must
+        be identical when it is built."""
         self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
@@ -91,9 +110,38 @@ class Averager:
                                     pin_memory=pinned) if snapshot else None
         self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                           if t.dtype in LOW_PRECISION else None for t in self.tensors]
-        self.bytes = self.flat.numel() * self.flat.element_size()
+        # bf16 on the wire: the reference (the last average), the bf16 buffer, the error fed back
+        self.reference = self.wire = self.wire_error = None
+        self.gathered: list[torch.Tensor] = []
+        if wire == "bf16" and params and self.numel and dtype == torch.float32:
+            self.reference = torch.zeros(self.numel, dtype=dtype, device=buffer_device,
+                                         pin_memory=pinned)
+            self.wire = torch.zeros(self.numel, dtype=torch.bfloat16, device=buffer_device,
+                                    pin_memory=pinned)
+            self.wire_error = torch.zeros(self.numel, dtype=dtype, device=buffer_device)
+            # every rank's bf16 displacements, summed here in float32 (gloo would round a bf16
+            # sum to bf16 at every add: an error no rank could carry)
+            self.gathered = [torch.zeros_like(self.wire) for _ in range(world_size)]
+            self.rebase()
+        self.bytes = self.flat.numel() * self.flat.element_size() if self.wire is None else (
+            self.wire.numel() * self.wire.element_size()
+            + (self.flat.numel() - self.numel) * self.flat.element_size())
         if self.int_tensors:
             self._check_ints(self._int_values(torch.device("cpu")))
+
+    @torch.no_grad()
+    def rebase(self) -> None:
+        """bf16 on the wire: the reference := the replica as it is (identical on every rank: as
+        built, or as a checkpoint loaded it), nothing owed."""
+        if self.reference is None or self.wire_error is None:
+            return
+        offset = 0
+        for tensor, residual in zip(self.tensors, self.residuals, strict=True):
+            count = tensor.numel()
+            exact = tensor if residual is None else tensor.float() + residual
+            self.reference[offset:offset + count].copy_(exact.reshape(-1))
+            offset += count
+        self.wire_error.zero_()
 
     @torch.no_grad()
     def pack(self, *, weight: float, stats: Sequence[float], keep_snapshot: bool) -> None:
@@ -113,11 +161,44 @@ class Averager:
             self._pack_ints()
         row = self.stats_offset + self.rank * self.num_stats
         self.flat[row:row + self.num_stats] = torch.tensor(list(stats), dtype=self.flat.dtype)
+        if self.wire is not None:
+            self._pack_wire(weight)
 
-    def all_reduce(self, *, async_op: bool) -> dist.Work | None:
-        """The average's only collective: a SUM over ``group``."""
-        return dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group,
-                               async_op=async_op)
+    def _pack_wire(self, weight: float) -> None:
+        """bf16 on the wire: ``wire := bf16(w (theta - R) + e)``, ``e :=`` what it dropped."""
+        assert self.reference is not None and self.wire_error is not None
+        body = self.flat[:self.numel]  # w x theta, packed above
+        body.sub_(self.reference, alpha=weight).add_(self.wire_error)
+        self.wire.copy_(body)
+        torch.sub(body, self.wire.to(body.dtype), out=self.wire_error)
+
+    def all_reduce(self, *, async_op: bool) -> dist.Work | _WireAverage | None:
+        """The average's collective: a SUM over ``group`` (bf16 on the wire: two, a gather of
+        the bf16 displacements and the SUM of the float32 rows, landed as the average when
+        waited for)."""
+        if self.wire is None:
+            return dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=async_op)
+        works = [dist.all_gather(self.gathered, self.wire, group=self.group, async_op=True)]
+        if self.flat.numel() > self.numel:
+            works.append(dist.all_reduce(self.flat[self.numel:], op=dist.ReduceOp.SUM,
+                                         group=self.group, async_op=True))
+        pending = _WireAverage(self, works)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
+    @torch.no_grad()
+    def _land_wire(self) -> None:
+        """R + every rank's bf16 displacement, summed in float32 in rank order (the same bits
+        on every rank) -> the average, in the float32 buffer; R := it."""
+        assert self.reference is not None
+        body = self.flat[:self.numel]
+        body.copy_(self.reference)
+        for displacement in self.gathered:
+            body.add_(displacement.to(body.dtype))
+        self.reference.copy_(body)
 
     def stats(self) -> list[list[float]]:
         """Every rank's stats row, after the reduction completed."""
@@ -181,9 +262,11 @@ class Averager:
 
     def memory_bytes(self) -> tuple[int, int]:
         """fdl's own memory for this replica, (on the model's device, in host memory): the
-        flat buffer, the snapshot and the bf16/fp16 residuals."""
+        flat buffer, the snapshot, the bf16/fp16 residuals and, bf16 on the wire, the
+        reference, the bf16 buffer and the error fed back."""
         on_device = on_host = 0
-        for tensor in (self.flat, self.snapshot, *self.residuals):
+        for tensor in (self.flat, self.snapshot, *self.residuals, self.reference, self.wire,
+                       self.wire_error, *self.gathered):
             if tensor is None:
                 continue
             size = tensor.numel() * tensor.element_size()
@@ -228,6 +311,20 @@ class Averager:
             count = tensor.numel()
             tensor.copy_(maximum[offset:offset + count].view_as(tensor))
             offset += count
+
+
+class _WireAverage:
+    """bf16 on the wire: the collectives of one average in flight; :meth:`wait` waits for them
+    and lands the average (a ``dist.Work`` to its callers)."""
+
+    def __init__(self, averager: Averager, works: list[dist.Work]):
+        self.averager, self.works = averager, works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.averager._land_wire()
+        return True
 
 
 def _store_rounded(tensor: torch.Tensor, residual: torch.Tensor, exact: torch.Tensor) -> None:

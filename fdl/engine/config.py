@@ -29,6 +29,9 @@ class EngineConfig:
     simulate_slowdown: tuple[float, ...] | None
     checkpoint_every: str | None  # "N" epochs or "<seconds>s" (settings.parse_checkpoint_every)
     tensorboard: str | None  # "on" or a directory (fdl.engine.tensorboard.log_dir)
+    # What an average sends: "fp32", or "bf16" (fdl.engine.averaging: displacements, error fed
+    # back).
+    average_dtype: str
     # Seconds a collective waits for a peer; None: fdl.engine.collectives.group_timeout decides.
     collective_timeout: float | None
     # One choice for every rank, or one per rank; fdl.engine.precision says which rank trains in

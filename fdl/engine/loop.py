@@ -534,7 +534,7 @@ class Run:
         return Averager(model, rank=self.rank, world_size=self.world_size,
                         backend=group.backend, device=self.device, num_stats=NUM_STATS,
                         group=group.process_group, params=policy.averages_params,
-                        snapshot=policy.background)
+                        snapshot=policy.background, wire=self.config.average_dtype)
 
     def _chose(self, replica: Replica, choice: PolicyChoice) -> None:
         """``--policy auto`` chose (fdl.engine.rounds, alike on every rank, right after a

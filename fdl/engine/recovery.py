@@ -174,6 +174,8 @@ def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) ->
                          f"not fit this run's ({str(exc).splitlines()[0][:300]})",
                          hint="resume with the same model and optimizer, or start a new "
                               "run") from exc
+    if replica.averager is not None:  # bf16 on the wire: its reference is the loaded model
+        replica.averager.rebase()
     _restore_rng(rank_state["rng"], replica.device)
     restored = RankState.from_dict(rank_state["rank_state"])
     # A mid-epoch checkpoint carries the epoch's loss so far; with another world size the

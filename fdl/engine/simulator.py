@@ -65,9 +65,15 @@ class Profile:
     dataset_size: int = 50_000
     epochs: int = 3
     max_samples: int | None = None  # the run's sample budget (PlanConfig.max_samples)
+    value_bytes: int = 4  # what an average sends per value: 4 (fp32), 2 (--average-dtype bf16)
 
     @property
     def reduce_ms(self) -> float:
+        return self.latency_ms + self.value_bytes * self.params / (self.bandwidth_gbs * 1e6)
+
+    @property
+    def gradient_reduce_ms(self) -> float:
+        """sync's all-reduce of float32 gradients (the average's dtype does not touch it)."""
         return self.latency_ms + 4 * self.params / (self.bandwidth_gbs * 1e6)
 
     def step_ms(self, rank: int, samples: int, rng: random.Random) -> float:
@@ -251,7 +257,7 @@ def _simulate_sync(profile: Profile, config: PlanConfig, rng: random.Random, *,
                  for r, s in enumerate(plan.slices)]
         for r in range(world):
             busy_total[r] += steps[r]
-        wall += max(steps) + DDP_EXPOSED * profile.reduce_ms
+        wall += max(steps) + DDP_EXPOSED * profile.gradient_reduce_ms
         state = advance(state, plan, RoundStats.unknown(world))
     return SimResult(profile.name, name or config.policy.name, trained,
                      wall / 1000, profile.ideal_samples_per_s, averages, 1,

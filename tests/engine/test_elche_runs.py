@@ -103,11 +103,14 @@ def check_ddp_communication_is_sync(run_dir: Path) -> None:
     assert report["ranks"][1]["time_s"]["emulated"] > 0 == report["ranks"][0]["time_s"]["emulated"]
 
 
-@pytest.mark.parametrize("policy", ["cadence", "async"])
-def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "average_dtype"), [
+    ("cadence", "fp32"), ("async", "fp32"), ("cadence", "bf16"), ("async", "bf16")])
+def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, average_dtype):
+    """bf16 on the wire too: every rank lands the same float32 sum of the gathered
+    displacements on the same reference."""
     _, run_dir = fdl_train(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",
-                           "--epochs", "6", script_args=("--batch-norm",),
-                           env={"FDL_VERIFY_REPLICAS": "1"})
+                           "--epochs", "6", "--average-dtype", average_dtype,
+                           script_args=("--batch-norm",), env={"FDL_VERIFY_REPLICAS": "1"})
     events = [read_events(run_dir, r) for r in (0, 1)]
     checks = [[(e["round"], e["checksum"]) for e in ev if e["kind"] == "sync" and
                "checksum" in e] for ev in events]
