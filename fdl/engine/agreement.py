@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fdl.engine.config import plain
-from fdl.engine.peers import PEERS, node_label
+from fdl.engine.peers import ATTEMPT, NODES, PEERS, node_index, node_label, own_attempt
 from fdl.errors import UsageError
 
 if TYPE_CHECKING:
@@ -86,11 +86,13 @@ def agree(facts: Mapping[str, str], *, world_size: int, group: Any = None) -> No
     :class:`DisagreementError` on every rank at the first difference."""
     if world_size <= 1:
         return
-    mine = (node_label(), dict(facts))
+    mine = (node_label(), node_index(), own_attempt(), dict(facts))
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine, group=group)
-    PEERS[:] = [label for label, _ in gathered]
-    problem = first_difference(gathered)
+    PEERS[:] = [label for label, _, _, _ in gathered]
+    NODES[:] = [node for _, node, _, _ in gathered]
+    ATTEMPT[:] = [max(attempt for _, _, attempt, _ in gathered)]
+    problem = first_difference([(label, facts) for label, _, _, facts in gathered])
     if problem is not None:
         raise DisagreementError(problem, hint="run the same fdl, torch, script, settings and "
                                               "data on every node (fdl run --dry-run on each "

@@ -25,7 +25,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fdl.engine.peers import STOPPED_WITH_IT, PeerGone, failed_line, peer_name, posted_cause
+from fdl.engine.peers import (
+    STOPPED_WITH_IT,
+    PeerGone,
+    failed_line,
+    group_attempt,
+    peer_name,
+    posted_cause,
+)
 
 __all__ = ["PeerGone", "liveness", "store_clone", "wait_alive", "wait_for"]
 
@@ -80,7 +87,7 @@ _CURRENT: dict[str, Liveness] = {}
 
 def liveness(store: Any) -> Liveness:
     """This process's :class:`Liveness` on ``store``, started at the first call."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = group_attempt()
     key = f"fdl/alive/{attempt}/"
     current = _CURRENT.get(key)
     if current is None:  # one per attempt (a restarted group ticks under its own keys)

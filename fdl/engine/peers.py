@@ -30,6 +30,14 @@ from fdl.settings import NODE_ADDR_ENV
 
 #: every rank's :func:`node_label`, by rank, once the group has agreed
 PEERS: list[str] = []
+#: every rank's node (``GROUP_RANK``), by rank, once the group has agreed
+NODES: list[int] = []
+#: the group's restart attempt, once agreed: the highest ``TORCHELASTIC_RESTART_COUNT`` of its
+#: ranks. The nodes' counts differ: an agent restarts its workers uncounted when another node
+#: rejoins (its own workers did not fail), so after node 1's crash node 0's workers start again
+#: as attempt 0 and node 1's as attempt 1; keyed by their own counts, they would wait for
+#: each other under different keys, and only node 1 would resume.
+ATTEMPT: list[int] = []
 #: the group's store, kept from ``fdl.init`` (:func:`keep_store`): when a failure is told, the
 #: group itself may be gone (the Trainer leaves it as the script fails)
 _STORE: list[Any] = []
@@ -74,6 +82,28 @@ def node_label() -> str:
     address = os.environ.get(NODE_ADDR_ENV)
     return f"node {os.environ.get('GROUP_RANK', '0')}, {socket.gethostname()}" + (
         f", {address}" if address else "")
+
+
+def own_attempt() -> int:
+    """This process's ``TORCHELASTIC_RESTART_COUNT`` (0 without one)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def group_attempt() -> int:
+    """The attempt every rank of the group keys its store messages by and resumes on
+    (:data:`ATTEMPT`); this process's own count before the group agreed, or alone."""
+    return ATTEMPT[0] if ATTEMPT else own_attempt()
+
+
+def node_index() -> int:
+    """This rank's node (``GROUP_RANK``; 0 alone)."""
+    return int(os.environ.get("GROUP_RANK", "0") or 0)
+
+
+def away_from_rank0() -> list[int]:
+    """The ranks on another node than rank 0's (they cannot read rank 0's disk), once the
+    group has agreed; none before, or alone."""
+    return [rank for rank, node in enumerate(NODES) if NODES and node != NODES[0]]
 
 
 def peer_name(rank: int) -> str:
@@ -160,7 +190,7 @@ def cause_within(store: Any, *, rank: int, world_size: int) -> tuple[int, str] |
 
 
 def _key() -> str:
-    return f"{CAUSE_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return f"{CAUSE_KEY}{group_attempt()}/"
 
 
 def _bounded(call: Callable[[], None]) -> bool:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fdl.engine.collectives import all_reduce_sum
+from fdl.engine.peers import PEERS, away_from_rank0, group_attempt
 from fdl.engine.plan import PlanConfig, PlanState, saved_state_problem
 from fdl.engine.rounds import Replica
 from fdl.engine.state import RankState, RoundReport
@@ -50,7 +51,9 @@ from fdl.settings import RESUME_ENV
 
 
 def restart_attempt(env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
+    """The group's restart attempt (fdl.engine.peers.group_attempt), or ``env``'s count."""
+    if env is None:
+        return group_attempt()
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
@@ -62,9 +65,10 @@ def find_resume_checkpoint(run_dir: Path | None, *, rank: int, world_size: int,
     and tells the others its choice: one read of a large model instead of one per rank, and
     every rank resumes from the same checkpoint. With ``FDL_RESUME=1`` (``fdl run --resume``)
     and none usable, every rank raises the same UsageError."""
+    attempt = restart_attempt(env)  # the group's (env None): the same on every node
     env = os.environ if env is None else env
     explicit = env.get(RESUME_ENV) == "1"
-    if run_dir is None or not (explicit or restart_attempt(env) > 0):
+    if run_dir is None or not (explicit or attempt > 0):
         return None, []
     found: list[Any] = [latest_checkpoint(run_dir, check=checkpoint_problem)
                         if rank == 0 else None]
@@ -158,14 +162,14 @@ class Resumed:
 
 
 def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) -> Resumed:
-    """Load ``checkpoint`` into ``replica`` (model, optimizer, RNG) and rebuild the plan state."""
-    engine = checkpoint.engine_state()
+    """Load ``checkpoint`` into ``replica`` (model, optimizer, RNG) and rebuild the plan state
+    (a rank on another node than rank 0's receives its part from rank 0)."""
+    engine, model_state, rank_state = _checkpoint_parts(checkpoint, replica.rank)
     if engine["dataset_size"] != plan_config.dataset_size:
         raise UsageError(f"cannot resume from {checkpoint.path}: it was trained on "
                          f"{engine['dataset_size']} samples, this run has "
                          f"{plan_config.dataset_size}",
                          hint="resume with the same training data, or start a new run")
-    model_state, rank_state = load_rank_state(checkpoint, rank=replica.rank)
     try:
         replica.model.load_state_dict(model_state)
         replica.optimizer.load_state_dict(rank_state["optimizer"])
@@ -232,10 +236,13 @@ class Checkpointer:
             self.run_dir, round_index=state.round_index, rank=replica.rank,
             world_size=replica.world_size,
             model_state=replica.model.state_dict() if replica.rank == 0 else None,
-            rank_state=_rank_state(replica, self.user_state), engine_state={**state.to_dict(), "history": self.history},
-            gather=_gatherer(replica.world_size))
+            rank_state=_rank_state(replica, self.user_state),
+            engine_state={**state.to_dict(), "history": self.history},
+            gather=_gatherer(replica.world_size), away=away_from_rank0(),
+            to_rank0=_to_rank0(replica.rank, replica.world_size))
         replica.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
-                              position=state.position, name=path.name, bytes=_size(path),
+                              position=state.position, name=path.name,
+                              bytes=_size(path) if path.is_dir() else None,  # on rank 0's node
                               write_s=time.perf_counter() - begin)
         self.last = time.perf_counter()
 
@@ -249,6 +256,32 @@ def _gatherer(world_size: int) -> Any:
         return out
 
     return gather
+
+
+def _to_rank0(rank: int, world_size: int) -> Any:
+    def to_rank0(obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    return to_rank0
+
+
+def _checkpoint_parts(checkpoint: Checkpoint, rank: int
+                      ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The checkpoint's engine state, model state and this rank's state. The ranks on rank 0's
+    node read them from its disk; rank 0 reads those of the ranks on other nodes, which cannot,
+    and hands each its own (a scatter: every rank takes part, or none when all are on rank 0's
+    node)."""
+    away = away_from_rank0()
+    parts: list[Any] = [None]
+    if away:
+        given = [(checkpoint.engine_state(), *load_rank_state(checkpoint, rank=r))
+                 if r in away else None for r in range(len(PEERS))] if rank == 0 else None
+        dist.scatter_object_list(parts, given, src=0)
+    if parts[0] is not None:
+        return parts[0]
+    return (checkpoint.engine_state(), *load_rank_state(checkpoint, rank=rank))
 
 
 def _rank_state(replica: Replica, user_state: dict[str, Any]) -> dict[str, Any]:

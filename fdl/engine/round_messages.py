@@ -5,12 +5,12 @@ fdl.engine.plan decides when a round has either)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from fdl.engine.liveness import Liveness, liveness, store_clone, wait_alive, wait_for
+from fdl.engine.peers import group_attempt
 from fdl.engine.plan import RoundPlan, pool_take
 
 
@@ -170,9 +170,10 @@ class SharedPool:
 
 
 def restart_attempt() -> str:
-    """torchelastic's restart count: a key holds it, so an attempt never reads the counters an
-    earlier attempt left in a store that outlived it."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    """The group's restart attempt (fdl.engine.peers.group_attempt: the same on every node):
+    a key holds it, so an attempt never reads the counters an earlier attempt left in a store
+    that outlived it."""
+    return str(group_attempt())
 
 
 def _required_store() -> Any:

@@ -97,7 +97,9 @@ def preflight(spec: LaunchSpec) -> socket.socket | None:
             not _installed("tensorboard"):
         raise UsageError("--tensorboard needs the tensorboard package, which is not installed",
                          hint=INSTALL_HINT)
-    if spec.run_dir_use == "resume":
+    if spec.run_dir_use == "resume" and spec.rendezvous.max_nodes == 1:
+        # several nodes: rank 0's node holds the checkpoints (fdl.engine.recovery); the others
+        # learn which one from it, and every node stops alike when it has none
         from fdl.launch.resume import check_resumable
 
         check_resumable(spec.run_dir)

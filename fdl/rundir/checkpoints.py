@@ -43,7 +43,7 @@ import os
 import re
 import shutil
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,19 +114,34 @@ def file_digest(path: Path) -> dict[str, Any]:
 def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: int,
                      model_state: dict[str, Any] | None, rank_state: dict[str, Any],
                      engine_state: dict[str, Any],
-                     gather: Callable[[Any], list[Any]]) -> Path:
+                     gather: Callable[[Any], list[Any]],
+                     away: Collection[int] = (),
+                     to_rank0: Callable[[Any], list[Any] | None] | None = None) -> Path:
     """Write one checkpoint; every rank calls it at the same point.
 
     ``gather(obj)`` returns every rank's ``obj`` in rank order (an all-gather; it doubles as
-    the barrier). ``model_state`` and ``engine_state`` are used on rank 0 only.
+    the barrier). ``model_state`` and ``engine_state`` are used on rank 0 only. ``away``: the
+    ranks on another node than rank 0's, which cannot write to its disk: they hand their state
+    to rank 0 through ``to_rank0(obj)`` (a gather to rank 0: its list, None elsewhere), which
+    writes their files, so the checkpoint on rank 0's node is complete; they write nothing.
     """
     import torch
 
     root = run_dir / DIRNAME
     name = checkpoint_name(round_index)
     staging = root / f".tmp-{name}"
-    staging.mkdir(parents=True, exist_ok=True)
-    files = {f"rank{rank}.pt": _save(torch, rank_state, staging / f"rank{rank}.pt")}
+    files = {}
+    if rank not in away:
+        staging.mkdir(parents=True, exist_ok=True)
+        files[f"rank{rank}.pt"] = _save(torch, rank_state, staging / f"rank{rank}.pt")
+    if away:
+        assert to_rank0 is not None, "ranks away from rank 0 need to_rank0"
+        carried = to_rank0(rank_state if rank in away else None)
+        if rank == 0:
+            assert carried is not None
+            for other in sorted(away):
+                files[f"rank{other}.pt"] = _save(torch, carried[other],
+                                                 staging / f"rank{other}.pt")
     if rank == 0:
         assert model_state is not None
         files[MODEL_FILE] = _save(torch, model_state, staging / MODEL_FILE)

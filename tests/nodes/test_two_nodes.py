@@ -5,6 +5,8 @@ its own network stack and an interface name of its own, run the documented multi
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -222,3 +224,62 @@ def test_diagnose_peer_says_what_stands_between_two_machines(tmp_path):
         assert code == 1 and unknown["outcome"] == "unresolved", unknown
         assert unknown["endpoint"] == "node-that-is-nowhere.invalid:29400"
         assert unknown["hostname_on_loopback"] is hostname_on_loopback()  # this host's name
+
+
+def worker_pids(node: Node) -> list[int]:
+    """The training workers running in ``node``'s namespace (``python -m fdl.launch.worker``)."""
+    import psutil
+
+    listed = subprocess.run(["ip", "netns", "pids", node.namespace], capture_output=True,
+                            text=True).stdout.split()
+    found = []
+    for pid in map(int, listed):
+        try:
+            if "fdl.launch.worker" in psutil.Process(pid).cmdline():
+                found.append(pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_two_nodes_survive_a_killed_worker_from_a_checkpoint_on_node0(tmp_path):
+    """Each node its own run directory (no shared disk), a checkpoint every epoch: node 1's
+    rank hands its state to rank 0, so the checkpoint on node 0 is complete. Node 1's worker is
+    killed after the first checkpoint; --max-restarts restarts both nodes' workers, which resume
+    from that checkpoint (node 1's rank from what rank 0 reads for it) and finish."""
+    need_namespaces()
+    train = ["--hidden", "64", "--train-samples", "60000", "--epochs", "4"]
+    with two_nodes() as (node0, node1), ExitStack() as stack:
+        endpoint = f"{node0.address}:{PORT}"
+        procs = [stack.enter_context(started(
+            documented_command(node, endpoint, tmp_path / f"node{n}", "--checkpoint-every",
+                               "1", "--max-restarts", "1", script=(str(EXAMPLE), *train)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            env=clean_env({"OMP_NUM_THREADS": "1"}))) for n, node in enumerate((node0, node1))]
+        checkpoints = tmp_path / "node0" / "checkpoints"
+        wait_until(lambda: any((c / "manifest.json").is_file() for c in checkpoints.glob("ckpt-*"))
+                   if checkpoints.is_dir() else False,
+                   "node 0's first checkpoint", proc=procs[0], timeout=DEADLINE_S)
+        first = sorted(c.name for c in checkpoints.glob("ckpt-*"))[0]
+        manifest = json.loads((checkpoints / first / "manifest.json").read_text())
+        assert {"rank0.pt", "rank1.pt", "model.pt"} <= set(manifest["files"]), manifest
+        assert not (tmp_path / "node1" / "checkpoints").exists()  # node 1 wrote nothing
+        for pid in worker_pids(node1):
+            os.kill(pid, signal.SIGKILL)
+        outputs = wait_all(procs, deadline=time.monotonic() + DEADLINE_S)
+    results = [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
+    assert [code for code, _ in results] == [0, 0], shown(results)
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["resumed_from"] == first and summary["attempt"] == 1, summary
+    assert summary["epochs"] == 4
+    # and `fdl run --resume` on both nodes, each its own run directory, trains one epoch more
+    # from the newest checkpoint, which only node 0 holds
+    with two_nodes() as (node0, node1):
+        endpoint = f"{node0.address}:{PORT}"
+        resumed = run_nodes([node.command([
+            sys.executable, "-m", "fdl", "run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", endpoint, "--quiet", "--resume", str(tmp_path / f"node{n}"),
+            "--epochs", "5"]) for n, node in enumerate((node0, node1))], tmp_path)
+    assert [code for code, _ in resumed] == [0, 0], shown(resumed)
+    again = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert again["epochs"] == 5 and again["resumed_from"] > first, again
