@@ -30,8 +30,8 @@ way (identical on every rank). Whoever overwrites theta from outside (a checkpoi
 leaves a stale residual of at most half an ulp.
 
 **bf16 on the wire** (``--average-dtype bf16``, for a slow link): the parameters travel as
-bf16 displacements from the last average, half the bytes (with 2 ranks; a gather sends
-``(n - 1) / 2`` of a float32 all-reduce's bytes per rank, so none are saved from 4 ranks on).
+bf16 displacements from the last average, half the bytes (with 2 ranks: a gather of bf16
+sends ``n / 4`` of a float32 ring all-reduce's bytes per rank, so none are saved from 4 ranks).
 Every rank keeps that average, the *reference* R (float32, identical everywhere: the same
 bits), and sends ``q_r = bf16(w_r (theta_r - R) + e_r)``, keeping ``e_r`` (float32), what the
 rounding dropped, for its next average (error feedback: nothing is lost, it arrives one average
