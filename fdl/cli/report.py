@@ -102,6 +102,7 @@ def _figures(doc: dict[str, Any]) -> list[tuple[str, Any]]:
         ("efficiency", _pct(doc["efficiency"])),
         ("sync", f"{sync['rounds']} averages, mean {_num(sync['mean_ms'], '.1f')} ms, "
                  f"overhead {_pct(sync['overhead'])}"),
+        ("link", _link(doc.get("link") or {})),
         *[("anchor" if index == 0 else "", line)
           for index, line in enumerate(anchors or ["unchanged"])],
         ("emulated", ",".join(f"{f:g}" for f in doc["emulated_slowdown"])
@@ -109,6 +110,26 @@ def _figures(doc: dict[str, Any]) -> list[tuple[str, Any]]:
         ("eval", "  ".join(f"{k} {v:.4f}" for k, v in doc["eval"].items()) or None),
         ("final loss", _num(doc["final_loss"], ".4f")),
     ]
+
+
+def _link(link: dict[str, Any]) -> str | None:
+    """What crossed the link, in one line (None: nothing recorded)."""
+    parts = []
+    if link.get("average_bytes"):
+        part = f"{link['average_bytes'] / 1e6:.2f} MB per average"
+        if link.get("average_dtype") == "bf16":
+            part += " (bf16)"
+        if link.get("blocking_mb_per_s"):
+            part += (f", blocking ones {link['blocking_average_ms']:.0f} ms: "
+                     f"{link['blocking_mb_per_s']:.1f} MB/s")
+        parts.append(part)
+    if link.get("gradient_bytes"):
+        part = f"{link['gradient_bytes'] / 1e6:.2f} MB of gradients per step"
+        if link.get("gradient_mb_per_s"):
+            part += (f", {link['gradient_ms_per_step']:.1f} ms each: "
+                     f"{link['gradient_mb_per_s']:.1f} MB/s")
+        parts.append(part)
+    return "; ".join(parts) or None
 
 
 def _pct(x: float | None) -> str:

@@ -733,6 +733,12 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "peak_memory_bytes": [m[1] if m[1] >= 0 else None for m in memories],
                "fdl_memory_bytes": [{"device": m[2], "host": m[3]} for m in memories],
                "ddp_comm_s": [r.comm_s for r in per_rank],
+               # what crosses the link: an average's bytes (as sent: bf16 on the wire halves
+               # them) and, for sync, the gradients DDP all-reduces every step (float32)
+               "average_bytes": replica.averager.bytes if replica.averager is not None else 0,
+               "average_dtype": config.average_dtype,
+               "gradient_bytes": sum(p.numel() * p.element_size()
+                                     for p in replica.model.parameters() if p.requires_grad),
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,
                "attempt": restart_attempt(), "resumed_from": resumed_from,
                # node 0's NCCL_P2P_DISABLE and why (each node checks its own GPUs)

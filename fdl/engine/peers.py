@@ -51,6 +51,7 @@ _BY_PEER = re.compile(r"[Cc]onnection (?:closed|reset) by peer")
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:%]+)\]:\d+")
 # gloo: "Timed out waiting 3000ms for recv operation to complete"
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
+_PRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 class PeerGone(FdlError):
@@ -80,8 +81,7 @@ def node_label() -> str:
     """Which node a rank is on, as people name it: the node rank, the host name and, with
     several nodes, the node's address (``FDL_NODE_ADDR``, from fdl.launch.network)."""
     address = os.environ.get(NODE_ADDR_ENV)
-    return f"node {os.environ.get('GROUP_RANK', '0')}, {socket.gethostname()}" + (
-        f", {address}" if address else "")
+    return f"node {node_index()}, {socket.gethostname()}" + (f", {address}" if address else "")
 
 
 def own_attempt() -> int:
@@ -178,7 +178,8 @@ def posted_cause(reader: Any, *, rank: int, world_size: int) -> tuple[int, str] 
         return None
     for other in range(world_size):
         if other != rank and reader.check([f"{key}{other}"]):
-            return other, reader.get(f"{key}{other}").decode("utf-8", "replace")[:MAX_CAUSE]
+            text = reader.get(f"{key}{other}").decode("utf-8", "replace")[:MAX_CAUSE]
+            return other, _PRINTABLE.sub("?", text)  # a cause is printed: no escape sequences
     return None
 
 

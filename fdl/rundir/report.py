@@ -103,10 +103,50 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "ideal_samples_per_s": ideal or None,
         "efficiency": measured / ideal if ideal and measured else None,
         "ranks": ranks, "sync": summary["sync"],
+        "link": link_figures(summary, timelines[0].events if timelines else []),
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
     }
+
+
+def link_figures(summary: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What crossed the link between the ranks, from rank 0's view: an average's bytes as sent
+    (``average_bytes``, or the sync events' ``bytes``), the blocking averages' median time
+    (rank 0's sync events: the transfer with the packing around it) and the rate that makes,
+    which is about what the link carried; for sync, the float32 gradients DDP all-reduces each
+    step and, where the run timed that all-reduce (``ddp_comm_s``, under an emulated slowdown),
+    its rate. None where the run did not record a figure (an older summary, a single worker).
+    The link's own capacity is not measured: the rates are what the averages got of it."""
+    syncs = [e for e in events if e["kind"] == "sync"]
+    sent = summary.get("average_bytes")
+    recorded = [e["bytes"] for e in syncs if _whole(e.get("bytes"))]
+    if not _whole(sent) and recorded:
+        sent = max(recorded)
+    sent = sent if _whole(sent) and sent > 0 else None
+    blocking = sorted(e["end"] - e["start"] for e in syncs
+                      if e.get("blocking") is True and is_finite(e.get("start"))
+                      and is_finite(e.get("end")) and e["end"] > e["start"])
+    median_s = blocking[len(blocking) // 2] if blocking else None
+    gradient = summary.get("gradient_bytes")
+    gradient = gradient if _whole(gradient) and gradient > 0 else None
+    steps = sum(e["steps"] for e in events if e["kind"] == "round")
+    comm = summary.get("ddp_comm_s")
+    comm_s = comm[0] if isinstance(comm, list) and comm and is_finite(comm[0]) and         comm[0] > 0 else None
+    per_step = comm_s / steps if comm_s and steps and summary.get("policy") == "sync" else None
+    dtype = summary.get("average_dtype")
+    return {
+        "average_bytes": sent, "average_dtype": dtype if dtype in ("fp32", "bf16") else None,
+        "averages": len(syncs), "blocking_average_ms": median_s * 1000 if median_s else None,
+        "blocking_mb_per_s": sent / median_s / 1e6 if sent and median_s else None,
+        "gradient_bytes": gradient if summary.get("policy") == "sync" else None,
+        "gradient_ms_per_step": per_step * 1000 if per_step else None,
+        "gradient_mb_per_s": gradient / per_step / 1e6 if gradient and per_step else None,
+    }
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def _per_rank(summary: dict[str, Any], key: str, count: int) -> list[str | None]:

@@ -58,6 +58,11 @@ def test_a_failing_rank_posts_its_cause_and_a_peer_reads_it(store, labels):
     assert peers.failed_line(*failed) == ("the run lost a peer: rank 1 (node 1, b, 198.18.0.2) "
                                          "failed: ValueError: a bad batch")
     assert len(peers.cause_of(RuntimeError("x" * 5000))) == peers.MAX_CAUSE
+    # a cause is printed on the other node's terminal: no escape sequence reaches it
+    peers.tell_peers(store, "ValueError: \x1b]0;owned\x07 \u202eevil", rank=2)
+    assert peers.posted_cause(store, rank=0, world_size=3) == (1, "ValueError: a bad batch")
+    assert peers.posted_cause(store, rank=1, world_size=3) == (
+        2, "ValueError: ?]0;owned? ?evil")
 
 
 def test_a_wait_stops_as_soon_as_a_peer_posts_why_it_failed(store, labels):

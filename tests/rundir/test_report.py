@@ -282,3 +282,37 @@ def test_a_step_of_an_accumulating_loop_counts_its_batches(tmp_path, accumulate,
     doc = build_report(summary, timelines, batch_size=10)
     for mine, before in zip(doc["ranks"], plain["ranks"], strict=True):
         assert mine["solo_samples_per_s"] == pytest.approx(factor * before["solo_samples_per_s"])
+
+
+def test_the_link_shows_an_averages_bytes_and_the_rate_the_blocking_ones_got(tmp_path):
+    """Issue 27 D7: bytes per average as sent, the blocking averages' median time and the
+    rate it makes; for sync, the gradients per step and their all-reduce's rate where timed.
+    An older summary without the figures shows none, never a traceback."""
+    run = make_run(tmp_path)
+    syncs = [{"t": 105.0 + i, "kind": "sync", "wait_s": 0.9, "round": i, "start": 100.0 + i,
+              "end": 100.0 + i + ms / 1000, "blocking": blocking, "bytes": 4_000_000}
+             for i, (ms, blocking) in enumerate([(800, True), (900, True), (50, False),
+                                                 (1000, True)])]
+    (run / "timeline" / "rank0.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in [TIMELINES[0][0], *syncs, TIMELINES[0][-1]]))
+    summary = {**SUMMARY, "average_bytes": 4_000_000, "average_dtype": "bf16",
+               "gradient_bytes": 8_000_000}
+    (run / "summary.json").write_text(json.dumps(summary))
+    link = run_report(run)["link"]
+    assert link["average_bytes"] == 4_000_000 and link["average_dtype"] == "bf16"
+    assert link["averages"] == 4
+    assert link["blocking_average_ms"] == pytest.approx(900)  # the median of the blocking ones
+    assert link["blocking_mb_per_s"] == pytest.approx(4 / 0.9)
+    assert link["gradient_bytes"] is None  # cadence: no gradients cross the link
+    text = run_fdl("report", str(run)).stdout
+    assert "link" in text and "4.00 MB per average (bf16), blocking ones 900 ms: 4.4 MB/s" in text
+    sync = {**summary, "policy": "sync", "ddp_comm_s": [2.0, 0.5]}
+    (run / "summary.json").write_text(json.dumps(sync))
+    link = run_report(run)["link"]  # rank 0: 15 steps, 2 s in the gradients' all-reduce
+    assert link["gradient_bytes"] == 8_000_000
+    assert link["gradient_ms_per_step"] == pytest.approx(2000 / 15)
+    assert link["gradient_mb_per_s"] == pytest.approx(8 / (2 / 15))
+    (run / "summary.json").write_text(json.dumps(SUMMARY))  # before the figures existed
+    make_run(tmp_path / "old")
+    old = run_report(tmp_path / "old" / "run")["link"]
+    assert old["average_bytes"] is None and old["blocking_mb_per_s"] is None
