@@ -124,6 +124,8 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     console.info(f"fdl run: {spec.nproc_per_node} worker(s) per node, {spec.devices.reason}; "
                  f"run directory {spec.run_dir}")
     if spec.network is not None and spec.network.several_nodes:
+        if spec.network.hostname_on_loopback:
+            console.warn(_loopback_name_line(spec.network.local_addr))
         console.info(_waiting_line(spec))
     with live_progress(spec.run_dir, enabled=live):
         result = launch(spec, listener=listener)
@@ -247,6 +249,15 @@ def _waiting_line(spec: LaunchSpec) -> str:
             f"{network.local_addr}; run id {rdzv.run_id}; up to {JOIN_TIMEOUT_S // 60} min)")
 
 
+def _loopback_name_line(local_addr: str) -> str:
+    import socket
+
+    return (f"this host's name ({socket.gethostname()}) resolves to loopback: fdl gives the "
+            f"other nodes {local_addr}, from the routes, but a program that resolves the name "
+            "itself (torchrun alone, a script passing it as MASTER_ADDR) would give them "
+            "127.0.0.1; fix /etc/hosts if one does")
+
+
 def _network_line(network: dict[str, Any]) -> str:
     """fdl.launch.network's choice, in one line."""
     if "problem" in network:
@@ -260,8 +271,10 @@ def _network_line(network: dict[str, Any]) -> str:
             f"joins the rendezvous at {network['endpoint_address']}" if hosts is not None else
             "meets on loopback (the first launcher hosts)")
     where = f"on {network['interface']}" if network["interface"] else "on no interface of its own"
+    loopback = "; this host's name resolves to loopback (fdl uses the address above)" \
+        if network.get("hostname_on_loopback") else ""
     return (f"{network['family']}; this node {role}, as {network['local_addr']} {where} "
-            f"(exported: {exported}{kept})")
+            f"(exported: {exported}{kept}){loopback}")
 
 
 def _print_spec(spec: LaunchSpec, *, as_json: bool) -> None:

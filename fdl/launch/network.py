@@ -68,20 +68,23 @@ class NodeNetwork:
     env: dict[str, str] = field(default_factory=dict)  # what fdl exports (not the user's)
     user_set: tuple[str, ...] = ()  # the interface variables the user had set
     several_nodes: bool = True
+    # several nodes: this host's name resolves to loopback (torch left alone would advertise it)
+    hostname_on_loopback: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return {"several_nodes": self.several_nodes, "family": self.family,
                 "endpoint_address": self.endpoint_address,
                 "hosts_rendezvous": self.hosts_rendezvous, "local_addr": self.local_addr,
                 "interface": self.interface, "env": dict(self.env),
-                "user_set": list(self.user_set)}
+                "user_set": list(self.user_set),
+                "hostname_on_loopback": self.hostname_on_loopback}
 
 
 def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
     """This node's network for ``rdzv``. Usage errors: an endpoint that does not resolve, a
     ``--local-addr`` that is not this node's, an interface the user set that cannot work."""
     if rdzv.max_nodes == 1:
-        return _one_node(env)
+        return _one_node(env, endpoint=rdzv.endpoint)
     host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
                                 min_port=0)
     try:
@@ -115,18 +118,35 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
                 if interface is not None and name not in user_set}
     exported[NODE_ADDR_ENV] = local  # the survivors of a lost node name it by this address
     return NodeNetwork(_family(family), endpoint_address, hosts, local, interface, exported,
-                       user_set)
+                       user_set, hostname_on_loopback=hostname_on_loopback())
 
 
-def _one_node(env: Mapping[str, str]) -> NodeNetwork:
-    """One node: gloo on the loopback interface unless the user named one."""
+def hostname_on_loopback() -> bool:
+    """Whether this host's name resolves to a loopback address (then torch's defaults, left
+    alone, advertise loopback to the other nodes; fdl decides from the routes instead)."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None)
+    except (OSError, UnicodeError):
+        return False
+    return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def _one_node(env: Mapping[str, str], *, endpoint: str) -> NodeNetwork:
+    """One node: gloo on the loopback interface unless the user named one; the family and
+    address are the endpoint's when it is an address (``--master-addr ::1``), else IPv4
+    loopback's."""
     interface = loopback_interface()
     user_set = tuple(name for name in ("GLOO_SOCKET_IFNAME",) if env.get(name))
     for name in user_set:
         check_interfaces(name, env[name], family=None)
     exported = {"GLOO_SOCKET_IFNAME": interface} if interface and not user_set else {}
-    return NodeNetwork("ipv4", "127.0.0.1", None, "127.0.0.1", interface, exported, user_set,
-                       several_nodes=False)
+    host = parse_endpoint(endpoint, flag="--rdzv-endpoint", default_port=0, min_port=0)[0]
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:  # a name: c10d on one node listens on loopback (fdl.launch.rendezvous)
+        address = ipaddress.ip_address("127.0.0.1")
+    return NodeNetwork(f"ipv{address.version}", str(address), None, str(address), interface,
+                       exported, user_set, several_nodes=False)
 
 
 def loopback_interface() -> str | None:

@@ -15,12 +15,11 @@ named.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import socket
 from dataclasses import asdict, dataclass
 
 from fdl.errors import UsageError
-from fdl.launch.network import owns_address, port_free, route_source
+from fdl.launch.network import hostname_on_loopback, owns_address, port_free, route_source
 from fdl.launch.rendezvous import join_endpoint, lookup_host, parse_endpoint
 from fdl.system.host import interface_of
 
@@ -111,13 +110,3 @@ def _connect(family: int, sockaddr: tuple, shown: str, *,
                 "check the address and the endpoint's firewall")
     return ("reachable", f"{shown} accepts connections (node 0's rendezvous, if its fdl run "
             "started)", None)
-
-
-def hostname_on_loopback() -> bool:
-    """Whether this host's name resolves to a loopback address (then torch's defaults, left
-    alone, advertise loopback to the other nodes; fdl run decides from the routes instead)."""
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None)
-    except (OSError, UnicodeError):
-        return False
-    return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)

@@ -260,6 +260,11 @@ def test_dry_run_ipv6_static_endpoint_is_bracketed(project):
     spec = dry_run(project, "--master-addr", "::1", "--master-port", "2345")
     assert spec["rendezvous"]["backend"] == "static"
     assert spec["rendezvous"]["endpoint"] == "[::1]:2345"
+    # one node on an IPv6 address: the job's family and address are the endpoint's
+    network = spec["network"]
+    assert (network["family"], network["endpoint_address"], network["local_addr"]) == (
+        "ipv6", "::1", "::1")
+    assert dry_run(project)["network"]["family"] == "ipv4"  # a loopback name: IPv4's
 
 
 def test_overwrite_run_dir_after_the_script_is_fdls(project):

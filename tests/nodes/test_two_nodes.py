@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 from helpers import clean_env, end_process_tree, started, wait_all, wait_until
 from netns import Node, need_namespaces, two_nodes
 
-from fdl.launch.peer_check import hostname_on_loopback
+from fdl.launch.network import hostname_on_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 DISAGREE = ROOT / "tests" / "engine" / "scripts" / "disagree_train.py"
@@ -71,6 +72,10 @@ def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
     waiting = f"waiting for 2 nodes at {endpoint}"
     assert f"{waiting} (this node hosts it, as {node0.address}" in outputs[0][1], shown(outputs)
     assert f"{waiting} (this node joins it, as {node1.address}" in outputs[1][1], shown(outputs)
+    for node, (_, text) in zip((node0, node1), outputs, strict=True):  # as the name resolves
+        said = f"warning: this host's name ({socket.gethostname()}) resolves to loopback: " \
+            f"fdl gives the other nodes {node.address}, from the routes"
+        assert (said in text) is hostname_on_loopback(), text[-2000:]
     summaries = [json.loads((d / "summary.json").read_text()) for d in dirs
                  if (d / "summary.json").is_file()]
     assert summaries and summaries[0]["world_size"] == 2, shown(outputs)
