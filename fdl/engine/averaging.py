@@ -135,24 +135,24 @@ class Averager:
         built, or as a checkpoint loaded it), nothing owed."""
         if self.reference is None or self.wire_error is None:
             return
+        self._copy_replica(self.reference)
+        self.wire_error.zero_()
+
+    def _copy_replica(self, target: torch.Tensor) -> None:
+        """The replica's exact values (``theta + residual`` for bf16/fp16) into ``target``'s
+        first ``numel`` values, tensor after tensor (blocking copies: complete before
+        ``target`` is read)."""
         offset = 0
         for tensor, residual in zip(self.tensors, self.residuals, strict=True):
             count = tensor.numel()
             exact = tensor if residual is None else tensor.float() + residual
-            self.reference[offset:offset + count].copy_(exact.reshape(-1))
+            target[offset:offset + count].copy_(exact.reshape(-1))
             offset += count
-        self.wire_error.zero_()
 
     @torch.no_grad()
     def pack(self, *, weight: float, stats: Sequence[float], keep_snapshot: bool) -> None:
         """Fill the buffer with ``weight x theta``, this rank's integer row and stats row."""
-        offset = 0
-        for tensor, residual in zip(self.tensors, self.residuals, strict=True):
-            # blocking copies: complete before the buffer is read
-            count = tensor.numel()
-            exact = tensor if residual is None else tensor.float() + residual
-            self.flat[offset:offset + count].copy_(exact.reshape(-1))
-            offset += count
+        self._copy_replica(self.flat)
         if keep_snapshot and self.snapshot is not None:
             self.snapshot.copy_(self.flat[:self.numel])
         self.flat[:self.numel].mul_(weight)

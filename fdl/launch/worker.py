@@ -89,9 +89,8 @@ class PeerLost(Exception):
 def _exit_on_lost_peer(exc: Exception, argv: list[str]) -> None:
     """A collective that failed because a peer left (another node killed or crashed) or never
     came (the group's timeout): one line naming the peer and, when a peer posted one, its
-    error (fdl.engine.peers), and exit 1,
-    instead of gloo's message and a traceback through the training loop. ``FDL_DEBUG=1``
-    keeps the traceback."""
+    error (fdl.engine.peers), and exit 1, instead of gloo's message and a traceback through
+    the training loop. ``FDL_DEBUG=1`` keeps the traceback."""
     peers = sys.modules.get("fdl.engine.peers")
     if os.environ.get("FDL_DEBUG") or peers is None:
         return
