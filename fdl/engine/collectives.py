@@ -177,9 +177,15 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], *, via_host: bool,
                          group: dist.ProcessGroup | None = None) -> None:
     """Give every rank of ``group`` (default: the default group) the values of its rank 0
     (identical start even if initialisation is random)."""
+    broadcast_from(tensors, 0, via_host=via_host, group=group)
+
+
+def broadcast_from(tensors: list[torch.Tensor], src: int, *, via_host: bool,
+                   group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank of ``group`` the values of its rank ``src``."""
     for tensor in tensors:
         carrier = tensor.cpu() if via_host and tensor.device.type != "cpu" else tensor
-        dist.broadcast(carrier, group=group, group_src=0)
+        dist.broadcast(carrier, group=group, group_src=src)
         if carrier is not tensor:
             tensor.copy_(carrier)
 

@@ -41,6 +41,7 @@ class GradSync:
         self.process_group = process_group
         self.ranks_with_data = dist.get_world_size(process_group)
         self.device = device
+        self.via_host = via_host
         self._cuda = device.type == "cuda"
         self._buffer_device = torch.device("cpu") if via_host else device
         self._comm: StepComm = None

@@ -43,7 +43,7 @@ from torch import nn
 
 from fdl.engine import guard
 from fdl.engine.averaging import Averager, checksum
-from fdl.engine.collectives import all_reduce_max
+from fdl.engine.collectives import all_reduce_max, broadcast_from
 from fdl.engine.config import EngineConfig
 from fdl.engine.data import epoch_permutation, to_device
 from fdl.engine.ddp_comm import DdpCommMeter
@@ -310,12 +310,21 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
 def _shadow_steps(replica: Replica, plan: RoundPlan) -> None:
     """A loop script under sync all-reduces its gradients in each step (fdl.engine.grad_sync):
     a rank with fewer steps than the others in an epoch's cut last round joins their remaining
-    all-reduces with zeros (what DDP's ``join`` does for fdl.Trainer)."""
+    all-reduces with zeros, then takes the parameters of a rank that made every step, as DDP's
+    ``join`` does for fdl.Trainer (its ``_sync_final_model``): the joined rank's optimizer did
+    not step, so its replica would otherwise stay behind for the rest of the run (its optimizer
+    state stays its own, as under DDP)."""
     shadow = getattr(replica.comm_meter, "shadow", None)
     if shadow is None or not replica.policy.wraps_ddp or replica.world_size == 1:
         return
-    for index in range(plan.slices[replica.rank].steps, max(s.steps for s in plan.slices)):
+    most = max(s.steps for s in plan.slices)
+    for index in range(plan.slices[replica.rank].steps, most):
         shadow(ranks_with_data=sum(s.steps > index for s in plan.slices))
+    if any(s.steps < most for s in plan.slices):  # the plan's: alike on every rank
+        full = next(rank for rank, s in enumerate(plan.slices) if s.steps == most)
+        meter = replica.comm_meter
+        broadcast_from([p.data for p in replica.model.parameters()], full,
+                       via_host=meter.via_host, group=meter.process_group)
 
 
 def _joined_if_uneven(replica: Replica, plan: RoundPlan) -> contextlib.AbstractContextManager:
