@@ -18,6 +18,7 @@ PORT = 29400
 DEADLINE_S = 900  # a guard against a cell that hangs: never a measurement
 sys.path[:0] = [str(ROOT / "tests" / "nodes"), str(ROOT / "tests")]  # the tests' namespace nodes
 
+from helpers import wait_all  # noqa: E402
 from netns import namespaces_unavailable, two_nodes  # noqa: E402
 
 from fdl.engine.simulator import GIGABIT_GBS, profiles, simulate  # noqa: E402
@@ -116,16 +117,7 @@ def two_node_run(out: Path, rate: str, policy: str, seed: int, model: list[str],
                                  str(EXAMPLE), *model])
             procs.append(subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + DEADLINE_S
-        outputs = []
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=max(1, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.kill()
-                raise SystemExit(f"bench-lan: {policy} at {rate} still running after "
-                                 f"{DEADLINE_S} s") from None
+        outputs = wait_all(procs, deadline=time.monotonic() + DEADLINE_S)  # a hang: stopped
         for proc, text in zip(procs, outputs, strict=True):
             _check(proc.returncode, text, proc.args)
     return _summary(out / "node0")
@@ -159,7 +151,7 @@ def _rate_gbs(rate: str) -> float:
 def simulated(rate: str, policy: str, args: argparse.Namespace) -> float:
     """The simulator's efficiency for this bench's MLP at ``rate`` (its bench profile, the
     link's bandwidth), median of the bench's seeds."""
-    bench = profiles()[-1]
+    bench = next(p for p in profiles() if p.name.startswith("this machine's bench"))
     solo_ms = bench.batch_ms[0]
     profile = replace(bench, name=f"bench MLP at {rate}", batch_ms=(solo_ms, solo_ms * args.slow),
                       bandwidth_gbs=_rate_gbs(rate), latency_ms=0.3 if _rate_gbs(rate) >=

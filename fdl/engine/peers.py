@@ -22,7 +22,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fdl.errors import FdlError
@@ -84,9 +84,10 @@ def node_label() -> str:
     return f"node {node_index()}, {socket.gethostname()}" + (f", {address}" if address else "")
 
 
-def own_attempt() -> int:
-    """This process's ``TORCHELASTIC_RESTART_COUNT`` (0 without one)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def own_attempt(env: Mapping[str, str] | None = None) -> int:
+    """This process's ``TORCHELASTIC_RESTART_COUNT`` (``env``'s; 0 without one)."""
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def group_attempt() -> int:
@@ -103,7 +104,7 @@ def node_index() -> int:
 def away_from_rank0() -> list[int]:
     """The ranks on another node than rank 0's (they cannot read rank 0's disk), once the
     group has agreed; none before, or alone."""
-    return [rank for rank, node in enumerate(NODES) if NODES and node != NODES[0]]
+    return [rank for rank, node in enumerate(NODES) if node != NODES[0]]
 
 
 def peer_name(rank: int) -> str:

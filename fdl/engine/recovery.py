@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fdl.engine.collectives import all_reduce_sum
-from fdl.engine.peers import PEERS, away_from_rank0, group_attempt
+from fdl.engine.peers import PEERS, away_from_rank0, group_attempt, own_attempt
 from fdl.engine.plan import PlanConfig, PlanState, saved_state_problem
 from fdl.engine.rounds import Replica
 from fdl.engine.state import RankState, RoundReport
@@ -44,7 +44,7 @@ from fdl.rundir.checkpoints import (
     UnloadableFile,
     latest_checkpoint,
     load_file,
-    load_rank_state,
+    load_rank_file,
     write_checkpoint,
 )
 from fdl.settings import RESUME_ENV
@@ -52,9 +52,7 @@ from fdl.settings import RESUME_ENV
 
 def restart_attempt(env: Mapping[str, str] | None = None) -> int:
     """The group's restart attempt (fdl.engine.peers.group_attempt), or ``env``'s count."""
-    if env is None:
-        return group_attempt()
-    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return group_attempt() if env is None else own_attempt(env)
 
 
 def find_resume_checkpoint(run_dir: Path | None, *, rank: int, world_size: int,
@@ -270,18 +268,21 @@ def _to_rank0(rank: int, world_size: int) -> Any:
 def _checkpoint_parts(checkpoint: Checkpoint, rank: int
                       ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The checkpoint's engine state, model state and this rank's state. The ranks on rank 0's
-    node read them from its disk; rank 0 reads those of the ranks on other nodes, which cannot,
-    and hands each its own (a scatter: every rank takes part, or none when all are on rank 0's
-    node)."""
+    node read them from its disk; rank 0 hands the ranks on other nodes, which cannot, their
+    parts (a scatter: every rank takes part, or none when all are on rank 0's node), reading
+    ``engine.json`` and the model once."""
     away = away_from_rank0()
     parts: list[Any] = [None]
-    if away:
-        given = [(checkpoint.engine_state(), *load_rank_state(checkpoint, rank=r))
-                 if r in away else None for r in range(len(PEERS))] if rank == 0 else None
-        dist.scatter_object_list(parts, given, src=0)
-    if parts[0] is not None:
+    if rank in away:
+        dist.scatter_object_list(parts, None, src=0)
         return parts[0]
-    return (checkpoint.engine_state(), *load_rank_state(checkpoint, rank=rank))
+    engine, model_state = checkpoint.engine_state(), load_file(checkpoint.path / MODEL_FILE)
+    if away:
+        given = [(engine, model_state, load_rank_file(checkpoint, rank=other))
+                 if other in away else None for other in range(len(PEERS))] \
+            if rank == 0 else None
+        dist.scatter_object_list(parts, given, src=0)
+    return engine, model_state, load_rank_file(checkpoint, rank=rank)
 
 
 def _rank_state(replica: Replica, user_state: dict[str, Any]) -> dict[str, Any]:

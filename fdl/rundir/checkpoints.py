@@ -286,10 +286,13 @@ def _load_error(exc: BaseException) -> str:
 
 
 def load_rank_state(checkpoint: Checkpoint, *, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model state and rank ``rank``'s own state. With a different world size than the
-    checkpoint's, rank r takes rank ``r % old_world_size``'s optimizer state (momentum of a
-    replica that started from the same consensus model). Both load with ``weights_only=True``
-    (:func:`load_file`)."""
-    model_state = load_file(checkpoint.path / MODEL_FILE)
-    source = rank % checkpoint.world_size
-    return model_state, load_file(checkpoint.path / f"rank{source}.pt")
+    """The model state and rank ``rank``'s own state (:func:`load_rank_file`), both loaded
+    with ``weights_only=True`` (:func:`load_file`)."""
+    return load_file(checkpoint.path / MODEL_FILE), load_rank_file(checkpoint, rank=rank)
+
+
+def load_rank_file(checkpoint: Checkpoint, *, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s own state. With a different world size than the checkpoint's, rank r
+    takes rank ``r % old_world_size``'s optimizer state (momentum of a replica that started
+    from the same consensus model)."""
+    return load_file(checkpoint.path / f"rank{rank % checkpoint.world_size}.pt")
