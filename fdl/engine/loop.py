@@ -69,7 +69,7 @@ from fdl.engine.liveness import liveness
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
 from fdl.engine.peers import keep_store
-from fdl.engine.plan import PlanConfig, PlanState, initial_state, samples_budget
+from fdl.engine.plan import PlanConfig, PlanState, auto_undecided, initial_state, samples_budget
 from fdl.engine.policies import CADENCE, Policy, PolicyChoice
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
@@ -617,12 +617,16 @@ class Run:
         final_checksum = checksum(replica.model)
         replica.timeline.event("final", checksum=final_checksum, anchor=state.anchor)
         replica.timeline.close()
+        choice, policy = self._policy_choice, replica.config.policy
+        if policy.decides:  # auto ended before it chose: it trained as cadence
+            choice = auto_undecided(state)
+            policy = choice.policy
         summary = _summary(replica, replace(self.config, backend=self.group.backend,
-                                            policy=replica.config.policy),
+                                            policy=policy),
                            wall_s=wall_s, state=state, final_checksum=final_checksum,
                            epochs_log=epochs_log, resumed_from=self._resumed_from,
                            precisions=self._precisions, micro_batches=self.micro_batches,
-                           p2p=self.group.p2p, policy_choice=self._policy_choice)
+                           p2p=self.group.p2p, policy_choice=choice)
         run_dir = self.config.run_dir
         if run_dir is not None and self.rank == 0:
             write_summary(run_dir, summary)

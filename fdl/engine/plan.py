@@ -62,11 +62,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fdl.engine.policies import Policy, PolicyChoice, choose_policy, policy_named
+from fdl.engine.policies import CADENCE, Policy, PolicyChoice, choose_policy, policy_named
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS, POLICY_CHOICES
 
 ELASTIC_CAP = 1.5  # the elastic rank may take up to this times its planned share
+# --policy auto calls a link slow (async) only when this many averages after calibration all
+# cost too much: one that a busy host or a burst of traffic slowed is no slow link. Noise only
+# adds to a cost, so the cheapest average measured is the link's, and one cheap enough decides.
+AUTO_AVERAGES = 3
 # With at most this many full rounds left, the next round takes the rest of the epoch.
 TAIL_MERGE = 1.5
 # The calibration round's shared pool: this many batches per calibration step per rank beyond
@@ -297,6 +301,8 @@ class PlanState:
     ``round_index`` being the first round planned with the new anchor. ``prev_shares`` are the
     last round's samples per rank before any cut (the dead zone compares against them).
     ``ceiling`` caps the anchor while the divergence guard holds it down (None: no cap).
+    ``auto_costs`` are the costs (ms) of the averages ``--policy auto`` measured after
+    calibration while it had not chosen (not checkpointed: a resumed auto run measures again).
     """
 
     config: PlanConfig
@@ -308,6 +314,7 @@ class PlanState:
     anchor_history: tuple[tuple[int, int, str], ...] = ()
     prev_shares: tuple[int, ...] | None = None
     ceiling: int | None = None
+    auto_costs: tuple[float, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -732,6 +739,8 @@ def advance(state: PlanState, plan: RoundPlan, stats: RoundStats, *,
     )
     new = replace(state, round_index=state.round_index + 1, epoch=epoch, position=position,
                   ms_per_sample=speeds, prev_shares=None if plan.calibration else planned)
+    if config.policy.decides and not plan.calibration and 0 <= stats.sync_ms < math.inf:
+        new = replace(new, auto_costs=(*state.auto_costs, stats.sync_ms))
     if not config.policy.local_steps or config.world_size == 1:  # nothing averaged
         return new
     anchor, reason = _tuned_anchor(new, stats)
@@ -792,19 +801,36 @@ def _with_anchor(state: PlanState, anchor: int, reason: str) -> PlanState:
     return replace(state, anchor=anchor, anchor_history=history)
 
 
-def auto_choice(state: PlanState, average_ms: float) -> PolicyChoice | None:
+def auto_choice(state: PlanState) -> PolicyChoice | None:
     """``--policy auto``'s pick (fdl.engine.policies.choose_policy) from the state's calibrated
-    speeds and the cost of the average just made (``RoundStats.sync_ms``); None while a speed
-    or the cost is unknown (it then waits for the next boundary). The same on every rank, as
-    the state and the stats are."""
+    speeds and the cheapest of the averages measured since calibration (``auto_costs``, each a
+    ``RoundStats.sync_ms`` that :func:`advance` kept); None while a speed is unknown, no average
+    was measured, or fewer than ``AUTO_AVERAGES`` were and all of them were too dear (async
+    waits for the next boundary's). The same on every rank, as the state is."""
     speeds = state.ms_per_sample
-    if not math.isfinite(average_ms) or \
+    if not state.auto_costs or \
             not all(m is not None and math.isfinite(m) and m > 0 for m in speeds):
         return None
     config = state.config
-    return choose_policy(ms_per_sample=[float(m) for m in speeds if m is not None],
-                         average_ms=average_ms, batch_size=config.batch_size,
-                         overhead_target=config.overhead_target, max_anchor=config.max_anchor)
+    choice = choose_policy(ms_per_sample=[float(m) for m in speeds if m is not None],
+                           average_ms=min(state.auto_costs), batch_size=config.batch_size,
+                           overhead_target=config.overhead_target, max_anchor=config.max_anchor)
+    if choice.policy.background and len(state.auto_costs) < AUTO_AVERAGES:
+        return None
+    return choice
+
+
+def auto_undecided(state: PlanState) -> PolicyChoice:
+    """What a ``--policy auto`` run that ended before it chose trained as: cadence, auto's
+    rounds until it chooses, and why (the figures it had: the speeds' spread when known, the
+    cheapest average measured)."""
+    speeds = [m for m in state.ms_per_sample if m is not None]
+    spread = max(speeds) / min(speeds) - 1 if speeds else 0.0
+    measured = len(state.auto_costs)
+    return PolicyChoice(CADENCE, f"the run ended before auto chose ({measured} average(s) "
+                                 f"measured after calibration; a slow link takes "
+                                 f"{AUTO_AVERAGES}): cadence throughout", spread,
+                        min(state.auto_costs, default=0.0), 0.0, 0.0)
 
 
 def with_policy(state: PlanState, policy: Policy | str, *, reason: str) -> PlanState:

@@ -206,7 +206,7 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
             replica.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
         if policy.decides and reports and not plan.calibration:
-            advanced = _chosen_policy(replica, advanced, plan, stats.sync_ms)
+            advanced = _chosen_policy(replica, advanced, plan)
         state = _guarded(replica, advanced, plan, reports or [])
         state = _within_time(replica, state, plan, reports)
         last_reports = reports or last_reports
@@ -554,14 +554,13 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     return reports, pending
 
 
-def _chosen_policy(replica: Replica, state: PlanState, plan: RoundPlan,
-                   average_ms: float) -> PlanState:
-    """``auto``: the policy the calibrated speeds and this boundary's average pick
+def _chosen_policy(replica: Replica, state: PlanState, plan: RoundPlan) -> PlanState:
+    """``auto``: the policy the calibrated speeds and the averages' costs pick
     (fdl.engine.plan.auto_choice, alike on every rank), from the next round on: the replica's
     config and the plan's state change, the run's hook (fdl.engine.loop) rebuilds what the
     policy needs (DDP or the gradient all-reduce for sync, async's snapshot) and the timeline
     logs it. Unusable figures leave the choice for the next boundary."""
-    choice = auto_choice(state, average_ms)
+    choice = auto_choice(state)
     if choice is None:
         return state
     replica.config = replace(replica.config, policy=choice.policy)

@@ -168,7 +168,7 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
         state = advance(state, plan, stats,
                         elastic_used=None if plan.elastic is None else used[plan.elastic],
                         pool_used=pool_used)
-        picked = auto_choice(state, stats.sync_ms) \
+        picked = auto_choice(state) \
             if chosen.decides and rows is not None and not plan.calibration else None
         if picked is not None:  # the engine's rule and switch (fdl.engine.rounds)
             chosen = picked.policy

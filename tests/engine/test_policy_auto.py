@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import clean_env, run_fdl
-from test_plan import calibrated
+from test_plan import calibrated, measured, run_round
 
-from fdl.engine.plan import next_round, with_policy
+from fdl.engine.plan import AUTO_AVERAGES, auto_choice, next_round, with_policy
 from fdl.engine.policies import (
     ASYNC,
     AUTO,
@@ -82,6 +82,21 @@ def test_auto_is_cadence_until_it_chooses_and_the_plan_follows_the_choice():
     assert to_async.anchor == 12 and to_async.anchor_history == state.anchor_history
 
 
+@pytest.mark.parametrize(("costs", "chosen"), [((1.0,), CADENCE), ((5000.0, 1.0), CADENCE),
+                                                ((6000.0, 5000.0, 7000.0), ASYNC)])
+def test_a_slow_link_takes_every_one_of_the_first_averages_being_dear(costs, chosen):
+    """One average that a busy host slowed is no slow link: the cheapest average measured is the
+    link's cost, and async waits until AUTO_AVERAGES of them were all too dear; one cheap
+    enough decides at once."""
+    state = calibrated(0.4, 1.0, policy="auto")
+    for cost in costs:
+        assert auto_choice(state) is None
+        state = run_round(state, measured(0.4, 1.0, sync_ms=cost))
+    picked = auto_choice(state)
+    assert picked.policy is chosen and picked.average_ms == min(costs)
+    assert len(costs) == AUTO_AVERAGES or chosen is not ASYNC
+
+
 def auto_run(tmp_path: Path, name: str, *flags: str, script_args: tuple[str, ...] = (),
              env: dict[str, str] | None = None) -> tuple[Path, list[dict]]:
     out, run_dir = tmp_path / f"out-{name}", tmp_path / name
@@ -106,7 +121,8 @@ def policy_events(run_dir: Path) -> list[dict]:
 
 
 def test_unequal_workers_choose_cadence_and_train_on(tmp_path):
-    run_dir, summaries = auto_run(tmp_path, "cadence", "--simulate-slowdown", "1,2.5")
+    run_dir, summaries = auto_run(tmp_path, "cadence", "--simulate-slowdown", "1,2.5",
+                                  script_args=("--samples", "4096"))
     event = policy_events(run_dir)[0]
     assert event["chosen"] == "cadence" and event["speed_spread"] > 0.5
     assert summaries[0]["policy"] == "cadence"
@@ -118,7 +134,7 @@ def test_an_average_too_dear_for_any_anchor_chooses_async_in_a_loop(tmp_path):
     choice the averages mid-epoch run in the background."""
     env = clean_env({"FDL_OVERHEAD_TARGET": "0.000001"})
     run_dir, summaries = auto_run(tmp_path, "async", "--simulate-slowdown", "1,2",
-                                  script_args=("--loop", "--samples", "8192"), env=env)
+                                  script_args=("--loop", "--samples", "56000"), env=env)
     event = policy_events(run_dir)[0]
     assert event["chosen"] == "async" and event["overhead_at_max_anchor"] > 1e-6
     assert summaries[0]["policy"] == "async"
@@ -127,6 +143,23 @@ def test_an_average_too_dear_for_any_anchor_chooses_async_in_a_loop(tmp_path):
     assert any(not e["blocking"] for e in after)
     assert not any(not e["blocking"] for e in read_events(run_dir, 0)
                    if e["kind"] == "sync" and e["round"] <= event["round"])
+
+
+def test_a_run_that_ends_before_auto_can_call_its_link_slow_trains_as_cadence(tmp_path):
+    """Every average too dear (an overhead target of 1e-6) and too few of them to tell a slow
+    link from a busy host: no choice, and the summary says the run was cadence and why."""
+    env = clean_env({"FDL_OVERHEAD_TARGET": "0.000001"})
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    proc = run_fdl("run", "--nproc-per-node", "2", "--policy", "auto", "--run-dir",
+                   str(run_dir), "--simulate-slowdown", "1,2", str(SCRIPT), str(out), "--loop",
+                   "--samples", "256", cwd=tmp_path, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not [e for e in read_events(run_dir, 0) if e["kind"] == "policy"]
+    summary = json.loads((out / "rank0.json").read_text())
+    assert summary["policy"] == "cadence"
+    assert summary["policy_choice"]["reason"].startswith("the run ended before auto chose")
+    assert json.loads((run_dir / "summary.json").read_text())["policy"] == "cadence"
 
 
 @pytest.mark.parametrize("loop", [False, True], ids=["trainer-ddp", "loop-grad-sync"])
