@@ -58,8 +58,9 @@ every replica holds exactly the reduced bits (``checksum`` proves it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -220,6 +221,27 @@ class Averager:
             offset += count
         if self.int_tensors:
             self._load_int_max()
+
+    @contextlib.contextmanager
+    def average_loaded(self) -> Iterator[None]:
+        """The landed average in the replica for the body (async's epoch end evaluates the
+        consensus), and afterwards the replica as it was, bit for bit (its tensors, bf16/fp16
+        residuals and integer buffers, kept in host memory meanwhile: once an epoch, off a
+        card that may be short of memory)."""
+        with torch.no_grad():
+            kept = [t.to("cpu", copy=True) for t in (*self.tensors, *self.int_tensors)]
+            residuals = [r.to("cpu", copy=True) if r is not None else None
+                         for r in self.residuals]
+            self.load_average()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, value in zip((*self.tensors, *self.int_tensors), kept, strict=True):
+                    tensor.copy_(value)
+                for residual, value in zip(self.residuals, residuals, strict=True):
+                    if residual is not None:
+                        residual.copy_(value)
 
     @torch.no_grad()
     def apply_delta(self) -> None:

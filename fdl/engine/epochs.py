@@ -3,7 +3,9 @@ of throughput), the history record, ``metrics.jsonl`` and TensorBoard (rank 0), 
 line on rank 0's terminal.
 
 One collective per epoch carries the loss and each rank's share of the epoch (samples, busy and
-averaging time), so rank 0 can write per-rank figures without a second message. A record
+averaging time), so rank 0 can write per-rank figures without a second message. The epoch's
+clock and this rank's figures are taken at its last boundary; the rest waits for the model to be
+the consensus: at once after a blocking average, a round later under async (fdl.engine.rounds). A record
 (``metrics.jsonl``, docs/run.md "Run directory")::
 
     {"epoch": 2, "samples": 120000, "train_loss": 0.2987, "eval": {"accuracy": 0.8979},
@@ -18,10 +20,12 @@ run began (evaluation left out, earlier attempts included), the rest cover this 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fdl.engine.averaging import checksum
 from fdl.engine.collectives import exchange_rows
 from fdl.engine.config import EngineConfig
 from fdl.engine.evaluation import evaluate_model
@@ -81,29 +85,42 @@ class EpochLog:
             self.tensorboard = ScalarWriter.open(self.config.tensorboard, run_dir=self.run_dir,
                                                  purge_step=self.start_samples or None)
 
-    def epoch_end(self, epoch: int, replica: Replica, state: PlanState) -> None:
+    def epoch_end(self, epoch: int, replica: Replica, state: PlanState) -> Callable[[], None]:
+        """Epoch ``epoch`` ended: its clock and this rank's figures are taken now; the rest —
+        the figures' exchange, the evaluation of the consensus model, the record, the hooks,
+        the line — is the function returned, which every rank calls at the same point: at once
+        after a blocking average, or under async when the epoch's average lands, its consensus
+        loaded for the evaluation (fdl.engine.rounds)."""
         now = time.perf_counter()
         elapsed, epoch_s = now - self.started - self.eval_s, now - self._epoch_started
         comm_ms = replica.totals.comm_ms[self._mark_syncs:]
         self._mark_syncs = len(replica.totals.comm_ms)
-        per_rank = self._gather(replica)
-        steps = sum(r.loss_steps for r in per_rank)
-        self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
-        self._evaluate(replica, state)
-        record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
-                              comm_ms=comm_ms, elapsed=elapsed)
-        self.trainer.history.append(record.to_dict())
-        for hook in self.at_epoch_end:
-            hook(dict(self.trainer.history[-1]))
-        replica.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
-                              eval=self.last_eval)
-        if self.rank == 0:
-            if self.run_dir is not None:
-                metrics.append_epoch(self.run_dir, record)
-            if self.tensorboard is not None:
-                self.tensorboard.epoch(record)
-            _progress_line(record, self.epochs_total or self.config.epochs)
-        self._epoch_started = time.perf_counter()
+        mine = self._mine(replica)
+        self._epoch_started = now
+
+        def finish() -> None:
+            eval_before = self.eval_s
+            per_rank = self._exchange(mine, replica)
+            steps = sum(r.loss_steps for r in per_rank)
+            self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
+            self._evaluate(replica, state)
+            record = self._record(epoch, state, epoch_s=epoch_s, per_rank=per_rank,
+                                  comm_ms=comm_ms, elapsed=elapsed)
+            self.trainer.history.append(record.to_dict())
+            for hook in self.at_epoch_end:
+                hook(dict(self.trainer.history[-1]))
+            verified = {"checksum": checksum(replica.model)} if replica.verify else {}
+            replica.timeline.event("epoch", epoch=epoch + 1, train_loss=self.last_loss,
+                                  eval=self.last_eval, **verified)
+            if self.rank == 0:
+                if self.run_dir is not None:
+                    metrics.append_epoch(self.run_dir, record)
+                if self.tensorboard is not None:
+                    self.tensorboard.epoch(record)
+                _progress_line(record, self.epochs_total or self.config.epochs)
+            self._epoch_started += self.eval_s - eval_before  # not the next epoch's time
+
+        return finish
 
     def _evaluate(self, replica: Replica, state: PlanState) -> None:
         """The evaluation of the consensus model (when the script gave one), its time kept out
@@ -144,14 +161,18 @@ class EpochLog:
             self.tensorboard.close()
             self.tensorboard = None
 
-    def _gather(self, replica: Replica) -> list[RankFigures]:
-        """Every rank's figures for this epoch (samples, busy and averaging time, the loss
-        sums), in one collective."""
+    def _mine(self, replica: Replica) -> RankFigures:
+        """This rank's figures for the epoch that just ended (samples, busy and averaging
+        time, the loss sums); the marks move to now."""
         totals = replica.totals.figures()
         loss_sum, loss_steps = replica.rank_state.epoch_loss
         mine = replace(totals.minus(self._mark), loss_sum=loss_sum, loss_steps=loss_steps)
         self._mark = totals
         replica.rank_state.epoch_loss = [0.0, 0]
+        return mine
+
+    def _exchange(self, mine: RankFigures, replica: Replica) -> list[RankFigures]:
+        """Every rank's figures for the epoch, in one collective."""
         rows = exchange_rows(mine.to_row(), rank=replica.rank, world_size=self.world_size,
                              device=replica.device)
         return [RankFigures.from_row(row) for row in rows]

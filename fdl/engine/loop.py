@@ -168,7 +168,8 @@ class Run:
       (and every N global steps), sharded over the ranks by their measured speed;
       ``fn(model, batch) -> {name: mean over the batch}``.
     * ``after_average(fn)``, ``at_epoch_end(fn)``: call ``fn`` when an average lands in the
-      model, and with each epoch's record.
+      model, and with each epoch's record (the model then holds the epoch's consensus; under
+      async, which runs through epoch ends, when the epoch's average lands, a round later).
     * ``state(**objects)``: objects with ``state_dict``/``load_state_dict`` (an EMA, a
       GradScaler, a scheduler) saved in checkpoints and loaded on resume.
     * ``micro_parts(batch)``: the batch in this rank's ``--micro-batch`` parts, each with its
@@ -676,7 +677,11 @@ def _streaming(data: Any) -> bool:
         and all(isinstance(item, (str, os.PathLike)) for item in data))
 
 
-def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> None:
+def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> Callable[[], None]:
+    return _nothing
+
+
+def _nothing() -> None:
     return None
 
 

@@ -495,6 +495,12 @@ def shares(*, anchor: int, batch_size: int, ms_per_sample: Sequence[float | None
                  for x in ideal)
 
 
+def ends_run(state: PlanState, plan: RoundPlan) -> bool:
+    """Whether ``plan`` (made from ``state``) is the run's last round: the last of its epoch,
+    in the run's last epoch (a budget's cut included)."""
+    return plan.last_in_epoch and plan.epoch + 1 >= state.config.num_epochs
+
+
 def next_round(state: PlanState) -> RoundPlan:
     """The plan every rank computes from ``state``; ``ValueError`` once the run is finished."""
     if state.finished:

@@ -7,18 +7,19 @@ made (:func:`policy_named`); from there the policy travels as this object, and t
 
     policy = policy_named("async")
     policy.local_steps            # ranks run planned counts of local steps between averages
-    policy.blocking(plan, checkpoint_due=False)   # does this boundary wait for the average?
+    policy.blocking(plan, checkpoint_due=False, ends_run=False)  # wait for the average here?
 
 * ``sync``: one gradient all-reduce per step through DDP (``wraps_ddp``); every round is one
   step per rank; buffers (BatchNorm statistics) are averaged at epoch ends.
 * ``cadence``: planned local steps, then a blocking average of parameters and buffers; its
   rounds (and async's) are elastic: the fastest rank runs until the slowest is done.
 * ``async``: the average of round k runs in the background while round k+1 computes; at the
-  next boundary the rank applies ``theta += avg_k - snapshot_k``. It blocks only where one
-  model on every rank is needed: the calibration round (its cost tunes the anchor), the last
-  round of an epoch (evaluation, the epoch's loss, the final model) and a round after which a
-  checkpoint is due.
-* ``auto``: cadence until the first average after calibration, then the policy
+  next boundary the rank applies ``theta += avg_k - snapshot_k``. It runs through epoch ends:
+  the epoch's evaluation and record wait for its average to land and see that consensus
+  (fdl.engine.rounds). It blocks only where one model on every rank is needed at once: the
+  calibration round (its cost tunes the anchor), the run's last round (the final model) and a
+  round after which a checkpoint is due.
+* ``auto``: cadence until it has judged the link (fdl.engine.plan.auto_choice), then the policy
   :func:`choose_policy` picks from what was measured (every rank holds the same figures, so
   every rank picks alike): sync for equal speeds and a cheap all-reduce, async when an average
   costs more than the overhead target even at the largest anchor, cadence otherwise.
@@ -73,11 +74,12 @@ class Policy:
         """Whether the boundary after ``plan`` averages at all (sync: only at epoch ends)."""
         return self.local_steps or plan.last_in_epoch
 
-    def blocking(self, plan: _Round, *, checkpoint_due: bool) -> bool:
-        """Whether the average after ``plan`` completes before the next round starts."""
+    def blocking(self, plan: _Round, *, checkpoint_due: bool, ends_run: bool) -> bool:
+        """Whether the average after ``plan`` completes before the next round starts
+        (``ends_run``: ``plan`` is the run's last round)."""
         if not self.background:
             return True
-        return plan.calibration or plan.last_in_epoch or checkpoint_due
+        return plan.calibration or ends_run or checkpoint_due
 
 
 SYNC = Policy("sync", local_steps=False, background=False, elastic=False)

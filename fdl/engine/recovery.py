@@ -214,6 +214,14 @@ class Checkpointer:
         mean = sum(r.since_checkpoint_s for r in reports) / len(reports)
         return mean >= self.every.seconds
 
+    def due_at_epoch_end(self, epochs_done: int, reports: list[RoundReport]) -> bool:
+        """Whether the epoch end after ``epochs_done`` epochs may take a checkpoint, known
+        before its average (async blocks there then): every N epochs, or by time as the
+        ranks' reports say (:meth:`at_epoch_end` decides by time with the ranks' clocks)."""
+        if self.every.epochs is not None:
+            return self.every.due(epochs_done=epochs_done, elapsed_s=0.0)
+        return self.due_within_epoch(reports)
+
     def at_epoch_end(self, state: PlanState, replica: Replica) -> None:
         if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(replica)):
             self._write(state, replica)

@@ -56,6 +56,7 @@ from fdl.engine.plan import (
     advance,
     auto_choice,
     cut_after_next_round,
+    ends_run,
     next_round,
     pool_chunk,
     pool_share,
@@ -110,6 +111,8 @@ class CheckpointHook(Protocol):
 
     def at_epoch_end(self, state: PlanState, replica: Replica) -> None: ...
 
+    def due_at_epoch_end(self, epochs_done: int, reports: list[RoundReport]) -> bool: ...
+
 
 @dataclass
 class Replica:
@@ -127,7 +130,9 @@ class Replica:
     config: EngineConfig
     timeline: Timeline
     averager: Averager | None
-    on_epoch_end: Callable[[int, Replica, PlanState], None]
+    # An epoch ended: takes its figures and returns what needs the consensus (evaluation,
+    # record), run at once after a blocking average or, under async, when the average lands.
+    on_epoch_end: Callable[[int, Replica, PlanState], Callable[[], None]]
     checkpointer: CheckpointHook | None = None
     progress: ProgressFile | None = None  # rank 0's live progress, when fdl run shows it
     slowdown: float = 1.0
@@ -158,6 +163,7 @@ class Replica:
     on_evaluate: Callable[[Replica, PlanState], None] | None = None
     after_average: list[Callable[[], None]] = field(default_factory=list)  # run.after_average
     copies: DeviceCopies | None = None  # CUDA: batches copied one ahead on a side stream
+    epoch_in_flight: Callable[[], None] | None = None  # async: an epoch's end awaiting its average
     # auto's choice was made (fdl.engine.loop rebuilds the step and the averaging for it)
     on_policy: Callable[[Replica, PolicyChoice], None] | None = None
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -193,9 +199,9 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
         consensus = replica.averager is None
         evaluation_due = _evaluation_due(replica, plan, state)
         if replica.averager is not None and policy.averages_at(plan):
-            due = replica.checkpointer is not None and \
-                replica.checkpointer.due_within_epoch(last_reports)
-            consensus = policy.blocking(plan, checkpoint_due=due or evaluation_due)
+            consensus = policy.blocking(
+                plan, checkpoint_due=_checkpoint_due(replica, plan, last_reports)
+                or evaluation_due, ends_run=ends_run(state, plan))
             reports, pending = average(replica, plan, done.report, pending, blocking=consensus)
         elif replica.averager is None:
             reports = [done.report]
@@ -214,9 +220,13 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
                 (consensus or not policy.local_steps):  # sync: DDP keeps the replicas alike
             replica.on_evaluate(replica, state)
         if plan.last_in_epoch:
-            replica.on_epoch_end(plan.epoch, replica, state)
-            if replica.checkpointer is not None and not state.finished:
-                replica.checkpointer.at_epoch_end(state, replica)
+            finish = replica.on_epoch_end(plan.epoch, replica, state)
+            if consensus:
+                finish()
+                if replica.checkpointer is not None and not state.finished:
+                    replica.checkpointer.at_epoch_end(state, replica)
+            else:  # async runs on: the epoch ends on its consensus when its average lands
+                replica.epoch_in_flight = finish
         elif consensus and replica.checkpointer is not None and \
                 replica.checkpointer.due_within_epoch(last_reports):
             replica.checkpointer.at_round(state, replica)
@@ -533,6 +543,10 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     rows = None
     if pending is not None:  # async: the average launched at the last boundary
         pending.wait()
+        if replica.epoch_in_flight is not None:  # it was an epoch's end: that is its consensus
+            with averager.average_loaded():
+                replica.epoch_in_flight()
+            replica.epoch_in_flight = None
         rank_state.last_distance = averager.distance_from_average()
         averager.apply_delta()
         rows = averager.stats()
@@ -607,6 +621,17 @@ def _guarded(replica: Replica, state: PlanState, plan: RoundPlan,
     return state
 
 
+def _checkpoint_due(replica: Replica, plan: RoundPlan, reports: list[RoundReport]) -> bool:
+    """Whether a checkpoint follows ``plan``'s average (async then waits for it): one every
+    ``N`` epochs at an epoch's end, or a time-based one the ranks' last reports say is due."""
+    checkpointer = replica.checkpointer
+    if checkpointer is None:
+        return False
+    if plan.last_in_epoch:
+        return checkpointer.due_at_epoch_end(plan.epoch + 1, reports)
+    return checkpointer.due_within_epoch(reports)
+
+
 def _evaluation_due(replica: Replica, plan: RoundPlan, state: PlanState) -> bool:
     """Whether ``plan`` crosses a multiple of ``evaluate_every`` samples (the same on every
     rank: it is the plan's). An epoch's end evaluates anyway."""
@@ -641,7 +666,8 @@ def _within_time(replica: Replica, state: PlanState, plan: RoundPlan,
 
 
 def final_consensus(replica: Replica, pending: Any) -> None:
-    """The run's final average is the last epoch's blocking one (every policy blocks at an
-    epoch's end): nothing may still be in flight, and every rank now holds the same model."""
-    if pending is not None:
+    """The run's final average is its last round's blocking one (every policy blocks there):
+    nothing may still be in flight, no epoch's end wait for one, and every rank now holds the
+    same model."""
+    if pending is not None or replica.epoch_in_flight is not None:
         raise AssertionError("an average was still in flight after the last round")

@@ -17,7 +17,8 @@ average it launched. In an elastic round the fastest rank steps until the slowes
 is done (its last step may end after it); in the calibration round every rank done with its
 share takes batches from the pool until every rank is done, and in an epoch's last round
 until the pool (the epoch's tail) is empty. Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
-time is not counted, as in the engine's ``wall_s``). ``sync`` is modelled as lock-step steps
+time is not counted, as in the engine's ``wall_s``); under async, which runs through them, at the
+next boundary, once the epoch's average has landed. ``sync`` is modelled as lock-step steps
 plus the exposed part of DDP's gradient all-reduce.
 
 Deterministic (a seeded ``random.Random``), no sleeping, no torch.
@@ -36,6 +37,7 @@ from fdl.engine.plan import (
     RoundStats,
     advance,
     auto_choice,
+    ends_run,
     initial_state,
     next_round,
     pool_chunk,
@@ -130,6 +132,7 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
     chosen = rule  # auto: cadence's rounds until choose_policy picks
     clock, busy_total = [0.0] * world, [0.0] * world
     pending: _Pending | None = None
+    epoch_in_flight = False
     averages, anchors, trained = 0, [], 0
     while not state.finished:
         plan = next_round(state)
@@ -151,8 +154,10 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
         arrive = [clock[r] + busy[r] for r in range(world)]
         reports = [ranks[r].report(busy_ms=busy[r], samples=used[r], since_checkpoint_s=0.0)
                    for r in range(world)]
-        blocking = rule.blocking(plan, checkpoint_due=False)
+        blocking = rule.blocking(plan, checkpoint_due=False, ends_run=ends_run(state, plan))
         ready = [max(a, pending.done_ms) for a in arrive] if pending else list(arrive)
+        if epoch_in_flight:  # async: the epoch's loss all-reduce and evaluation, on its average
+            ready, epoch_in_flight = [max(ready) + profile.latency_ms] * world, False
         rows = pending.reports if pending else None
         if blocking:
             done = max(ready) + profile.reduce_ms
@@ -182,8 +187,10 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
                                       trained=trained, busy_total=busy_total, name=config.policy.name,
                                       averages=averages)
         anchors.append(state.anchor)
-        if plan.last_in_epoch:  # the epoch's loss all-reduce and evaluation: everyone waits
+        if plan.last_in_epoch and blocking:  # the epoch's loss all-reduce and evaluation
             leave = [max(leave) + profile.latency_ms] * world
+        elif plan.last_in_epoch:  # async runs on: they wait for the epoch's average to land
+            epoch_in_flight = True
         clock = leave
     wall_ms = max(clock)
     return SimResult(profile.name, config.policy.name, trained, wall_ms / 1000,

@@ -57,7 +57,8 @@ class Trainer:
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
       fraction done (equal on every rank).
     * ``callbacks``: objects with any of ``on_epoch_end(record)`` (the epoch's
-      ``metrics.jsonl`` record, after the evaluation), ``on_average(model)`` (an average just
+      ``metrics.jsonl`` record, after the evaluation; the model holds the epoch's consensus,
+      under async a round into the next epoch), ``on_average(model)`` (an average just
       landed in the model: where an EMA of the consensus updates) and ``state_dict`` /
       ``load_state_dict`` (then checkpointed and restored on resume).
     * ``micro_batch_size`` (``fdl run --micro-batch``): each batch computed in parts of N

@@ -111,6 +111,29 @@ def async_average(rank: int) -> dict[str, Any]:
             "num_batches_tracked": int(model[1].num_batches_tracked)}
 
 
+def consensus_view(rank: int) -> dict[str, Any]:
+    """Async's epoch end: the landed average in the model for a while (the evaluation), then
+    the replica as it was, bit for bit, and the delta applied as usual. A bf16 model, whose
+    residuals (what rounding dropped) must come back too."""
+    model = build_model(rank).to(torch.bfloat16)
+    averager = make_averager(model, rank)
+    averager.pack(weight=WEIGHTS[rank], stats=stats_row(rank), keep_snapshot=True)
+    work = averager.all_reduce(async_op=True)
+    with torch.no_grad():
+        for tensor in averager.tensors:
+            tensor.add_(0.5 * (rank + 1))  # local progress while the average is in flight
+        for residual in averager.residuals:
+            residual.fill_(1e-4 * (rank + 1))
+    local, owed = checksum(model), [r.tolist() for r in averager.residuals]
+    work.wait()
+    with averager.average_loaded():
+        inside = {"checksum": checksum(model), "floats": floats(model),
+                  "num_batches_tracked": int(model[1].num_batches_tracked)}
+    after = {"checksum": checksum(model), "residuals": [r.tolist() for r in averager.residuals],
+             "num_batches_tracked": int(model[1].num_batches_tracked)}
+    return {"inside": inside, "after": after, "local": local, "owed": owed}
+
+
 def buffers_only(rank: int) -> dict[str, Any]:
     model = build_model(rank)
     averager = make_averager(model, rank, params=False)
@@ -183,7 +206,8 @@ def broadcast(rank: int) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "blocking": blocking_average, "async": async_average, "buffers_only": buffers_only,
     "lean_blocking": lean_blocking_average,
-    "counted": counted_average, "subgroups": subgroups, "broadcast": broadcast}
+    "counted": counted_average, "subgroups": subgroups, "broadcast": broadcast,
+    "consensus_view": consensus_view}
 
 
 def worker(rank: int, directory: str, module: str) -> None:
@@ -277,6 +301,17 @@ def test_async_average_keeps_the_progress_made_while_it_was_in_flight(ranks):
         # apply_delta leaves integer buffers alone (they are reduced at blocking averages)
     assert [r["num_batches_tracked"] for r in scenario(ranks, "async")] == \
         list(NUM_BATCHES_TRACKED)
+
+
+def test_an_epoch_end_under_async_sees_the_consensus_and_then_its_own_replica_again(ranks):
+    first, second = scenario(ranks, "consensus_view")
+    assert first["inside"]["checksum"] == second["inside"]["checksum"]  # the consensus
+    assert all(value == AVERAGE for value in first["inside"]["floats"])
+    assert first["inside"]["num_batches_tracked"] == max(NUM_BATCHES_TRACKED)
+    for rank, result in enumerate((first, second)):  # then the replica, exactly as it was
+        assert result["after"]["checksum"] == result["local"] != result["inside"]["checksum"]
+        assert result["after"]["residuals"] == result["owed"]
+        assert result["after"]["num_batches_tracked"] == NUM_BATCHES_TRACKED[rank]
 
 
 def test_params_false_averages_buffers_and_leaves_parameters_alone(ranks):

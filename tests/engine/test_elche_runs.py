@@ -115,8 +115,16 @@ def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, av
     checks = [[(e["round"], e["checksum"]) for e in ev if e["kind"] == "sync" and
                "checksum" in e] for ev in events]
     assert checks[0] == checks[1]
-    # cadence checks every round; async blocks (and checks) at every epoch end
-    assert len(checks[0]) >= 6  # at least one blocking average per epoch
+    epochs = [[e["checksum"] for e in ev if e["kind"] == "epoch"] for ev in events]
+    assert len(epochs[0]) == 6 and epochs[0] == epochs[1]  # each epoch ends on one model
+    ends = [max(e["round"] for e in events[0] if e["kind"] == "round" and e["epoch"] == epoch)
+            for epoch in range(6)]
+    blocking = {e["round"]: e["blocking"] for e in events[0] if e["kind"] == "sync"}
+    if policy == "cadence":  # every round blocks (and checks)
+        assert len(checks[0]) >= 6 and all(blocking.values())
+    else:  # async runs through the epoch ends: it blocks at calibration and the last round
+        assert [blocking[r] for r in ends] == [False] * 5 + [True]
+        assert len(checks[0]) >= 2
     finals = [next(e["checksum"] for e in ev if e["kind"] == "final") for ev in events]
     assert finals[0] == finals[1]
     # the planner gave the fast rank the larger share

@@ -1,8 +1,9 @@
 """fdl.engine.policies: what each policy does at a round boundary, for every kind of round.
 
-The round loop asks ``policy.blocking(plan, checkpoint_due=...)`` at every boundary: a wrong
-answer either makes async wait for every average (no overlap) or leaves the ranks with
-different models where one model is needed (evaluation, the epoch's loss, a checkpoint)."""
+The round loop asks ``policy.blocking(plan, checkpoint_due=..., ends_run=...)`` at every
+boundary: a wrong answer either makes async wait for averages it could overlap (an epoch's end
+among them) or leaves the ranks with different models where one model is needed at once (the
+final model, a checkpoint)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,25 @@ def plan(*, calibration: bool = False, last_in_epoch: bool = False) -> RoundPlan
                      last_in_epoch=last_in_epoch, calibration=calibration)
 
 
-ROUND_KINDS = list(itertools.product([False, True], repeat=3))  # calibration, last, due
+# calibration, an epoch's last round, a checkpoint due, the run's last round (an epoch's last)
+ROUND_KINDS = [kind for kind in itertools.product([False, True], repeat=4)
+               if kind[1] or not kind[3]]
 
 
-@pytest.mark.parametrize(("calibration", "last", "due"), ROUND_KINDS)
+@pytest.mark.parametrize(("calibration", "last", "due", "ends"), ROUND_KINDS)
 @pytest.mark.parametrize("policy", [SYNC, CADENCE], ids=["sync", "cadence"])
-def test_sync_and_cadence_always_wait_for_the_average(policy, calibration, last, due):
+def test_sync_and_cadence_always_wait_for_the_average(policy, calibration, last, due, ends):
     assert policy.blocking(plan(calibration=calibration, last_in_epoch=last),
-                           checkpoint_due=due) is True
+                           checkpoint_due=due, ends_run=ends) is True
 
 
-@pytest.mark.parametrize(("calibration", "last", "due"), ROUND_KINDS)
-def test_async_blocks_only_where_one_model_is_needed(calibration, last, due):
-    """The calibration round (its cost tunes the anchor), an epoch's last round (evaluation,
-    the epoch's loss) and a round after which a checkpoint is due; an ordinary round goes on
-    while its average runs."""
+@pytest.mark.parametrize(("calibration", "last", "due", "ends"), ROUND_KINDS)
+def test_async_blocks_only_where_one_model_is_needed_at_once(calibration, last, due, ends):
+    """The calibration round (its cost tunes the anchor), the run's last round (the final
+    model) and a round after which a checkpoint is due; an ordinary round and an epoch's end
+    go on while their average runs (the epoch ends when it lands)."""
     assert ASYNC.blocking(plan(calibration=calibration, last_in_epoch=last),
-                          checkpoint_due=due) is (calibration or last or due)
+                          checkpoint_due=due, ends_run=ends) is (calibration or due or ends)
 
 
 def test_sync_averages_only_at_epoch_ends_and_the_others_every_round():
