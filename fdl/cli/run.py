@@ -7,7 +7,9 @@ See docs/run.md for flags, environment variables, the run directory and failure 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -127,7 +129,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
         if spec.network.hostname_on_loopback:
             console.warn(_loopback_name_line(spec.network.local_addr))
         console.info(_waiting_line(spec))
-    with live_progress(spec.run_dir, enabled=live):
+    with live_progress(spec.run_dir, enabled=live), _join_watch(spec):
         result = launch(spec, listener=listener)
     if result.exit_code == 0:
         _report_done(spec)
@@ -233,6 +235,28 @@ def _interrupted_line(result: LaunchResult, spec: LaunchSpec) -> str:
         then = ("no checkpoint was written, so it cannot resume (--checkpoint-every N writes "
                 "one every N epochs, or 10m every 10 minutes)")
     return f"{stopped} {point.where()}, all workers stopped; {then}"
+
+
+@contextlib.contextmanager
+def _join_watch(spec: LaunchSpec) -> Iterator[None]:
+    """A multi-node run: the live count of the nodes at the rendezvous while this one waits
+    (fdl.launch.joining)."""
+    if spec.network is None or not spec.network.several_nodes:
+        yield
+        return
+    from fdl import console
+    from fdl.launch.joining import JoinWatch
+    from fdl.launch.rendezvous import parse_endpoint
+
+    rdzv = spec.rendezvous
+    host, port = parse_endpoint(rdzv.endpoint, flag="--rdzv-endpoint", default_port=0,
+                                min_port=0)
+    watch = JoinWatch(host, port, run_id=rdzv.run_id, nodes=rdzv.min_nodes, say=console.info,
+                      endpoint=rdzv.endpoint).start()
+    try:
+        yield
+    finally:
+        watch.stop()
 
 
 def _waiting_line(spec: LaunchSpec) -> str:

@@ -81,6 +81,31 @@ def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
     assert summaries and summaries[0]["world_size"] == 2, shown(outputs)
 
 
+def test_a_waiting_node_counts_the_nodes_that_joined_live(tmp_path):
+    """Issue 27 D1: node 0, alone, says 1/2 joined while it waits; node 1 arrives later and
+    both say 2/2, then train together."""
+    need_namespaces()
+    with two_nodes() as (node0, node1), ExitStack() as stack:
+        endpoint = f"{node0.address}:{PORT}"
+        log0 = tmp_path / "node0.out"
+        env = clean_env({"OMP_NUM_THREADS": "1"})
+        first = stack.enter_context(started(
+            documented_command(node0, endpoint, tmp_path / "node0"),
+            stdout=stack.enter_context(log0.open("w")), stderr=subprocess.STDOUT, text=True,
+            cwd=tmp_path, env=env))
+        wait_until(lambda: f"waiting for nodes: 1/2 joined at {endpoint}" in log0.read_text(),
+                   "node 0 to count itself alone", proc=first)
+        second = stack.enter_context(started(
+            documented_command(node1, endpoint, tmp_path / "node1"), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env))
+        _, said = wait_all([first, second], deadline=time.monotonic() + DEADLINE_S)
+        outputs = [(first.returncode, log0.read_text()), (second.returncode, said)]
+    assert [code for code, _ in outputs] == [0, 0], shown(outputs)
+    for _, text in outputs:
+        assert f"fdl run: 2/2 nodes joined at {endpoint}" in text, shown(outputs)
+    assert "2/2" not in outputs[0][1].split("1/2 joined")[0], shown(outputs)
+
+
 def test_an_interface_that_cannot_reach_the_others_is_refused(tmp_path):
     """A user's GLOO_SOCKET_IFNAME naming another node's interface, a down one, or one without
     an address of the job's family: one usage error on this node, before anything starts."""

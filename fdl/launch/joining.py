@@ -1,0 +1,103 @@
+"""How many nodes have reached a multi-node run's rendezvous, said live while a node waits:
+``fdl run: waiting for nodes: 1/2 joined at 192.168.1.10:29400 (30 s)``.
+
+torch's rendezvous keeps its state under its own keys of the rendezvous store, in a form it
+does not publish; fdl counts the nodes itself, through the store's public API. Each node's
+launcher, once it reaches the store (node 0's agent serves it; a client connection waits until
+it does), claims a slot (``add`` on a counter) and ticks its slot's key every second; a slot
+whose value moved within the last ``ALIVE_S`` on this node's clock is a node that is there, so
+a node that gave up (Ctrl-C, a crash) stops counting without any clock shared between
+machines. A line is written when the count changes, and every ``REMIND_S`` while it does not;
+the watch ends once every node is there (one last line) or when the launch returns. The keys
+live under ``fdl/joined/<run id>/``, apart from torch's.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+TICK_S = 1.0  # how often a node ticks its slot and counts the others
+ALIVE_S = 3.5  # a slot that has not moved for this long is a node that left
+REMIND_S = 30.0  # the line again while the count stands still
+CONNECT_S = 2.0  # one try to reach the store (node 0's may not serve yet)
+
+
+class JoinWatch:
+    """The live count of one node's wait at the rendezvous ``host:port`` for ``nodes`` nodes
+    (``say`` writes a line). :meth:`start` it before the launch blocks, :meth:`stop` after."""
+
+    def __init__(self, host: str, port: int, *, run_id: str, nodes: int,
+                 say: Callable[[str], None], endpoint: str | None = None):
+        self.host, self.port, self.nodes, self.say = host, port, nodes, say
+        self.endpoint = endpoint or f"{host}:{port}"
+        self.prefix = f"fdl/joined/{run_id}/"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fdl-join-watch", daemon=True)
+        self.seen: dict[int, tuple[int, float]] = {}  # slot -> (its value, when it last moved)
+
+    def start(self) -> JoinWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=CONNECT_S + TICK_S)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        store = slot = None
+        shown, said = -1, 0.0
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = self._connect()
+                    slot = None if store is None else int(store.add(self.prefix + "slots", 1))
+                if store is not None and slot is not None:
+                    store.add(f"{self.prefix}{slot}", 1)
+                    count = self._count(store, slot)
+                    now = time.monotonic()
+                    if count >= self.nodes:
+                        self.say(f"fdl run: {count}/{self.nodes} nodes joined at "
+                                 f"{self.endpoint}")
+                        return
+                    if count != shown or now - said >= REMIND_S:
+                        self.say(f"fdl run: waiting for nodes: {count}/{self.nodes} joined at "
+                                 f"{self.endpoint} ({now - started:.0f} s)")
+                        shown, said = count, now
+            except Exception:  # the store went (the run ended, a node left):
+                store = None  # the launch says what happened; this only counts
+            self._stop.wait(TICK_S)
+
+    def _connect(self) -> Any:
+        """A client of the rendezvous store, or None when it does not answer yet. A plain TCP
+        connection tries first: a TCPStore client that fails writes screens of C++ frames to
+        stderr at every try, the socket nothing."""
+        from torch.distributed import TCPStore
+
+        try:
+            socket.create_connection((self.host, self.port), timeout=CONNECT_S).close()
+            return TCPStore(self.host, self.port, is_master=False,
+                            timeout=timedelta(seconds=CONNECT_S), wait_for_workers=False)
+        except Exception:  # not serving yet, or unreachable: try again
+            return None
+
+    def _count(self, store: Any, mine: int) -> int:
+        """The nodes whose slot moved within ``ALIVE_S`` (this node's own always counts)."""
+        slots = int(store.add(self.prefix + "slots", 0))
+        keys = [f"{self.prefix}{s}" for s in range(1, slots + 1)]
+        values = [int(v) for v in store.multi_get(keys)] if keys else []
+        now = time.monotonic()
+        for number, value in enumerate(values, start=1):
+            last = self.seen.get(number)
+            if last is None:  # first seen: there only once it moves (a node that left stays)
+                self.seen[number] = (value, -math.inf)
+            elif last[0] != value:
+                self.seen[number] = (value, now)
+        return sum(1 for number, (_, moved) in self.seen.items()
+                   if number == mine or now - moved < ALIVE_S)

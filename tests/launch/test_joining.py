@@ -1,0 +1,94 @@
+"""fdl.launch.joining: the live count of the nodes at a rendezvous, on a real TCPStore served
+on 127.0.0.1 as node 0's agent serves it, with each watch standing for one node's launcher."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from helpers import free_port
+
+from fdl.launch.joining import JoinWatch
+
+GUARD_S = 60  # a guard against a hang, not a measurement
+
+
+class Lines:
+    """What a watch said, and an event per awaited line."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.lock = threading.Condition()
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            self.lines.append(line)
+            self.lock.notify_all()
+
+    def wait_for(self, needle: str) -> None:
+        with self.lock:
+            if not self.lock.wait_for(lambda: any(needle in line for line in self.lines),
+                                      timeout=GUARD_S):
+                raise AssertionError(f"never said {needle!r}: {self.lines}")
+
+
+@pytest.fixture
+def store():
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=30))
+    yield server, port
+
+
+def watch(port: int, lines: Lines, run_id: str = "run") -> JoinWatch:
+    return JoinWatch("127.0.0.1", port, run_id=run_id, nodes=2, say=lines.say).start()
+
+
+def test_a_waiting_node_counts_itself_then_the_node_that_arrives(store):
+    _, port = store
+    first, second = Lines(), Lines()
+    node0 = watch(port, first)
+    try:
+        first.wait_for(f"waiting for nodes: 1/2 joined at 127.0.0.1:{port}")
+        node1 = watch(port, second)
+        try:
+            for lines in (first, second):
+                lines.wait_for(f"2/2 nodes joined at 127.0.0.1:{port}")
+        finally:
+            node1.stop()
+    finally:
+        node0.stop()
+    assert not any("2/2" in line for line in first.lines[:1])
+
+
+def test_a_node_that_left_is_not_counted(store):
+    """A slot claimed by a launcher that then went (its key never moves again) is no node; a
+    watch of another run does not count either."""
+    server, port = store
+    server.add("fdl/joined/run/slots", 1)
+    server.add("fdl/joined/run/1", 5)  # claimed, ticked, gone
+    other = watch(port, Lines(), run_id="another")  # a node of another run
+    first, second = Lines(), Lines()
+    node0 = watch(port, first)
+    try:
+        first.wait_for("waiting for nodes: 1/2 joined")
+        node1 = watch(port, second)
+        try:
+            first.wait_for("2/2 nodes joined")
+        finally:
+            node1.stop()
+    finally:
+        node0.stop()
+        other.stop()
+    waiting = [line for line in first.lines if "waiting" in line]
+    assert waiting and all("1/2 joined" in line for line in waiting)
+
+
+def test_a_store_that_never_answers_only_stops_the_watch_when_asked():
+    lines = Lines()
+    quiet = JoinWatch("127.0.0.1", free_port(), run_id="run", nodes=2, say=lines.say).start()
+    quiet.stop()
+    assert lines.lines == []
