@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fdl.errors import UsageError
-from fdl.launch.rendezvous import lookup_host, parse_endpoint
+from fdl.launch.rendezvous import LOOKUP_TIMEOUT_S, lookup_host, parse_endpoint, resolve_within
 from fdl.settings import NODE_ADDR_ENV
 
 if TYPE_CHECKING:
@@ -124,9 +124,8 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
 def hostname_on_loopback() -> bool:
     """Whether this host's name resolves to a loopback address (then torch's defaults, left
     alone, advertise loopback to the other nodes; fdl decides from the routes instead)."""
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None)
-    except (OSError, UnicodeError):
+    infos = resolve_within(socket.gethostname(), None, timeout_s=LOOKUP_TIMEOUT_S).get("infos")
+    if not infos:  # no answer in time, or no address: nothing that resolves to loopback
         return False
     return any(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 

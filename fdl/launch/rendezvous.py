@@ -221,9 +221,10 @@ def _parse_nnodes(text: str) -> tuple[int, int]:
     return bounds
 
 
-def lookup_host(host: str, port: int, *, timeout_s: float = LOOKUP_TIMEOUT_S) -> tuple[int, Any]:
-    """``(family, sockaddr)`` of ``host``; a usage error, within ``timeout_s``, for a host that
-    does not resolve (torch would otherwise retry it until the rendezvous times out)."""
+def resolve_within(host: str, port: int | None, *, timeout_s: float) -> dict[str, Any]:
+    """``getaddrinfo(host, port)`` (stream sockets) given at most ``timeout_s``: a resolver that
+    does not answer (a DNS server gone) would otherwise block for as long as it likes. The
+    result holds ``infos``, or ``error`` (the exception), or neither when time ran out."""
     found: dict[str, Any] = {}
 
     def lookup() -> None:
@@ -235,9 +236,17 @@ def lookup_host(host: str, port: int, *, timeout_s: float = LOOKUP_TIMEOUT_S) ->
     worker = threading.Thread(target=lookup, name="fdl-lookup-host", daemon=True)
     worker.start()
     worker.join(timeout_s)
+    return dict(found)
+
+
+def lookup_host(host: str, port: int, *, timeout_s: float = LOOKUP_TIMEOUT_S) -> tuple[int, Any]:
+    """``(family, sockaddr)`` of ``host``; a usage error, within ``timeout_s``, for a host that
+    does not resolve (torch would otherwise retry it until the rendezvous times out)."""
+    found = resolve_within(host, port, timeout_s=timeout_s)
     if not found.get("infos"):
         why = getattr(found.get("error"), "strerror", None) or (
-            f"no answer in {timeout_s:g} s" if worker.is_alive() else "no address")
+            "no address" if "error" in found or "infos" in found
+            else f"no answer in {timeout_s:g} s")
         raise UsageError(f"cannot resolve the rendezvous host {host!r} ({why})",
                          hint="check the host in --rdzv-endpoint / --master-addr (or the Slurm "
                               "node list), or give its IP address")
