@@ -122,6 +122,9 @@ def _link(link: dict[str, Any]) -> str | None:
         if link.get("blocking_mb_per_s"):
             part += (f", blocking ones {link['blocking_average_ms']:.0f} ms: "
                      f"{link['blocking_mb_per_s']:.1f} MB/s")
+            if link.get("interface_share") is not None:
+                part += (f" ({link['interface_share']:.1%} of {link['interface']}'s rated "
+                         f"{link['interface_mbit']} Mbit/s)")
         parts.append(part)
     if link.get("gradient_bytes"):
         part = f"{link['gradient_bytes'] / 1e6:.2f} MB of gradients per step"

@@ -70,6 +70,7 @@ class NodeNetwork:
     several_nodes: bool = True
     # several nodes: this host's name resolves to loopback (torch left alone would advertise it)
     hostname_on_loopback: bool = False
+    link_mbit: int | None = None  # the interface's rated speed (None: unknown), fdl report's
 
     def to_dict(self) -> dict[str, object]:
         return {"several_nodes": self.several_nodes, "family": self.family,
@@ -77,7 +78,7 @@ class NodeNetwork:
                 "hosts_rendezvous": self.hosts_rendezvous, "local_addr": self.local_addr,
                 "interface": self.interface, "env": dict(self.env),
                 "user_set": list(self.user_set),
-                "hostname_on_loopback": self.hostname_on_loopback}
+                "hostname_on_loopback": self.hostname_on_loopback, "link_mbit": self.link_mbit}
 
 
 def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
@@ -111,14 +112,16 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
     else:
         local = endpoint_address if owns_address(family, endpoint_address) \
             else route_source(family, endpoint_address, port)
-    from fdl.system.host import interface_of  # psutil: several nodes only, not every launch
+    # psutil: several nodes only, not every launch
+    from fdl.system.host import interface_of, interface_speed_mbit
 
     interface = interface_of(local)
     exported = {name: interface for name in INTERFACE_VARIABLES
                 if interface is not None and name not in user_set}
     exported[NODE_ADDR_ENV] = local  # the survivors of a lost node name it by this address
     return NodeNetwork(_family(family), endpoint_address, hosts, local, interface, exported,
-                       user_set, hostname_on_loopback=hostname_on_loopback())
+                       user_set, hostname_on_loopback=hostname_on_loopback(),
+                       link_mbit=interface_speed_mbit(interface) if interface else None)
 
 
 def hostname_on_loopback() -> bool:

@@ -36,6 +36,7 @@ with what its figures then cover.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def run_report(run_dir: Path) -> dict[str, Any]:
         summary, timelines, config, reason = load_partial_run(run_dir)
     return build_report(summary, timelines, batch_size=report_batch_size(config,
                                                                           run_dir=run_dir),
-                        incomplete_reason=reason)
+                        incomplete_reason=reason, network=config.get("network"))
 
 
 def load_run(run_dir: Path) -> tuple[dict[str, Any], list[RankTimeline], dict[str, Any]]:
@@ -81,9 +82,11 @@ def report_batch_size(config: dict[str, Any], *, run_dir: Path) -> int:
 
 
 def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
-                 *, batch_size: int, incomplete_reason: str | None = None) -> dict[str, Any]:
+                 *, batch_size: int, incomplete_reason: str | None = None,
+                 network: Any = None) -> dict[str, Any]:
     """The report's document; ``incomplete_reason``: why the run has no summary.json (the
-    figures of ``summary`` were rebuilt from its timelines)."""
+    figures of ``summary`` were rebuilt from its timelines); ``network``: config.json's (node
+    0's interface and its rated speed, for the link)."""
     wall = float(summary["wall_s"])
     # a step of a loop that accumulates is `accumulate` batches (the timelines' steps are steps)
     step_samples = batch_size * _accumulate(summary)
@@ -103,21 +106,26 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "ideal_samples_per_s": ideal or None,
         "efficiency": measured / ideal if ideal and measured else None,
         "ranks": ranks, "sync": summary["sync"],
-        "link": link_figures(summary, timelines[0].events if timelines else []),
+        "link": link_figures(summary, timelines[0].events if timelines else [],
+                             network=network),
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
     }
 
 
-def link_figures(summary: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+def link_figures(summary: dict[str, Any], events: list[dict[str, Any]], *,
+                 network: Any = None) -> dict[str, Any]:
     """What crossed the link between the ranks, from rank 0's view: an average's bytes as sent
     (``average_bytes``, or the sync events' ``bytes``), the blocking averages' median time
     (rank 0's sync events: the transfer with the packing around it) and the rate that makes,
     which is about what the link carried; for sync, the float32 gradients DDP all-reduces each
     step and, where the run timed that all-reduce (``ddp_comm_s``, under an emulated slowdown),
     its rate. None where the run did not record a figure (an older summary, a single worker).
-    The link's own capacity is not measured: the rates are what the averages got of it."""
+    What the link allows is node 0's interface's rated speed, from ``network`` (config.json's,
+    read back: anything that is not a plain interface name and a whole number of Mbit/s is
+    left out), and the share of it the blocking averages got; the path to the other node may
+    be slower than that (WiFi, the other node's interface), so it is a ceiling."""
     syncs = [e for e in events if e["kind"] == "sync"]
     sent = summary.get("average_bytes")
     recorded = [e["bytes"] for e in syncs if _whole(e.get("bytes"))]
@@ -132,17 +140,37 @@ def link_figures(summary: dict[str, Any], events: list[dict[str, Any]]) -> dict[
     gradient = gradient if _whole(gradient) and gradient > 0 else None
     steps = sum(e["steps"] for e in events if e["kind"] == "round")
     comm = summary.get("ddp_comm_s")
-    comm_s = comm[0] if isinstance(comm, list) and comm and is_finite(comm[0]) and         comm[0] > 0 else None
+    comm_s = comm[0] if isinstance(comm, list) and comm and is_finite(comm[0]) and \
+        comm[0] > 0 else None
     per_step = comm_s / steps if comm_s and steps and summary.get("policy") == "sync" else None
     dtype = summary.get("average_dtype")
+    interface, rated = _rated_link(network)
+    rate = sent / median_s / 1e6 if sent and median_s else None
     return {
         "average_bytes": sent, "average_dtype": dtype if dtype in ("fp32", "bf16") else None,
         "averages": len(syncs), "blocking_average_ms": median_s * 1000 if median_s else None,
-        "blocking_mb_per_s": sent / median_s / 1e6 if sent and median_s else None,
+        "blocking_mb_per_s": rate,
+        "interface": interface, "interface_mbit": rated,
+        "interface_share": rate / (rated / 8) if rate and rated else None,
         "gradient_bytes": gradient if summary.get("policy") == "sync" else None,
         "gradient_ms_per_step": per_step * 1000 if per_step else None,
         "gradient_mb_per_s": gradient / per_step / 1e6 if gradient and per_step else None,
     }
+
+
+def _rated_link(network: Any) -> tuple[str | None, int | None]:
+    """Node 0's interface and its rated Mbit/s from config.json's ``network``, each None
+    unless it is what fdl writes there (a short interface name of plain characters, a whole
+    number of Mbit/s below a petabit)."""
+    if not isinstance(network, dict) or not network.get("several_nodes"):
+        return None, None
+    name, mbit = network.get("interface"), network.get("link_mbit")
+    name = name if isinstance(name, str) and _INTERFACE_NAME.fullmatch(name) else None
+    mbit = mbit if _whole(mbit) and 0 < mbit < 10**9 else None
+    return name, mbit if name else None
+
+
+_INTERFACE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,32}")
 
 
 def _whole(value: Any) -> bool:

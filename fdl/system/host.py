@@ -242,6 +242,15 @@ def default_route_interface() -> str | None:
     return None
 
 
+def interface_speed_mbit(name: str) -> int | None:
+    """The rated speed of this host's interface ``name`` in Mbit/s, as its driver reports it
+    (None: unknown, as for loopback and most WiFi drivers, or no such interface). A ceiling,
+    not a measurement: the path to another node may be slower."""
+    stats = psutil.net_if_stats().get(name)
+    speed = getattr(stats, "speed", 0)
+    return speed if isinstance(speed, int) and speed > 0 else None
+
+
 def interface_of(address: str) -> str | None:
     """The name of this host's interface that holds ``address`` (None: none does)."""
     wanted = _ip(address.split("%")[0])

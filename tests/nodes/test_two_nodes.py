@@ -68,6 +68,9 @@ def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
         outputs = run_nodes([documented_command(node, endpoint, run_dir)
                              for node, run_dir in zip((node0, node1), dirs, strict=True)],
                             tmp_path)
+        speed = f"import psutil; print(psutil.net_if_stats()[{node0.interface!r}].speed)"
+        rated = subprocess.run(node0.command([sys.executable, "-c", speed]),
+                               capture_output=True, text=True, check=True).stdout.strip()
     assert [code for code, _ in outputs] == [0, 0], shown(outputs)
     waiting = f"waiting for 2 nodes at {endpoint}"
     assert f"{waiting} (this node hosts it, as {node0.address}" in outputs[0][1], shown(outputs)
@@ -79,6 +82,9 @@ def test_the_documented_command_trains_on_two_machines(tmp_path, ipv6):
     summaries = [json.loads((d / "summary.json").read_text()) for d in dirs
                  if (d / "summary.json").is_file()]
     assert summaries and summaries[0]["world_size"] == 2, shown(outputs)
+    # what fdl report calls what the link allows: node 0's interface's rated speed (veth's)
+    network = json.loads((dirs[0] / "config.json").read_text())["network"]
+    assert (network["interface"], network["link_mbit"]) == (node0.interface, int(rated))
 
 
 def test_a_waiting_node_counts_the_nodes_that_joined_live(tmp_path):

@@ -306,6 +306,21 @@ def test_the_link_shows_an_averages_bytes_and_the_rate_the_blocking_ones_got(tmp
     assert link["gradient_bytes"] is None  # cadence: no gradients cross the link
     text = run_fdl("report", str(run)).stdout
     assert "link" in text and "4.00 MB per average (bf16), blocking ones 900 ms: 4.4 MB/s" in text
+    assert link["interface_share"] is None and "rated" not in text  # one node: no interface
+    config = json.loads((run / "config.json").read_text())
+    network = {"several_nodes": True, "interface": "eth7", "link_mbit": 100}
+    (run / "config.json").write_text(json.dumps({**config, "network": network}))
+    link = run_report(run)["link"]  # 4.44 MB/s of 100 Mbit/s (12.5 MB/s)
+    assert (link["interface"], link["interface_mbit"]) == ("eth7", 100)
+    assert link["interface_share"] == pytest.approx(4 / 0.9 / 12.5)
+    assert "4.4 MB/s (35.6% of eth7's rated 100 Mbit/s)" in run_fdl("report", str(run)).stdout
+    for hostile in ({**network, "interface": "eth7\x1b]0;owned\x07"}, {**network, "link_mbit": 1e308},
+                    {**network, "link_mbit": True}, {**network, "link_mbit": "100"},
+                    {**network, "interface": ["eth7"]}, "eth7"):
+        (run / "config.json").write_text(json.dumps({**config, "network": hostile}))
+        link = run_report(run)["link"]
+        assert link["interface_share"] is None and link["interface_mbit"] is None, hostile
+        assert "\x1b" not in run_fdl("report", str(run)).stdout
     sync = {**summary, "policy": "sync", "ddp_comm_s": [2.0, 0.5]}
     (run / "summary.json").write_text(json.dumps(sync))
     link = run_report(run)["link"]  # rank 0: 15 steps, 2 s in the gradients' all-reduce
