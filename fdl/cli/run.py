@@ -116,21 +116,26 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     from fdl import console
     from fdl.launch.elastic import launch, preflight
     from fdl.launch.live import live_progress
-    from fdl.rundir.layout import check_run_dir, prepare_run_dir
+    from fdl.rundir.layout import check_run_dir, join_or_prepare_run_dir
     from fdl.version import __version__
 
-    check_run_dir(spec.run_dir, use=spec.run_dir_use)
+    document = spec.to_dict()
+    if spec.network is None or not spec.network.several_nodes:  # several: it may be joined
+        check_run_dir(spec.run_dir, use=spec.run_dir_use)
     listener = preflight(spec)
-    prepare_run_dir(spec.run_dir, spec=spec.to_dict(), fdl_version=__version__,
-                    use=spec.run_dir_use)
+    joined = join_or_prepare_run_dir(spec.run_dir, spec=document, fdl_version=__version__,
+                                     use=spec.run_dir_use)
+    made = "joins run directory" if joined else "run directory"
     console.info(f"fdl run: {spec.nproc_per_node} worker(s) per node, {spec.devices.reason}; "
-                 f"run directory {spec.run_dir}")
+                 f"{made} {spec.run_dir}"
+                 + (" (another node of this run made it: a shared filesystem)" if joined else ""))
     if spec.network is not None and spec.network.several_nodes:
         if spec.network.hostname_on_loopback:
             console.warn(_loopback_name_line(spec.network.local_addr))
         console.info(_waiting_line(spec))
     with live_progress(spec.run_dir, enabled=live), _join_watch(spec):
-        result = launch(spec, listener=listener)
+        result = launch(spec, listener=listener,
+                        node=spec.network.local_addr if joined and spec.network else None)
     if result.exit_code == 0:
         _report_done(spec)
         _write_timeline(spec)

@@ -124,9 +124,11 @@ def _installed(module: str) -> bool:
         return False
 
 
-def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> LaunchResult:
+def launch(spec: LaunchSpec, *, listener: socket.socket | None = None,
+           node: str | None = None) -> LaunchResult:
     """Run the workers to completion. Blocks; returns the exit code ``fdl run`` should use.
-    ``listener``: :func:`preflight`'s socket for a one-node rendezvous."""
+    ``listener``: :func:`preflight`'s socket for a one-node rendezvous; ``node``: this node's
+    address when it joined another node's run directory (its agent log is then its own)."""
     with torch_import_without_collections():
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -136,7 +138,7 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None) -> Launch
     args = ["-u", "-m", "fdl.launch.worker", *(["--module"] if spec.module else []),
             str(spec.script), *spec.script_args]
     with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint), \
-            terminal_for_workers(run_layout.agent_log_path(logs_dir)):
+            terminal_for_workers(run_layout.agent_log_path(logs_dir, node=node)):
         try:
             launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
                          sys.executable, args)

@@ -8,7 +8,9 @@ and stderr; an earlier attempt's log is kept as ``rank<r>.attempt<k>.log`` on re
 ``logs/agent.log`` (torch's agent's own log lines), and
 what the engine writes (metrics, timeline, summary.json, model.pt, checkpoints).
 
-One directory holds one run. A new run needs a directory that does not exist or is empty;
+One directory holds one run. The nodes of a multi-node run may share one (a shared filesystem):
+the first makes it, the others join it (:func:`join_or_prepare_run_dir`), each rank writing its
+own log and timeline and each joining node's agent its own ``logs/agent-<address>.log``. A new run needs a directory that does not exist or is empty;
 ``--resume`` continues the run a directory holds; ``--overwrite-run-dir`` replaces it, but only
 a directory that holds nothing but what ``fdl run`` writes (:data:`RUN_ENTRIES`): a typo such as
 ``--run-dir ~`` never deletes anything.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,77 @@ def check_run_dir(run_dir: Path, *, use: str) -> None:
         raise UsageError(f"run directory {run_dir} holds files fdl run did not write "
                          f"({', '.join(foreign[:5])}); not replacing it",
                          hint="move them away, or pass another --run-dir")
+
+
+# A node of a multi-node run joins a run directory another node of the same run made (a shared
+# filesystem) while the rendezvous can still be waiting for it: torch's join timeout.
+JOIN_WINDOW_S = 900
+CONFIG_WAIT_S = 10.0  # how long a joiner waits for the other node's config.json to land
+
+
+def joinable(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
+    """Whether ``run_dir`` holds another node's part of the multi-node run ``spec`` describes,
+    still meeting: its config.json, written within :data:`JOIN_WINDOW_S` by fdl
+    ``fdl_version``, names the same rendezvous (backend, endpoint, run id), node count and
+    script, and no worker has written anything yet (no timeline, no summary.json: the workers
+    start only once every node is there, so a run that trained is never joined). Then this node
+    joins it instead of making its own: one config, each rank's own logs and timeline
+    (fdl.launch.elastic names a joining node's agent log by its address)."""
+    if not _several_nodes(spec):
+        return False
+    try:
+        written = (run_dir / config.FILE).stat().st_mtime
+        document = config.read_config(run_dir, hint="", missing_ok=False)
+    except (OSError, UsageError):
+        return False
+    if summary.has_summary(run_dir) or (run_dir / timeline.DIRNAME).exists() or \
+            abs(time.time() - written) > JOIN_WINDOW_S:
+        return False
+    mine, theirs = spec.get("rendezvous"), document.get("rendezvous")
+    same = ("backend", "endpoint", "run_id")
+    return (isinstance(theirs, dict) and isinstance(mine, dict)
+            and all(theirs.get(k) == mine.get(k) for k in same)
+            and document.get(config.VERSION_KEY) == fdl_version
+            and all(document.get(k) == spec.get(k) for k in ("nnodes", "script", "args")))
+
+
+def _several_nodes(spec: dict[str, Any]) -> bool:
+    network = spec.get("network")
+    return isinstance(network, dict) and network.get("several_nodes") is True
+
+
+def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version: str,
+                            use: str = "new") -> bool:
+    """:func:`check_run_dir` and :func:`prepare_run_dir`, except that a node of a multi-node
+    run whose directory another node of it made (:func:`joinable`) joins it. True when it
+    joined. Of two nodes that start at once, the one that loses the claim waits up to
+    :data:`CONFIG_WAIT_S` for the winner's config.json and joins."""
+    if use != "resume" and joinable(run_dir, spec=spec, fdl_version=fdl_version):
+        return True
+    try:
+        check_run_dir(run_dir, use=use)
+        prepare_run_dir(run_dir, spec=spec, fdl_version=fdl_version, use=use)
+    except UsageError:  # e.g. the other node claimed it a moment ago, its config.json to come
+        if not _several_nodes(spec) or use == "resume" or not _being_made(run_dir):
+            raise
+        deadline = time.monotonic() + CONFIG_WAIT_S
+        while time.monotonic() < deadline:
+            if joinable(run_dir, spec=spec, fdl_version=fdl_version):
+                return True
+            time.sleep(0.1)
+        raise
+    return False
+
+
+def _being_made(run_dir: Path) -> bool:
+    """Whether another launcher is making ``run_dir`` now: it claimed it (``logs/``), no worker
+    has written anything, and its config.json is not there yet or only just written."""
+    if summary.has_summary(run_dir) or (run_dir / timeline.DIRNAME).exists():
+        return False
+    try:
+        return time.time() - (run_dir / config.FILE).stat().st_mtime < CONFIG_WAIT_S
+    except OSError:
+        return logs_dir(run_dir).is_dir()
 
 
 def prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version: str,
@@ -127,10 +201,13 @@ def log_path(logs: Path, rank: int | str, *, attempt: int | None = None) -> Path
     return logs / (f"rank{rank}.log" if attempt is None else f"rank{rank}.attempt{attempt}.log")
 
 
-def agent_log_path(logs: Path) -> Path:
+def agent_log_path(logs: Path, *, node: str | None = None) -> Path:
     """``logs/agent.log``: what torch's elastic agent logged in the launcher (its warnings and
-    errors), kept off the terminal (fdl.launch.terminal)."""
-    return logs / AGENT_LOG
+    errors), kept off the terminal (fdl.launch.terminal); ``logs/agent-<node>.log`` for a node
+    that joined another's run directory (``node``: its address)."""
+    if node is None:
+        return logs / AGENT_LOG
+    return logs / f"agent-{''.join(c if c.isalnum() or c in '.-' else '_' for c in node)}.log"
 
 
 def error_file(logs: Path, rank: int | str) -> Path:

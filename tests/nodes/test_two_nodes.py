@@ -319,3 +319,34 @@ def test_two_nodes_survive_a_killed_worker_from_a_checkpoint_on_node0(tmp_path):
     assert [code for code, _ in resumed] == [0, 0], shown(resumed)
     again = json.loads((tmp_path / "node0" / "summary.json").read_text())
     assert again["epochs"] == 5 and again["resumed_from"] > first, again
+
+
+def test_two_nodes_share_one_run_directory(tmp_path):
+    """Issue 27 D5 with a shared filesystem (both namespaces see this host's disk): the same
+    --run-dir on both nodes, started at once. One makes it, the other joins it: one
+    config.json, each rank's log and timeline, rank 0's summary and checkpoints with both
+    ranks' parts; a directory of a run that trained is not joined."""
+    need_namespaces()
+    shared = tmp_path / "shared"
+    with two_nodes() as (node0, node1):
+        endpoint = f"{node0.address}:{PORT}"
+        outputs = run_nodes([documented_command(node, endpoint, shared, "--checkpoint-every",
+                                                "1") for node in (node0, node1)], tmp_path)
+    assert [code for code, _ in outputs] == [0, 0], shown(outputs)
+    joined = [n for n, (_, text) in enumerate(outputs)
+              if f"joins run directory {shared} (another node of this run made it" in text]
+    assert len(joined) == 1, shown(outputs)
+    logs = {p.name for p in (shared / "logs").iterdir()}  # an agent log only if torch logged
+    assert {"rank0.log", "rank1.log"} <= logs, logs
+    assert json.loads((shared / "config.json").read_text())["rendezvous"]["endpoint"] == endpoint
+    assert {p.name for p in (shared / "timeline").glob("rank*.jsonl")} == {"rank0.jsonl",
+                                                                         "rank1.jsonl"}
+    assert json.loads((shared / "summary.json").read_text())["world_size"] == 2
+    manifests = [json.loads(m.read_text()) for m in (shared / "checkpoints").glob("*/manifest.json")]
+    assert manifests and all({"rank0.pt", "rank1.pt"} <= set(m["files"]) for m in manifests)
+    with two_nodes() as (node0, node1):  # the same command again: that run trained, refused
+        endpoint = f"{node0.address}:{PORT}"
+        again = run_nodes([documented_command(node, endpoint, shared) for node in (node0, node1)],
+                          tmp_path, deadline_s=60)
+    assert [code for code, _ in again] == [2, 2], shown(again)
+    assert all(f"run directory {shared} holds an earlier run" in text for _, text in again)
