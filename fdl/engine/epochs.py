@@ -4,9 +4,9 @@ line on rank 0's terminal.
 
 One collective per epoch carries the loss and each rank's share of the epoch (samples, busy and
 averaging time), so rank 0 can write per-rank figures without a second message. The epoch's
-clock and this rank's figures are taken at its last boundary; the rest waits for the model to be
-the consensus: at once after a blocking average, a round later under async (fdl.engine.rounds). A record
-(``metrics.jsonl``, docs/run.md "Run directory")::
+clock and this rank's figures are taken at its last boundary; the rest waits for the model to
+be the consensus: at once after a blocking average, a round later under async
+(fdl.engine.rounds). A record (``metrics.jsonl``, docs/run.md "Run directory")::
 
     {"epoch": 2, "samples": 120000, "train_loss": 0.2987, "eval": {"accuracy": 0.8979},
      "samples_per_s": 48464.6, "elapsed_s": 2.476, "epoch_s": 1.176,

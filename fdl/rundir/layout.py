@@ -8,12 +8,13 @@ and stderr; an earlier attempt's log is kept as ``rank<r>.attempt<k>.log`` on re
 ``logs/agent.log`` (torch's agent's own log lines), and
 what the engine writes (metrics, timeline, summary.json, model.pt, checkpoints).
 
-One directory holds one run. The nodes of a multi-node run may share one (a shared filesystem):
-the first makes it, the others join it (:func:`join_or_prepare_run_dir`), each rank writing its
-own log and timeline and each joining node's agent its own ``logs/agent-<address>.log``. A new run needs a directory that does not exist or is empty;
+One directory holds one run. A new run needs a directory that does not exist or is empty;
 ``--resume`` continues the run a directory holds; ``--overwrite-run-dir`` replaces it, but only
 a directory that holds nothing but what ``fdl run`` writes (:data:`RUN_ENTRIES`): a typo such as
-``--run-dir ~`` never deletes anything.
+``--run-dir ~`` never deletes anything. The nodes of a multi-node run may share one (a shared
+filesystem): the first makes it, the others join it (:func:`join_or_prepare_run_dir`), each rank
+writing its own log and timeline and each joining node's agent its own
+``logs/agent-<address>.log``.
 """
 
 from __future__ import annotations

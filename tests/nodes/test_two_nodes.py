@@ -342,7 +342,8 @@ def test_two_nodes_share_one_run_directory(tmp_path):
     assert {p.name for p in (shared / "timeline").glob("rank*.jsonl")} == {"rank0.jsonl",
                                                                          "rank1.jsonl"}
     assert json.loads((shared / "summary.json").read_text())["world_size"] == 2
-    manifests = [json.loads(m.read_text()) for m in (shared / "checkpoints").glob("*/manifest.json")]
+    manifests = [json.loads(m.read_text())
+                 for m in (shared / "checkpoints").glob("*/manifest.json")]
     assert manifests and all({"rank0.pt", "rank1.pt"} <= set(m["files"]) for m in manifests)
     with two_nodes() as (node0, node1):  # the same command again: that run trained, refused
         endpoint = f"{node0.address}:{PORT}"

@@ -314,8 +314,9 @@ def test_the_link_shows_an_averages_bytes_and_the_rate_the_blocking_ones_got(tmp
     assert (link["interface"], link["interface_mbit"]) == ("eth7", 100)
     assert link["interface_share"] == pytest.approx(4 / 0.9 / 12.5)
     assert "4.4 MB/s (35.6% of eth7's rated 100 Mbit/s)" in run_fdl("report", str(run)).stdout
-    for hostile in ({**network, "interface": "eth7\x1b]0;owned\x07"}, {**network, "link_mbit": 1e308},
-                    {**network, "link_mbit": True}, {**network, "link_mbit": "100"},
+    for hostile in ({**network, "interface": "eth7\x1b]0;owned\x07"},
+                    {**network, "link_mbit": 1e308}, {**network, "link_mbit": True},
+                    {**network, "link_mbit": "100"},
                     {**network, "interface": ["eth7"]}, "eth7"):
         (run / "config.json").write_text(json.dumps({**config, "network": hostile}))
         link = run_report(run)["link"]
