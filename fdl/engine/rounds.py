@@ -536,7 +536,9 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     """One averaging event; returns the reports that arrived (None: the first background
     average, nothing has arrived yet) and the average still in flight (None when blocking).
     The time from the first copy to the last (pack, reduce or wait, load or apply) is what the
-    average cost this rank (RankState.after_sync books it)."""
+    average cost this rank (RankState.after_sync books it), less an epoch's end that waited for
+    the average that landed here (async): its evaluation is not what the link costs, and the
+    anchor tuner would grow the rounds for it."""
     averager, rank_state = replica.averager, replica.rank_state
     assert averager is not None
     start = time.perf_counter()
@@ -544,9 +546,11 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     if pending is not None:  # async: the average launched at the last boundary
         pending.wait()
         if replica.epoch_in_flight is not None:  # it was an epoch's end: that is its consensus
+            begin = time.perf_counter()
             with averager.average_loaded():
                 replica.epoch_in_flight()
             replica.epoch_in_flight = None
+            start += time.perf_counter() - begin  # the epoch's end (evaluation) is no average's
         rank_state.last_distance = averager.distance_from_average()
         averager.apply_delta()
         rows = averager.stats()

@@ -132,6 +132,20 @@ def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, av
     assert planned[0] > 1.5 * planned[1], planned
 
 
+def test_an_epoch_end_that_waited_for_asyncs_average_is_not_booked_as_the_average(tmp_path):
+    """async runs through epoch ends: the epoch's evaluation runs at the next boundary, when
+    the epoch's average lands. An evaluation made slow (each batch sleeps 0.1 s: the workload)
+    must not be booked as that average's time, or the anchor tuner grows the rounds for it: no
+    average's wait comes near one evaluation, which the run itself timed (summary eval_s)."""
+    _, run_dir = fdl_train(tmp_path, "--policy", "async", "--simulate-slowdown", "1,2.5",
+                           "--epochs", "4", script_args=("--slow-eval", "0.1"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    one_evaluation = summary["eval_s"] / 4
+    assert one_evaluation > 0.2  # 4-5 batches of 0.1 s on rank 0
+    waits = [e["wait_s"] for e in read_events(run_dir, 0) if e["kind"] == "sync"]
+    assert waits and max(waits) < one_evaluation / 2, (max(waits), one_evaluation)
+
+
 def test_sync_replicas_identical_including_batchnorm_buffers(tmp_path):
     out, _ = fdl_train(tmp_path, "--policy", "sync", script_args=("--batch-norm",))
     a, b = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
