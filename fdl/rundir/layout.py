@@ -83,8 +83,7 @@ def joinable(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
         document = config.read_config(run_dir, hint="", missing_ok=False)
     except (OSError, UsageError):
         return False
-    if summary.has_summary(run_dir) or (run_dir / timeline.DIRNAME).exists() or \
-            abs(time.time() - written) > JOIN_WINDOW_S:
+    if _workers_wrote(run_dir) or abs(time.time() - written) > JOIN_WINDOW_S:
         return False
     mine, theirs = spec.get("rendezvous"), document.get("rendezvous")
     same = ("backend", "endpoint", "run_id")
@@ -92,6 +91,11 @@ def joinable(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
             and all(theirs.get(k) == mine.get(k) for k in same)
             and document.get(config.VERSION_KEY) == fdl_version
             and all(document.get(k) == spec.get(k) for k in ("nnodes", "script", "args")))
+
+
+def _workers_wrote(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` has begun training: a timeline or a summary.json."""
+    return summary.has_summary(run_dir) or (run_dir / timeline.DIRNAME).exists()
 
 
 def _several_nodes(spec: dict[str, Any]) -> bool:
@@ -125,7 +129,7 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
 def _being_made(run_dir: Path) -> bool:
     """Whether another launcher is making ``run_dir`` now: it claimed it (``logs/``), no worker
     has written anything, and its config.json is not there yet or only just written."""
-    if summary.has_summary(run_dir) or (run_dir / timeline.DIRNAME).exists():
+    if _workers_wrote(run_dir):
         return False
     try:
         return time.time() - (run_dir / config.FILE).stat().st_mtime < CONFIG_WAIT_S
