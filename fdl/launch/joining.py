@@ -40,6 +40,7 @@ class JoinWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fdl-join-watch", daemon=True)
         self.seen: dict[int, tuple[int, float]] = {}  # slot -> (its value, when it last moved)
+        self.errors: list[str] = []  # the last few failures, for whoever debugs a count
 
     def start(self) -> JoinWatch:
         self._thread.start()
@@ -57,7 +58,12 @@ class JoinWatch:
             try:
                 if store is None:
                     store = self._connect()
-                    slot = None if store is None else int(store.add(self.prefix + "slots", 1))
+                    self.seen.clear()
+                    if store is not None and slot is not None \
+                            and int(store.add(self.prefix + "slots", 0)) < slot:
+                        slot = None  # a store begun anew (node 0 restarted): claim again
+                if store is not None and slot is None:  # claimed once: a reconnect keeps it
+                    slot = int(store.add(self.prefix + "slots", 1))
                 if store is not None and slot is not None:
                     store.add(f"{self.prefix}{slot}", 1)
                     count = self._count(store, slot)
@@ -70,8 +76,9 @@ class JoinWatch:
                         self.say(f"fdl run: waiting for nodes: {count}/{self.nodes} joined at "
                                  f"{self.endpoint} ({now - started:.0f} s)")
                         shown, said = count, now
-            except Exception:  # the store went (the run ended, a node left):
+            except Exception as error:  # the store went (the run ended, a node left):
                 store = None  # the launch says what happened; this only counts
+                self.errors = [*self.errors[-4:], f"{type(error).__name__}: {error}"]
             self._stop.wait(TICK_S)
 
     def _connect(self) -> Any:
@@ -88,16 +95,17 @@ class JoinWatch:
             return None
 
     def _count(self, store: Any, mine: int) -> int:
-        """The nodes whose slot moved within ``ALIVE_S`` (this node's own always counts)."""
+        """The nodes whose slot moved within ``ALIVE_S`` (this node's own always counts). Each
+        slot is read with ``add(key, 0)``, which never waits: a slot claimed but not yet ticked
+        reads 0 (a ``get`` would block on it until the store's timeout)."""
         slots = int(store.add(self.prefix + "slots", 0))
-        keys = [f"{self.prefix}{s}" for s in range(1, slots + 1)]
-        values = [int(v) for v in store.multi_get(keys)] if keys else []
         now = time.monotonic()
-        for number, value in enumerate(values, start=1):
+        for number in range(1, slots + 1):
+            value = int(store.add(f"{self.prefix}{number}", 0))
             last = self.seen.get(number)
             if last is None:  # first seen: there only once it moves (a node that left stays)
                 self.seen[number] = (value, -math.inf)
             elif last[0] != value:
                 self.seen[number] = (value, now)
-        return sum(1 for number, (_, moved) in self.seen.items()
-                   if number == mine or now - moved < ALIVE_S)
+        return 1 + sum(1 for number, (_, moved) in self.seen.items()
+                       if number != mine and now - moved < ALIVE_S)

@@ -20,6 +20,7 @@ class Lines:
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.lock = threading.Condition()
+        self.watch: JoinWatch | None = None
 
     def say(self, line: str) -> None:
         with self.lock:
@@ -30,7 +31,8 @@ class Lines:
         with self.lock:
             if not self.lock.wait_for(lambda: any(needle in line for line in self.lines),
                                       timeout=GUARD_S):
-                raise AssertionError(f"never said {needle!r}: {self.lines}")
+                errors = self.watch.errors if self.watch else []
+                raise AssertionError(f"never said {needle!r}: {self.lines}, errors {errors}")
 
 
 @pytest.fixture
@@ -44,7 +46,8 @@ def store():
 
 
 def watch(port: int, lines: Lines, run_id: str = "run") -> JoinWatch:
-    return JoinWatch("127.0.0.1", port, run_id=run_id, nodes=2, say=lines.say).start()
+    lines.watch = JoinWatch("127.0.0.1", port, run_id=run_id, nodes=2, say=lines.say)
+    return lines.watch.start()
 
 
 def test_a_waiting_node_counts_itself_then_the_node_that_arrives(store):
@@ -85,6 +88,27 @@ def test_a_node_that_left_is_not_counted(store):
         other.stop()
     waiting = [line for line in first.lines if "waiting" in line]
     assert waiting and all("1/2 joined" in line for line in waiting)
+
+
+def test_a_slot_claimed_but_never_ticked_does_not_stall_the_count(store):
+    """A launcher killed between claiming its slot and its first tick leaves a slot with no
+    key: reading it must not wait on the key (that waited out the store's timeout at every
+    tick, and the count never moved)."""
+    server, port = store
+    server.add("fdl/joined/run/slots", 1)  # claimed, then killed before it ticked
+    first, second = Lines(), Lines()
+    node0 = watch(port, first)
+    try:
+        first.wait_for("waiting for nodes: 1/2 joined")
+        node1 = watch(port, second)
+        try:
+            first.wait_for("2/2 nodes joined")
+            second.wait_for("2/2 nodes joined")
+        finally:
+            node1.stop()
+    finally:
+        node0.stop()
+    assert first.watch.errors == [] and second.watch.errors == []
 
 
 def test_a_store_that_never_answers_only_stops_the_watch_when_asked():
