@@ -59,8 +59,8 @@ class JoinWatch:
                 if store is None:
                     store = self._connect()
                     self.seen.clear()
-                    if store is not None and slot is not None \
-                            and int(store.add(self.prefix + "slots", 0)) < slot:
+                    if (store is not None and slot is not None
+                            and int(store.add(self.prefix + "slots", 0)) < slot):
                         slot = None  # a store begun anew (node 0 restarted): claim again
                 if store is not None and slot is None:  # claimed once: a reconnect keeps it
                     slot = int(store.add(self.prefix + "slots", 1))
