@@ -83,6 +83,22 @@ def parse_average_dtype(value: Any) -> str:
     return _choice("average_dtype", value, AVERAGE_DTYPES)
 
 
+OUTER_OPTIMIZERS = ("none", "nesterov")
+
+
+def parse_outer_optimizer(value: Any) -> str:
+    return _choice("outer_optimizer", value, OUTER_OPTIMIZERS)
+
+
+def parse_momentum(value: Any) -> float:
+    """A momentum: a finite number from 0 up to, not including, 1."""
+    number = parse_fraction("outer_momentum", positive=False)(value)
+    if number >= 1:
+        raise UsageError(f"outer_momentum must be below 1, got {value!r}",
+                         hint="use a momentum from 0 (none) to below 1, e.g. 0.9")
+    return number
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     text = str(value).strip().lower()
     if text not in allowed:
@@ -420,6 +436,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("average_dtype", "fp32", parse_average_dtype,
             "fp32 | bf16: what an average sends (bf16: half the bytes, each rank's rounding "
             "error carried to its next average)."),
+    _engine("outer_optimizer", "none", parse_outer_optimizer,
+            "none | nesterov: step each average's displacement with Nesterov momentum "
+            "(DiLoCo/SlowMo) instead of taking the average as it is; cadence and async."),
+    _engine("outer_lr", 0.7, parse_fraction("outer_lr", positive=True),
+            "The outer optimizer's learning rate (1 with momentum 0: plain averaging)."),
+    _engine("outer_momentum", 0.9, parse_momentum,
+            "The outer optimizer's Nesterov momentum, from 0 to below 1."),
     _engine("collective_timeout", None, parse_collective_timeout,
             "How long a collective waits for a peer before the run stops: 90s, 10m; auto: "
             "5m with several nodes, torch's own on one (30m over gloo)."),
@@ -570,7 +593,18 @@ def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str],
             resolved[spec.name] = Setting(file_values[spec.name], f"file:{file_path}")
         else:
             resolved[spec.name] = Setting(spec.default, "default")
+    check_outer(resolved["policy"].value, resolved["outer_optimizer"].value)
     return resolved
+
+
+def check_outer(policy: str, outer_optimizer: str) -> None:
+    """An outer optimizer needs averages of the parameters: refused with policy sync (the
+    launcher checks what it knows; the worker again, with the script's values)."""
+    if outer_optimizer != "none" and policy == "sync":
+        raise UsageError(f"outer_optimizer {outer_optimizer} steps the averages of the "
+                         "parameters, and policy sync has none (its ranks step every batch "
+                         "together)",
+                         hint="use policy cadence, async or auto, or outer_optimizer none")
 
 
 def _from_env(spec: SettingSpec, raw: str) -> Any:

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 SHARED_SETTINGS = ("policy", "backend", "epochs", "batch_size", "seed", "simulate_slowdown",
                    "checkpoint_every", "precision", "micro_batch_size", "max_steps",
                    "max_samples", "max_time", "divergence_threshold", "overhead_target",
-                   "max_grad_norm", "average_dtype")
+                   "max_grad_norm", "average_dtype", "outer_optimizer", "outer_lr",
+                   "outer_momentum")
 SAMPLED_ITEMS = 4  # items of the data read for its fingerprint
 DIGEST = 16  # hex characters kept of a sha256
 

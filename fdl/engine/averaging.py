@@ -45,6 +45,11 @@ a float32 collective of their own, beside. The reference is the model as built (
 broadcast) and is taken again from the model where it was overwritten whole (a resume:
 :meth:`Averager.rebase`).
 
+**The outer optimizer** (``--outer-optimizer nesterov``, fdl.engine.outer) steps the
+parameters' part of a landed average (:meth:`Averager.step_outer`) after the divergence guard
+measured it and before anything loads it: what a blocking average loads, what async's
+``average - snapshot`` applies and what its epoch's end evaluates is then the stepped consensus.
+
 * ``cpu``: the flat buffer lives in host memory (page-locked for a CUDA replica: the copies go
   by DMA, and none of fdl's averaging memory is on the card) and is reduced over a gloo group.
   Copies into and out of it are blocking, so no device-to-host copy is read before it completes and no
@@ -66,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fdl.engine.outer import OuterOptimizer
 from fdl.errors import FdlError
 
 #: dtypes whose updates keep a float32 residual (their ulp swallows small deltas)
@@ -81,13 +87,14 @@ class Averager:
     def __init__(self, model: nn.Module, *, rank: int, world_size: int, backend: str,
                  device: torch.device, num_stats: int, params: bool = True,
                  snapshot: bool = True, group: dist.ProcessGroup | None = None,
-                 wire: str = "fp32"):
+                 wire: str = "fp32", outer: tuple[float, float] | None = None):
         """``params=False`` averages buffers only (``sync``: DDP keeps parameters identical,
         and re-averaging identical values could change their last bits). ``snapshot=False``
         (every policy but async, which applies ``average - snapshot`` a round late) keeps no
         copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"``
-        sends the parameters as bf16 displacements (the module docstring); the replicas must
-        be identical when it is built."""
+        sends the parameters as bf16 displacements (the module docstring); ``outer`` (its
+        learning rate and momentum) steps the parameters' average with the outer optimizer
+        (fdl.engine.outer). With either, the replicas must be identical when it is built."""
         self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
@@ -95,6 +102,7 @@ class Averager:
         self.int_names = [name for name, _ in named_ints]
         self.int_tensors = [b for _, b in named_ints]
         self.numel = sum(t.numel() for t in self.tensors)
+        self.param_numel = sum(p.numel() for p in model.parameters()) if params else 0
         self.num_ints = sum(t.numel() for t in self.int_tensors)
         self.via_host = backend != "nccl"
         buffer_device = device if backend == "nccl" else torch.device("cpu")
@@ -123,7 +131,10 @@ class Averager:
             # every rank's bf16 displacements, summed here in float32 (gloo would round a bf16
             # sum to bf16 at every add: an error no rank could carry)
             self.gathered = [torch.zeros_like(self.wire) for _ in range(world_size)]
-            self.rebase()
+        self.outer = OuterOptimizer(self.param_numel, lr=outer[0], momentum=outer[1],
+                                    device=buffer_device, dtype=dtype, pinned=pinned) \
+            if outer is not None and self.param_numel else None
+        self.rebase()
         self.bytes = self.flat.numel() * self.flat.element_size() if self.wire is None else (
             self.wire.numel() * self.wire.element_size()
             + (self.flat.numel() - self.numel) * self.flat.element_size())
@@ -132,20 +143,36 @@ class Averager:
 
     @torch.no_grad()
     def rebase(self) -> None:
-        """bf16 on the wire: the reference := the replica as it is (identical on every rank: as
-        built, or as a checkpoint loaded it), nothing owed."""
-        if self.reference is None or self.wire_error is None:
+        """The replica as it is (identical on every rank: as built, or as a checkpoint loaded
+        it) is the last average: bf16 on the wire's reference (nothing owed), the outer
+        optimizer's consensus (its momentum kept)."""
+        if self.reference is not None and self.wire_error is not None:
+            self._copy_replica(self.reference)
+            self.wire_error.zero_()
+        if self.outer is not None:
+            self._copy_replica(self.outer.consensus)
+
+    @torch.no_grad()
+    def step_outer(self) -> None:
+        """The outer optimizer's step on the landed average's parameters (nothing without
+        one): call after the divergence guard measured the plain average, before anything
+        loads it. bf16 on the wire's reference follows the consensus."""
+        if self.outer is None:
             return
-        self._copy_replica(self.reference)
-        self.wire_error.zero_()
+        body = self.flat[:self.param_numel]
+        self.outer.step(body)
+        if self.reference is not None:
+            self.reference[:self.param_numel].copy_(body)
 
     def _copy_replica(self, target: torch.Tensor) -> None:
         """The replica's exact values (``theta + residual`` for bf16/fp16) into ``target``'s
-        first ``numel`` values, tensor after tensor (blocking copies: complete before
-        ``target`` is read)."""
+        first values, tensor after tensor until ``target`` is full (blocking copies: complete
+        before ``target`` is read)."""
         offset = 0
         for tensor, residual in zip(self.tensors, self.residuals, strict=True):
             count = tensor.numel()
+            if offset + count > target.numel():
+                break
             exact = tensor if residual is None else tensor.float() + residual
             target[offset:offset + count].copy_(exact.reshape(-1))
             offset += count
@@ -284,8 +311,8 @@ class Averager:
 
     def memory_bytes(self) -> tuple[int, int]:
         """fdl's own memory for this replica, (on the model's device, in host memory): the
-        flat buffer, the snapshot, the bf16/fp16 residuals and, bf16 on the wire, the
-        reference, the bf16 buffer and the error fed back."""
+        flat buffer, the snapshot, the bf16/fp16 residuals, bf16 on the wire's reference, bf16
+        buffer and error fed back, and the outer optimizer's consensus and momentum."""
         on_device = on_host = 0
         for tensor in (self.flat, self.snapshot, *self.residuals, self.reference, self.wire,
                        self.wire_error, *self.gathered):
@@ -296,6 +323,11 @@ class Averager:
                 on_host += size
             else:
                 on_device += size
+        if self.outer is not None:
+            if self.flat.device.type == "cpu":
+                on_host += self.outer.memory_bytes()
+            else:
+                on_device += self.outer.memory_bytes()
         return on_device, on_host
 
     def _int_values(self, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 from fdl.engine.policies import Policy, policy_named
 from fdl.errors import UsageError
-from fdl.settings import RUN_DIR_ENV, resolve_engine_settings
+from fdl.settings import RUN_DIR_ENV, check_outer, resolve_engine_settings
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class EngineConfig:
     # What an average sends: "fp32", or "bf16" (fdl.engine.averaging: displacements, error fed
     # back).
     average_dtype: str
+    # The outer optimizer on each average's displacement: "none" or "nesterov", with its
+    # learning rate and momentum (fdl.engine.outer).
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
     # Seconds a collective waits for a peer; None: fdl.engine.collectives.group_timeout decides.
     collective_timeout: float | None
     # One choice for every rank, or one per rank; fdl.engine.precision says which rank trains in
@@ -69,6 +74,7 @@ def resolve_config(*, script: Mapping[str, Any], env: Mapping[str, str] | None =
         raise UsageError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     run_dir = env.get(RUN_DIR_ENV)
     values = {key: setting.value for key, setting in settings.items()}
+    check_outer(values["policy"], values["outer_optimizer"])
     return EngineConfig(
         **{**values, "policy": policy_named(values["policy"])},
         max_grad_norm=max_grad_norm,

@@ -535,7 +535,14 @@ class Run:
         return Averager(model, rank=self.rank, world_size=self.world_size,
                         backend=group.backend, device=self.device, num_stats=NUM_STATS,
                         group=group.process_group, params=policy.averages_params,
-                        snapshot=policy.background, wire=self.config.average_dtype)
+                        snapshot=policy.background, wire=self.config.average_dtype,
+                        outer=self._outer())
+
+    def _outer(self) -> tuple[float, float] | None:
+        """The outer optimizer's learning rate and momentum (None: none)."""
+        config = self.config
+        return None if config.outer_optimizer == "none" else (config.outer_lr,
+                                                               config.outer_momentum)
 
     def _chose(self, replica: Replica, choice: PolicyChoice) -> None:
         """``--policy auto`` chose (fdl.engine.rounds, alike on every rank, right after a
@@ -726,6 +733,7 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
     memories = [[int(value) for value in row[-len(memory):]] for row in rows]
     devices = gather_labels(device_label(replica.device), world_size=world) if world > 1 \
         else [str(replica.device)]
+    outer = replica.averager.outer if replica.averager is not None else None
     totals = replica.totals
     return build_summary(
         config=config, world_size=world, devices=devices, wall_s=wall_s,
@@ -746,6 +754,10 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                # them) and, for sync, the gradients DDP all-reduces every step (float32)
                "average_bytes": replica.averager.bytes if replica.averager is not None else 0,
                "average_dtype": config.average_dtype,
+               # the outer optimizer and how many steps it took (0: none, or sync's averages)
+               "outer_optimizer": {"name": config.outer_optimizer, "lr": config.outer_lr,
+                                   "momentum": config.outer_momentum,
+                                   "steps": outer.steps if outer is not None else 0},
                "gradient_bytes": sum(p.numel() * p.element_size()
                                      for p in replica.model.parameters() if p.requires_grad),
                "accumulate": replica.accumulate, "samples_planned": state.config.num_samples,

@@ -176,8 +176,11 @@ def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) ->
                          f"not fit this run's ({str(exc).splitlines()[0][:300]})",
                          hint="resume with the same model and optimizer, or start a new "
                               "run") from exc
-    if replica.averager is not None:  # bf16 on the wire: its reference is the loaded model
-        replica.averager.rebase()
+    averager = replica.averager
+    if averager is not None:  # the loaded model is the last average (bf16 wire, outer)
+        averager.rebase()
+        if averager.outer is not None and "outer" in rank_state:
+            averager.outer.load_state_dict(rank_state["outer"], origin=str(checkpoint.path))
     _restore_rng(rank_state["rng"], replica.device)
     restored = RankState.from_dict(rank_state["rank_state"])
     # A mid-epoch checkpoint carries the epoch's loss so far; with another world size the
@@ -297,9 +300,12 @@ def _rank_state(replica: Replica, user_state: dict[str, Any]) -> dict[str, Any]:
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if replica.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(replica.device)
-    return {"optimizer": replica.optimizer.state_dict(), "rng": rng,
-            "rank_state": replica.rank_state.to_dict(),
-            "user": {name: obj.state_dict() for name, obj in user_state.items()}}
+    state = {"optimizer": replica.optimizer.state_dict(), "rng": rng,
+             "rank_state": replica.rank_state.to_dict(),
+             "user": {name: obj.state_dict() for name, obj in user_state.items()}}
+    if replica.averager is not None and replica.averager.outer is not None:
+        state["outer"] = replica.averager.outer.state_dict()  # its momentum
+    return state
 
 
 def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:

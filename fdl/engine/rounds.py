@@ -545,19 +545,21 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     rows = None
     if pending is not None:  # async: the average launched at the last boundary
         pending.wait()
+        rank_state.last_distance = averager.distance_from_average()
+        averager.step_outer()
         if replica.epoch_in_flight is not None:  # it was an epoch's end: that is its consensus
             begin = time.perf_counter()
             with averager.average_loaded():
                 replica.epoch_in_flight()
             replica.epoch_in_flight = None
             start += time.perf_counter() - begin  # the epoch's end (evaluation) is no average's
-        rank_state.last_distance = averager.distance_from_average()
         averager.apply_delta()
         rows = averager.stats()
     averager.pack(weight=plan.weights()[replica.rank], stats=report.to_row(), keep_snapshot=True)
     if blocking:
         averager.all_reduce(async_op=False)
         rank_state.last_distance = averager.distance_from_average()
+        averager.step_outer()
         averager.load_average()
         rows, pending = averager.stats(), None
     else:

@@ -103,15 +103,23 @@ def check_ddp_communication_is_sync(run_dir: Path) -> None:
     assert report["ranks"][1]["time_s"]["emulated"] > 0 == report["ranks"][0]["time_s"]["emulated"]
 
 
-@pytest.mark.parametrize(("policy", "average_dtype"), [
-    ("cadence", "fp32"), ("async", "fp32"), ("cadence", "bf16"), ("async", "bf16")])
-def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, average_dtype):
+@pytest.mark.parametrize(("policy", "average_dtype", "outer"), [
+    ("cadence", "fp32", "none"), ("async", "fp32", "none"), ("cadence", "bf16", "none"),
+    ("async", "bf16", "none"), ("cadence", "fp32", "nesterov"), ("async", "bf16", "nesterov")])
+def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, average_dtype,
+                                                            outer):
     """bf16 on the wire too: every rank lands the same float32 sum of the gathered
-    displacements on the same reference."""
+    displacements on the same reference; and with the outer optimizer, whose step every rank
+    takes on the same bits."""
     _, run_dir = fdl_train(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",
                            "--epochs", "6", "--average-dtype", average_dtype,
+                           "--outer-optimizer", outer,
                            script_args=("--batch-norm",), env={"FDL_VERIFY_REPLICAS": "1"})
     events = [read_events(run_dir, r) for r in (0, 1)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    syncs = sum(e["kind"] == "sync" for e in events[0])
+    assert summary["outer_optimizer"]["name"] == outer
+    assert summary["outer_optimizer"]["steps"] == (syncs if outer != "none" else 0)
     checks = [[(e["round"], e["checksum"]) for e in ev if e["kind"] == "sync" and
                "checksum" in e] for ev in events]
     assert checks[0] == checks[1]

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import torch
 from helpers import clean_env, run_fdl, started, wait_until
 from trace_checks import check_against, check_format, load_strict
 
@@ -118,3 +119,32 @@ def test_resume_with_one_worker_fewer_and_more_epochs(tmp_path):
     assert result["summary"]["world_size"] == 1 and result["metrics"]["accuracy"] > 0.9
     config = json.loads((run_dir / "config.json").read_text())
     assert config["settings"]["checkpoint_every"]["value"] == "1"  # reapplied from the run
+
+
+def test_the_outer_optimizers_momentum_is_checkpointed_and_resumed(tmp_path):
+    """``--outer-optimizer nesterov``: each rank's checkpoint file carries the momentum, and a
+    resume continues from it (its step count goes on from the checkpoint's)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    first = run_fdl("run", "--run-dir", str(run_dir), "--nproc-per-node", "2", "--epochs", "2",
+                    "--checkpoint-every", "1", "--outer-optimizer", "nesterov",
+                    "--simulate-slowdown", "1,2", str(SCRIPTS / "recovery_train.py"),
+                    str(out), "2048", cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoint = next((run_dir / "checkpoints").glob("ckpt-r*"))
+    saved = [torch.load(checkpoint / f"rank{rank}.pt", weights_only=True)["outer"]
+             for rank in (0, 1)]
+    assert saved[0]["steps"] > 0 and saved[0]["steps"] == saved[1]["steps"]
+    assert torch.equal(saved[0]["momentum_buffer"], saved[1]["momentum_buffer"])
+    assert saved[0]["momentum_buffer"].abs().sum() > 0
+    again = run_fdl("run", "--resume", str(run_dir), "--epochs", "3", cwd=tmp_path,
+                    timeout=240)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    result = json.loads((out / "rank0.json").read_text())
+    assert result["summary"]["resumed_from"] == checkpoint.name
+    events = read_events(run_dir, 0)
+    restart = max(i for i, e in enumerate(events) if e["kind"] == "start")
+    resumed_syncs = sum(e["kind"] == "sync" for e in events[restart:])
+    assert result["summary"]["outer_optimizer"]["steps"] == saved[0]["steps"] + resumed_syncs
+    assert result["metrics"]["accuracy"] > 0.9
