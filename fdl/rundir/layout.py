@@ -45,7 +45,7 @@ def check_run_dir(run_dir: Path, *, use: str) -> None:
     if not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir} is not a directory",
                          hint="pass --run-dir DIR with a new or empty directory")
-    entries = _entries(run_dir)
+    entries = [name for name in _entries(run_dir) if name != OVERWRITING]
     if not entries:
         return
     if not config.holds_a_run(run_dir):
@@ -108,9 +108,21 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
     """:func:`check_run_dir` and :func:`prepare_run_dir`, except that a node of a multi-node
     run whose directory another node of it made (:func:`joinable`) joins it. True when it
     joined. Of two nodes that start at once, the one that loses the claim waits up to
-    :data:`CONFIG_WAIT_S` for the winner's config.json and joins."""
+    :data:`CONFIG_WAIT_S` for the winner's config.json and joins. With
+    ``--overwrite-run-dir`` one node replaces the earlier run (it claims the replacement:
+    :data:`OVERWRITING`); the others wait for it and join, so none deletes what another
+    has just made."""
     if use != "resume" and joinable(run_dir, spec=spec, fdl_version=fdl_version):
         return True
+    if use == "overwrite" and _several_nodes(spec) and run_dir.is_dir():
+        if not _claim_overwrite(run_dir, spec):
+            return _join_when_made(run_dir, spec=spec, fdl_version=fdl_version)
+        try:
+            check_run_dir(run_dir, use=use)
+            prepare_run_dir(run_dir, spec=spec, fdl_version=fdl_version, use=use)
+        finally:
+            (run_dir / OVERWRITING).unlink(missing_ok=True)
+        return False
     try:
         check_run_dir(run_dir, use=use)
         prepare_run_dir(run_dir, spec=spec, fdl_version=fdl_version, use=use)
@@ -124,6 +136,64 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
             time.sleep(0.1)
         raise
     return False
+
+
+# A node of a multi-node run replacing the directory (--overwrite-run-dir) holds this file, with
+# the run's id, until its config.json is written; a claim older than CLAIM_STALE_S was left by a
+# launcher that died and is taken over.
+OVERWRITING = ".fdl-overwriting"
+CLAIM_STALE_S = 300.0
+
+
+def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
+    """Whether this node replaces ``run_dir`` (it made the claim); False when another node of
+    the same run holds it. A claim of another run is a usage error."""
+    marker, run_id = run_dir / OVERWRITING, _run_id(spec)
+    for _ in range(2):
+        try:
+            handle = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                stale = time.time() - marker.lstat().st_mtime > CLAIM_STALE_S
+                theirs = "" if marker.is_symlink() else marker.read_text(errors="replace")[:200]
+            except OSError:  # gone meanwhile: try again
+                continue
+            if stale:
+                marker.unlink(missing_ok=True)
+                continue
+            if theirs != run_id:
+                raise UsageError(f"run directory {run_dir} is being replaced by another fdl "
+                                 "run", hint="pass another --run-dir") from None
+            return False
+        except OSError as exc:
+            raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
+                             hint="pass --run-dir DIR with a writable directory") from exc
+        with os.fdopen(handle, "w") as out:
+            out.write(run_id)
+        return True
+    raise UsageError(f"run directory {run_dir} is being replaced by another fdl run",
+                     hint="pass another --run-dir")
+
+
+def _join_when_made(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
+    """Wait while another node of this run replaces ``run_dir``, then join it (True); a usage
+    error when it never came to be."""
+    deadline = time.monotonic() + CLAIM_STALE_S
+    while (run_dir / OVERWRITING).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    deadline = time.monotonic() + CONFIG_WAIT_S
+    while time.monotonic() < deadline:
+        if joinable(run_dir, spec=spec, fdl_version=fdl_version):
+            return True
+        time.sleep(0.1)
+    raise UsageError(f"run directory {run_dir} was being replaced by another node of this run, "
+                     "which did not finish", hint="start the nodes again, or pass another "
+                                                   "--run-dir")
+
+
+def _run_id(spec: dict[str, Any]) -> str:
+    rendezvous = spec.get("rendezvous")
+    return str(rendezvous.get("run_id")) if isinstance(rendezvous, dict) else ""
 
 
 def _being_made(run_dir: Path) -> bool:
@@ -171,7 +241,7 @@ def _entries(run_dir: Path) -> list[str]:
 
 
 def _is_run_entry(name: str) -> bool:
-    if name in RUN_ENTRIES:
+    if name in RUN_ENTRIES or name == OVERWRITING:
         return True
     if name.startswith(".") and name.endswith(".tmp"):  # fdl.files's, left by a kill
         return name[1:-len(".tmp")].rsplit(".", 1)[0] in RUN_ENTRIES
@@ -190,6 +260,8 @@ def _remove_run(run_dir: Path) -> None:
                                                              "--run-dir")
     for name in _entries(run_dir):
         path = run_dir / name
+        if name == OVERWRITING:  # this node's claim: kept until its config.json is written
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:

@@ -108,3 +108,82 @@ def test_a_joining_nodes_agent_log_is_its_own_and_names_nothing_outside(tmp_path
     assert layout.agent_log_path(logs, node="198.18.0.2") == logs / "agent-198.18.0.2.log"
     assert layout.agent_log_path(logs, node="fd00::2") == logs / "agent-fd00__2.log"
     assert layout.agent_log_path(logs, node="../../etc/x").parent == logs
+
+
+def trained_run(run_dir: Path) -> Path:
+    """An earlier run that trained: config.json, logs, a timeline, a summary."""
+    made_by_another_node(run_dir)
+    (run_dir / "timeline").mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"world_size": 2}))
+    return run_dir
+
+
+def test_two_nodes_overwriting_at_once_replace_the_run_once(tmp_path, monkeypatch):
+    """Both nodes start with --overwrite-run-dir on a run that trained. The first holds the
+    replacement open (its removal waits) until the second has decided; the second must not
+    remove anything itself (the first's new logs and config) but wait and join."""
+    run_dir = trained_run(tmp_path / "run")
+    second_decided, results = threading.Event(), {}
+    remove, sleep = layout._remove_run, time.sleep
+
+    def slow_remove(path: Path) -> None:
+        if threading.current_thread().name == "first":
+            assert second_decided.wait(timeout=60)
+        remove(path)
+
+    def watched_sleep(seconds: float) -> None:
+        if threading.current_thread().name == "second":
+            second_decided.set()  # it waits (for the first): it decided not to replace
+        sleep(seconds)
+
+    monkeypatch.setattr(layout, "_remove_run", slow_remove)
+    monkeypatch.setattr(layout.time, "sleep", watched_sleep)
+
+    def node(name: str) -> None:
+        try:
+            results[name] = layout.join_or_prepare_run_dir(run_dir, spec=spec(),
+                                                           fdl_version=VERSION, use="overwrite")
+        except Exception as exc:  # the test reports it below
+            results[name] = exc
+        finally:
+            if name == "second":
+                second_decided.set()  # it is done: whatever it did, the first goes on
+            else:
+                (run_dir / "logs" / "agent.log").write_text("first\n")  # its launcher's log
+
+    first = threading.Thread(target=node, args=("first",), name="first")
+    first.start()
+    while not (run_dir / layout.OVERWRITING).exists() and first.is_alive():
+        time.sleep(0.01)  # the first has claimed the replacement
+    second = threading.Thread(target=node, args=("second",), name="second")
+    second.start()
+    first.join(timeout=120)
+    second.join(timeout=120)
+    assert results == {"first": False, "second": True}
+    assert not (run_dir / "timeline").exists() and not (run_dir / "summary.json").exists()
+    assert (run_dir / "logs" / "agent.log").read_text() == "first\n"
+    assert not (run_dir / layout.OVERWRITING).exists()
+
+
+def test_a_claim_of_another_run_is_refused_and_a_stale_one_taken_over(tmp_path):
+    run_dir = trained_run(tmp_path / "run")
+    marker = run_dir / layout.OVERWRITING
+    marker.write_text("another run")
+    with pytest.raises(UsageError, match="is being replaced by another fdl run"):
+        layout.join_or_prepare_run_dir(run_dir, spec=spec(), fdl_version=VERSION,
+                                       use="overwrite")
+    assert (run_dir / "summary.json").exists()  # nothing removed
+    old = time.time() - layout.CLAIM_STALE_S - 60
+    os.utime(marker, (old, old))  # left by a launcher that died long ago
+    assert layout.join_or_prepare_run_dir(run_dir, spec=spec(), fdl_version=VERSION,
+                                          use="overwrite") is False
+    assert not (run_dir / "summary.json").exists() and not marker.exists()
+    assert (run_dir / "config.json").exists()
+
+
+def test_overwriting_an_empty_directory_on_several_nodes_makes_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert layout.join_or_prepare_run_dir(run_dir, spec=spec(), fdl_version=VERSION,
+                                          use="overwrite") is False
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]
