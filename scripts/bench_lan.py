@@ -21,7 +21,12 @@ sys.path[:0] = [str(ROOT / "tests" / "nodes"), str(ROOT / "tests")]  # the tests
 from helpers import wait_all  # noqa: E402
 from netns import namespaces_unavailable, two_nodes  # noqa: E402
 
-from fdl.engine.simulator import GIGABIT_GBS, profiles, simulate  # noqa: E402
+from fdl.engine.simulator import (  # noqa: E402
+    BENCH_MLP_PARAMS,
+    GIGABIT_GBS,
+    profiles,
+    simulate,
+)
 
 POLICIES = ("sync", "cadence", "async")
 RATE_GBS = {"gbit": 1e9 / 8 / 1e9, "mbit": 1e6 / 8 / 1e9}  # GB/s per unit of a tc rate
@@ -42,6 +47,9 @@ def main() -> None:
                         help="the policies run on two nodes, comma-separated")
     parser.add_argument("--average-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="what an average sends on two nodes (fdl run --average-dtype)")
+    parser.add_argument("--outer-optimizer", default="none", choices=("none", "nesterov"),
+                        help="the outer optimizer on two nodes (fdl run --outer-optimizer, "
+                             "its default lr and momentum)")
     parser.add_argument("--sync-time", default="40s",
                         help="sync's cells behind a cap stop after this much training (their "
                              "samples/s is what counts; a full run at 100 Mbit/s takes "
@@ -76,10 +84,13 @@ def main() -> None:
             else:
                 budget = ["--max-time", args.sync_time] if policy == "sync" else []
                 result = two_node_run(out, rate, policy, seed, [*model, *budget], pair,
-                                      average_dtype=args.average_dtype)
+                                      average_dtype=args.average_dtype,
+                                      outer_optimizer=args.outer_optimizer)
             runs[(name, rate)].append(result)
             print(f"  seed {seed} {name:<26} {rate or 'no network':<10} "
                   f"{result['samples_per_s']:8.0f} samples/s", file=sys.stderr, flush=True)
+    # measured here, after the runs (it would slow a run beside it), for the simulator's rows
+    args.outer_ms = outer_step_ms(BENCH_MLP_PARAMS) if args.outer_optimizer != "none" else 0.0
     report = render(runs, rates, args)
     print(report)
     (args.out / "bench-lan.md").write_text(report + "\n")
@@ -102,7 +113,7 @@ def one_node(out: Path, policy: str, seed: int, model: list[str], *, nproc: int,
 
 
 def two_node_run(out: Path, rate: str, policy: str, seed: int, model: list[str],
-                 pair: str, *, average_dtype: str) -> dict:
+                 pair: str, *, average_dtype: str, outer_optimizer: str = "none") -> dict:
     """docs/run.md's two-node command on two namespace nodes whose link is capped at
     ``rate``; node 0 trains at full speed, node 1 emulated ``pair``'s slower."""
     with two_nodes(rate=rate) as nodes:
@@ -113,6 +124,7 @@ def two_node_run(out: Path, rate: str, policy: str, seed: int, model: list[str],
                                  "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
                                  "--quiet", "--policy", policy, "--seed", str(seed),
                                  "--average-dtype", average_dtype,
+                                 "--outer-optimizer", outer_optimizer,
                                  "--simulate-slowdown", pair, "--run-dir", str(out / f"node{n}"),
                                  str(EXAMPLE), *model])
             procs.append(subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE,
@@ -148,6 +160,29 @@ def _rate_gbs(rate: str) -> float:
     return float(rate[:-len(unit)]) * RATE_GBS[unit]
 
 
+def outer_step_ms(numel: int, *, repeat: int = 5) -> float:
+    """The outer optimizer's step on ``numel`` float32 parameters in host memory (the cpu
+    backend's buffer), one thread as the workers have: median of ``repeat``, in ms."""
+    import torch
+
+    from fdl.engine.outer import OuterOptimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outer = OuterOptimizer(numel, lr=0.7, momentum=0.9, device=torch.device("cpu"),
+                               dtype=torch.float32)
+        times = []
+        for _ in range(repeat):
+            average = outer.consensus + 1e-3
+            start = time.perf_counter()
+            outer.step(average)
+            times.append((time.perf_counter() - start) * 1000)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def simulated(rate: str, policy: str, args: argparse.Namespace) -> float:
     """The simulator's efficiency for this bench's MLP at ``rate`` (its bench profile, the
     link's bandwidth), median of the bench's seeds."""
@@ -158,7 +193,8 @@ def simulated(rate: str, policy: str, args: argparse.Namespace) -> float:
                       GIGABIT_GBS else 3.0, overlap="thread", contention=0.1,
                       dataset_size=args.train_samples, epochs=args.epochs,
                       batch_size=args.batch_size,
-                      value_bytes=2 if args.average_dtype == "bf16" else 4)
+                      value_bytes=2 if args.average_dtype == "bf16" else 4,
+                      outer_ms=args.outer_ms)
     return statistics.median(simulate(profile, policy, seed=seed).efficiency
                              for seed in range(args.repeat))
 
@@ -176,7 +212,8 @@ def render(runs: dict[tuple[str, str | None], list[dict]], rates: list[str],
         f"slower; MLP hidden {args.hidden}, batch {args.batch_size}, {args.epochs} epochs x "
         f"{args.train_samples} samples; medians of {args.repeat} seeds (min-max); sync behind "
         f"a cap stops after {args.sync_time} of training; averages sent in "
-        f"{args.average_dtype}.",
+        f"{args.average_dtype}; outer optimizer {args.outer_optimizer}"
+        f"{f' (its step: {args.outer_ms:.1f} ms, measured here)' if args.outer_ms else ''}.",
         "",
         f"ideal = solo fast + solo slow (no network) = {ideal:.0f} samples/s",
         "",

@@ -68,6 +68,7 @@ class Profile:
     epochs: int = 3
     max_samples: int | None = None  # the run's sample budget (PlanConfig.max_samples)
     value_bytes: int = 4  # what an average sends per value: 4 (fp32), 2 (--average-dtype bf16)
+    outer_ms: float = 0.0  # the outer optimizer's step, on every rank as each average lands
 
     @property
     def reduce_ms(self) -> float:
@@ -155,12 +156,13 @@ def simulate(profile: Profile, policy: str | Policy, *, seed: int = 0,
         reports = [ranks[r].report(busy_ms=busy[r], samples=used[r], since_checkpoint_s=0.0)
                    for r in range(world)]
         blocking = rule.blocking(plan, checkpoint_due=False, ends_run=ends_run(state, plan))
-        ready = [max(a, pending.done_ms) for a in arrive] if pending else list(arrive)
+        ready = [max(a, pending.done_ms) + profile.outer_ms for a in arrive] if pending \
+            else list(arrive)
         if epoch_in_flight:  # async: the epoch's loss all-reduce and evaluation, on its average
             ready, epoch_in_flight = [max(ready) + profile.latency_ms] * world, False
         rows = pending.reports if pending else None
         if blocking:
-            done = max(ready) + profile.reduce_ms
+            done = max(ready) + profile.reduce_ms + profile.outer_ms
             leave, rows, pending = [done] * world, reports, None
         else:
             pending = _Pending(max(ready) + profile.reduce_ms, reports)

@@ -63,6 +63,17 @@ def test_a_sample_budget_ends_the_simulated_run_mid_epoch(policy):
     assert cut.wall_s < simulate(whole, policy).wall_s
 
 
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_the_outer_optimizers_step_costs_every_rank_its_time_at_each_average(policy):
+    """A step of 0 ms changes nothing; a dear one is paid at every average (blocking: after
+    the reduce; async: as its average lands), and the anchor tuner sees it."""
+    plain = simulate(PAIR, policy)
+    assert simulate(replace(PAIR, outer_ms=0.0), policy) == plain
+    dear = simulate(replace(PAIR, outer_ms=20.0), policy)
+    assert dear.efficiency < plain.efficiency
+    assert dear.averages < plain.averages  # booked as the average's cost: longer rounds
+
+
 def test_el_che_beats_sync_on_the_pair_it_was_made_for():
     sync, cadence, run_async = (simulate(PAIR, p) for p in ("sync", "cadence", "async"))
     assert sync.efficiency < 0.6 < 0.9 < cadence.efficiency <= run_async.efficiency <= 1.0
