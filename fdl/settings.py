@@ -492,6 +492,9 @@ LAUNCH_OPTIONS: tuple[LaunchOption, ...] = (
     LaunchOption("module", "bool", "SCRIPT is a module name.", TORCHRUN_PANEL, short="-m",
                  after_script=False),
     LaunchOption("devices", "text", "GPU indices to use, e.g. 0,1."),
+    LaunchOption("worker_python", "text", "Run local worker N under another environment's "
+                 "Python: N=PATH[,N=PATH] (the same fdl and torch release).",
+                 metavar="N=PATH"),
     LaunchOption("overwrite_run_dir", "bool",
                  "Replace the earlier run in the run directory (only a directory fdl run "
                  "wrote)."),

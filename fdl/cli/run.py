@@ -325,9 +325,15 @@ def _print_spec(spec: LaunchSpec, *, as_json: bool) -> None:
         ("max restarts", document["max_restarts"]),
         ("run directory", document["run_dir"]),
     ])
-    console.print_table(["local rank", "rank", "device"],
+    console.print_table(["local rank", "rank", "device", "python"],
                         [[w["local_rank"], w["rank"] if w["rank"] is not None else "at rendezvous",
-                          w["device"]] for w in document["workers"]], title="Workers")
+                          w["device"], w["python"]] for w in document["workers"]],
+                        title="Workers")
+    if document["interpreters"]:
+        console.print_table(["local rank", "Python", "fdl", "torch"],
+                            [[i["local_rank"], i["python_version"], i["fdl"], i["torch"]]
+                             for i in document["interpreters"]],
+                            title="--worker-python: checked alike (Python, fdl, torch release)")
     console.print_table(["setting", "value", "source"],
                         [[k, v["value"], v["source"]] for k, v in document["settings"].items()],
                         title="Settings")

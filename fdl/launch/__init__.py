@@ -55,6 +55,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     file_values, file_path = load_config_file(cwd)
     settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
                                     file_path=file_path)
+    settings = _backend_for_environments(request, settings, cwd=cwd)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
     spec = build_launch_spec(
@@ -63,6 +64,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
         logical_cores=os.cpu_count() or 1,  # psutil's count without its 10 ms import
         taken=Path.exists, live=live, launcher_pid=launcher_pid,
     )
+    spec = _with_interpreters(request, spec, cwd=cwd)
     try:
         network = node_network(spec.rendezvous, env)  # several nodes: from this node's routes
     except EndpointNotResolved as exc:
@@ -70,6 +72,44 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
             raise
         return replace(spec, network_problem=exc.message)
     return replace(spec, network=network, env={**spec.env, **network.env})
+
+
+def _backend_for_environments(request: RunRequest, settings: dict, *, cwd: Path) -> dict:
+    """``--worker-python`` naming another interpreter than this one: several environments,
+    two NCCLs, so the averaging backend is ``cpu`` unless the user chose one."""
+    import os
+    import sys
+
+    from fdl.settings import Setting
+
+    text = request.get("worker_python")
+    if not text or settings["backend"].source != "default":
+        return settings
+    own = os.path.abspath(sys.executable)
+    paths = {os.path.abspath(cwd / os.path.expanduser(item.partition("=")[2].strip()))
+             for item in text.split(",")}
+    if paths <= {own}:
+        return settings
+    return {**settings, "backend": Setting("cpu", "--worker-python: several environments")}
+
+
+def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> LaunchSpec:
+    """``--worker-python``: each named interpreter checked (it runs, has fdl and torch, of the
+    launcher's releases) and the map put in the worker environment."""
+    import json
+    from dataclasses import replace
+
+    from fdl.launch import interpreters
+
+    text = request.get("worker_python")
+    if not text:
+        return spec
+    mapping = interpreters.parse_worker_python(text, nproc=spec.nproc_per_node, cwd=cwd)
+    named = [interpreters.probe(rank, path) for rank, path in sorted(mapping.items())]
+    interpreters.check_alike(named, own=interpreters.own_interpreter())
+    encoded = json.dumps({str(rank): path for rank, path in sorted(mapping.items())})
+    return replace(spec, interpreters=tuple(named),
+                   env={**spec.env, interpreters.WORKER_PYTHON_ENV: encoded})
 
 
 def _check_script(request: RunRequest, *, cwd: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from fdl.errors import UsageError
 from fdl.launch.devices import DevicePlan, plan_devices
+from fdl.launch.interpreters import Interpreter
 from fdl.launch.network import NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
@@ -40,10 +41,20 @@ class LaunchSpec:
     run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.rundir.layout.check_run_dir)
     network: NodeNetwork | None = None  # several nodes: how this one reaches the others
     network_problem: str | None = None  # --dry-run: why the network could not be decided
+    # --worker-python: the local workers that run under another interpreter, as they reported
+    # themselves (fdl.launch.interpreters); the others run under the launcher's
+    interpreters: tuple[Interpreter, ...] = ()
 
     @property
     def nproc_per_node(self) -> int:
         return self.devices.nproc
+
+    def python_of(self, local_rank: int) -> str:
+        """The interpreter local worker ``local_rank`` runs under."""
+        import sys
+
+        named = {i.local_rank: i.path for i in self.interpreters}
+        return named.get(local_rank, sys.executable)
 
     def to_dict(self) -> dict[str, Any]:
         rdzv = self.rendezvous
@@ -61,7 +72,9 @@ class LaunchSpec:
             "devices": {"kind": self.devices.kind, "reason": self.devices.reason,
                         "threads_per_worker": self.devices.threads_per_worker},
             "workers": [{"local_rank": r, "rank": r if single else None,
-                         "device": self.devices.describe(r)} for r in range(self.nproc_per_node)],
+                         "device": self.devices.describe(r), "python": self.python_of(r)}
+                        for r in range(self.nproc_per_node)],
+            "interpreters": [i.to_dict() for i in self.interpreters],
             "network": self.network.to_dict() if self.network is not None else (
                 {"problem": self.network_problem} if self.network_problem else None),
             "env": dict(sorted(self.env.items())),

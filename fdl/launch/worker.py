@@ -36,6 +36,7 @@ import runpy
 import sys
 from typing import Any
 
+from fdl.launch.interpreters import exec_if_named
 from fdl.settings import LAUNCHER_PID_ENV
 
 WATCHDOG_INTERVAL_S = 1.0
@@ -45,6 +46,7 @@ _store: Any = None  # the store server this worker hosts for its script; lives a
 
 def main(argv: list[str]) -> None:
     global _store
+    exec_if_named(os.environ, argv)  # --worker-python: this rank's own interpreter, at once
     os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     die_with_launcher(os.environ)
     _store = host_store_on_loopback(os.environ)

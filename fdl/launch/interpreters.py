@@ -1,0 +1,178 @@
+"""Each local worker's Python: ``fdl run --worker-python 1=/path/to/venv/bin/python``.
+
+Two cards of different CUDA generations (a GTX 1060, sm_61, beside an RTX 5060 Ti, sm_120) have
+no torch wheel in common, but fdl's workers are separate processes: each may run its own
+environment's torch, of the same release, built for its card (fdl setup's environments per
+device class, docs/libtorch.md). ``--worker-python LOCAL_RANK=PATH[,...]`` names the interpreter
+of each local worker that does not run under the launcher's own.
+
+torch's agent starts every worker with one command (the launcher's ``python -u -m
+fdl.launch.worker ...``); the map travels in ``FDL_WORKER_PYTHON`` and a worker whose local rank
+is in it replaces itself at once (``exec``: the same process, so the agent's bookkeeping, the
+launcher's tie and the logs stay as they are) with that interpreter running the same command.
+
+Before any worker starts, the launcher asks each named interpreter (a subprocess, no torch
+import) for its Python, fdl and torch versions: one that does not run, lacks fdl or torch, or
+differs from the launcher's in Python (major.minor), fdl or the torch *release* (the CUDA tag,
+``+cu126`` against ``+cu128``, may differ: that is the point) is a usage error naming the worker.
+With more than one environment the averaging backend is ``cpu`` (two wheels carry two NCCLs),
+unless the user set one. Each worker's engine compares fdl and the torch release again at the
+rendezvous (fdl.engine.agreement), as torch reports them at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from fdl.errors import UsageError
+
+WORKER_PYTHON_ENV = "FDL_WORKER_PYTHON"  # {"<local rank>": "<interpreter>"}, JSON
+EXECED_ENV = "FDL_WORKER_PYTHON_EXECED"  # set across the exec: never a second one
+PROBE_TIMEOUT_S = 60.0
+# What a named interpreter reports, without importing torch (seconds on a CUDA wheel).
+_PROBE = ("import json, sys\n"
+          "from importlib.metadata import PackageNotFoundError, version\n"
+          "try:\n"
+          "    from fdl.version import __version__ as fdl\n"
+          "except ImportError:\n"
+          "    fdl = None\n"
+          "try:\n"
+          "    torch = version('torch')\n"
+          "except PackageNotFoundError:\n"
+          "    torch = None\n"
+          "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'fdl': fdl,"
+          " 'torch': torch}))\n")
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A worker's interpreter and the versions it reported."""
+
+    local_rank: int
+    path: str
+    python: str
+    fdl: str
+    torch: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"local_rank": self.local_rank, "path": self.path,
+                "python_version": self.python, "fdl": self.fdl, "torch": self.torch}
+
+
+def parse_worker_python(text: str, *, nproc: int, cwd: Path) -> dict[int, str]:
+    """``"1=/venv/bin/python,0=py"`` -> {local rank: absolute path}. Paths are made absolute
+    but symlinks are kept (a venv's ``python`` is a link to its base: resolved, the venv would
+    be lost)."""
+    mapping: dict[int, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        rank_text, sep, path = item.partition("=")
+        if not sep or not rank_text.strip().isdigit() or not path.strip():
+            raise UsageError(f"--worker-python: {item!r} is not LOCAL_RANK=PATH",
+                             hint="e.g. --worker-python 1=/home/me/.flodl/envs/cu126/bin/python")
+        rank = int(rank_text)
+        if rank >= nproc:
+            raise UsageError(f"--worker-python names local rank {rank}, and this node runs "
+                             f"{nproc} worker(s) (local ranks 0-{nproc - 1})",
+                             hint="name a local rank below --nproc-per-node")
+        if rank in mapping:
+            raise UsageError(f"--worker-python names local rank {rank} twice",
+                             hint="give each local rank one interpreter")
+        full = os.path.abspath(cwd / os.path.expanduser(path.strip()))
+        if not (os.path.isfile(full) and os.access(full, os.X_OK)):
+            raise UsageError(f"--worker-python: {full} (local rank {rank}) is not an "
+                             "executable file", hint="give the path of a python executable, "
+                                                     "e.g. ENV/bin/python")
+        mapping[rank] = full
+    return mapping
+
+
+def probe(local_rank: int, path: str) -> Interpreter:
+    """Ask ``path`` for its Python, fdl and torch versions (a usage error when it cannot)."""
+    try:
+        done = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, env=_clean_env(os.environ))
+        report = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 \
+            else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        report = None
+    if not isinstance(report, dict) or not all(isinstance(report.get(k), (str, type(None)))
+                                               for k in ("python", "fdl", "torch")):
+        raise UsageError(f"--worker-python: {path} (local rank {local_rank}) does not run as "
+                         "a Python interpreter", hint="give the path of a python executable")
+    missing = [name for name in ("fdl", "torch") if not report.get(name)]
+    if missing:
+        raise UsageError(f"--worker-python: {path} (local rank {local_rank}) has no "
+                         f"{' and no '.join(missing)}",
+                         hint=f"install them in that environment: {path} -m pip install "
+                              "fdl torch==<this release>")
+    return Interpreter(local_rank, path, str(report["python"]), str(report["fdl"]),
+                       str(report["torch"]))
+
+
+def check_alike(interpreters: list[Interpreter], *, own: Interpreter) -> None:
+    """Every named interpreter runs the launcher's Python (major.minor), fdl and torch release:
+    one line naming the first that does not."""
+    for other in interpreters:
+        for field, mine, theirs in (("Python", own.python, other.python),
+                                    ("fdl", own.fdl, other.fdl),
+                                    ("torch release", release(own.torch),
+                                     release(other.torch))):
+            if mine != theirs:
+                raise UsageError(f"--worker-python: local rank {other.local_rank} "
+                                 f"({other.path}) has {field} {theirs}, the launcher's "
+                                 f"workers {mine}",
+                                 hint="every worker needs the same release (the CUDA tag "
+                                      "may differ): install it in that environment")
+
+
+def release(version: str) -> str:
+    """``2.9.1+cu126`` -> ``2.9.1``."""
+    return version.split("+")[0]
+
+
+def own_interpreter() -> Interpreter:
+    """The launcher's own (the workers not named run under it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fdl.version import __version__
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "none"
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return Interpreter(-1, sys.executable, python, __version__, torch)
+
+
+def exec_if_named(env: Mapping[str, str], argv: list[str]) -> None:
+    """In a worker, first thing: become the interpreter its local rank is given, running the
+    same command (nothing when none is, or after that exec). Does not return when it execs."""
+    raw, rank = env.get(WORKER_PYTHON_ENV), env.get("LOCAL_RANK", "")
+    if not raw or env.get(EXECED_ENV) == "1":
+        return
+    try:
+        target = json.loads(raw).get(rank)
+    except (ValueError, AttributeError):
+        target = None
+    if not isinstance(target, str) or not target:
+        return
+    os.environ[EXECED_ENV] = "1"
+    try:
+        os.execv(target, [target, "-u", "-m", "fdl.launch.worker", *argv])
+    except OSError as exc:
+        sys.stderr.write(f"fdl worker: cannot start {target} for local rank {rank}: "
+                         f"{exc.strerror or exc}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _clean_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment without what would make another interpreter read this
+    one's packages (PYTHONHOME; PYTHONPATH is the user's and stays)."""
+    return {k: v for k, v in env.items() if k not in ("PYTHONHOME", "__PYVENV_LAUNCHER__")}

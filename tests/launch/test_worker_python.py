@@ -1,0 +1,114 @@
+"""``fdl run --worker-python``: a local worker under another environment's interpreter.
+
+The second environment is a real venv made here (no pip) whose site reaches this checkout's
+environment (a ``.pth`` that adds its site directory), as a venv per CUDA line would hold its
+own wheel of the same torch release. A stand-in for an environment of another release carries
+a torch distribution record of its own (``torch-2.99.0.dist-info``) ahead of the real one.
+Nothing is mocked: real processes, gloo, the launcher's checks.
+"""
+
+from __future__ import annotations
+
+import json
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from helpers import run_fdl
+
+SCRIPT = Path(__file__).parent / "scripts" / "where_am_i.py"
+
+
+def make_env(root: Path, *, torch_release: str | None = None) -> Path:
+    """A venv at ``root`` that imports this environment's fdl and torch; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
+                   capture_output=True, timeout=120)
+    python = root / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"], check=True,
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    ours = [p for p in site.getsitepackages() if Path(p).is_dir()] or \
+        [sysconfig.get_paths()["purelib"]]
+    Path(purelib, "zz_parent.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in ours))
+    if torch_release is not None:  # its own torch record, found first
+        info = Path(purelib, f"torch-{torch_release}.dist-info")
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\n"
+                                       f"Version: {torch_release}\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def second_env(tmp_path_factory) -> Path:
+    return make_env(tmp_path_factory.mktemp("env") / "cu126")
+
+
+def test_a_worker_runs_under_its_own_interpreter_and_the_run_trains_to_the_end(tmp_path,
+                                                                               second_env):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_fdl("run", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                   "--quiet-ranks", "--worker-python", f"1={second_env}", str(SCRIPT),
+                   str(out), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[1]["prefix"] == str(second_env.parent.parent)
+    assert ranks[0]["prefix"] == sys.prefix != ranks[1]["prefix"]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # one model at the end
+    assert ranks[0]["backend"] == "cpu"  # two environments: averaged through host memory
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["settings"]["backend"] == {"value": "cpu",
+                                             "source": "--worker-python: several environments"}
+
+
+def test_dry_run_shows_each_workers_interpreter_and_what_it_reported(tmp_path, second_env):
+    (tmp_path / "train.py").write_text("")
+    proc = run_fdl("run", "--dry-run", "--json", "--nproc-per-node", "2", "--worker-python",
+                   f"1={second_env}", "train.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    document = json.loads(proc.stdout)
+    assert [w["python"] for w in document["workers"]] == [sys.executable, str(second_env)]
+    import torch
+
+    from fdl.version import __version__
+
+    assert document["interpreters"] == [{
+        "local_rank": 1, "path": str(second_env), "fdl": __version__,
+        "python_version": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "torch": torch.__version__}]
+    assert document["env"]["FDL_WORKER_PYTHON"] == json.dumps({"1": str(second_env)})
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+def test_another_torch_release_is_refused_before_any_worker_starts(tmp_path):
+    other = make_env(tmp_path / "env", torch_release="2.99.0+cu126")
+    (tmp_path / "train.py").write_text("raise SystemExit('never run')\n")
+    proc = run_fdl("run", "--nproc-per-node", "2", "--worker-python", f"1={other}",
+                   "train.py", cwd=tmp_path)
+    import torch
+
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == (
+        f"error: --worker-python: local rank 1 ({other}) has torch release 2.99.0, the "
+        f"launcher's workers {torch.__version__.split('+')[0]}")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("1", "'1' is not LOCAL_RANK=PATH"), ("x=/bin/sh", "'x=/bin/sh' is not LOCAL_RANK=PATH"),
+    ("2=/bin/sh", "names local rank 2, and this node runs 2 worker(s)"),
+    ("1=/bin/sh,1=/bin/sh", "names local rank 1 twice"),
+    ("1=no/such/python", "is not an executable file"),
+    ("1=/bin/true", "does not run as a Python interpreter")])
+def test_a_bad_worker_python_is_one_usage_error(tmp_path, value, says):
+    (tmp_path / "train.py").write_text("")
+    proc = run_fdl("run", "--nproc-per-node", "2", "--worker-python", value, "train.py",
+                   cwd=tmp_path)
+    assert proc.returncode == 2
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("error: --worker-python") and says in first, proc.stderr
+    assert not (tmp_path / "runs").exists()
