@@ -94,6 +94,7 @@ def _plan(store: Store, *, version: str | None, variant: str | None, download: b
 
     from fdl.libtorch.catalog import MIRROR_ENV
     from fdl.libtorch.setup_plan import plan_setup
+    from fdl.paths import flodl_home
     from fdl.system.gpus import probe_gpus
     from fdl.system.torchenv import probe_torch
 
@@ -103,8 +104,34 @@ def _plan(store: Store, *, version: str | None, variant: str | None, download: b
     active = store.active()
     plan = plan_setup(survey=survey, torch=torch, installed=[v.id for v in store.variants()],
                       active=active.id if active else None, version=version, variant=variant,
-                      download=download, base=os.environ.get(MIRROR_ENV))
+                      download=download, base=os.environ.get(MIRROR_ENV),
+                      envs_home=flodl_home(), fdl_requirement=_fdl_requirement())
     return plan, survey
+
+
+def _fdl_requirement() -> str:
+    """What an environment's pip installs as fdl: the checkout this fdl runs from (``pip
+    install -e .``) or was installed from (``pip install .``, PEP 610's direct_url.json), else
+    this release by name."""
+    import json
+    from importlib.metadata import PackageNotFoundError, distribution
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    import fdl
+    from fdl.version import __version__
+
+    checkout = Path(fdl.__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file():
+        return str(checkout)
+    try:
+        url = json.loads(distribution("fdl").read_text("direct_url.json") or "{}").get("url")
+    except (PackageNotFoundError, ValueError, AttributeError):
+        url = None
+    parsed = urlparse(url) if isinstance(url, str) else None
+    if parsed is not None and parsed.scheme == "file" and Path(unquote(parsed.path)).is_dir():
+        return unquote(parsed.path)
+    return f"fdl=={__version__}"
 
 
 def _survey_line(survey: GpuSurvey) -> str:
@@ -115,6 +142,8 @@ def _survey_line(survey: GpuSurvey) -> str:
 
 
 def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
+    import shlex
+
     from fdl import console
 
     console.rule("fdl setup")
@@ -133,6 +162,14 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
     ])
     for note in plan.notes:
         console.out(f"  - {note}")
+    if plan.environments is not None:
+        for env in plan.environments.environments:
+            gpus = ", ".join(f"GPU {g.index} {g.name} ({g.arch})" for g in env.gpus)
+            console.out(f"  environment {env.name}: torch {env.build.version}+"
+                        f"{env.build.variant} for {gpus}")
+            for argv in env.commands:
+                console.out(f"    {shlex.join(argv)}")
+        console.out("  fdl setup does not make them yet: run the commands above")
 
 
 def _plan_doc(plan: SetupPlan, *, survey_line: str) -> dict:
@@ -141,7 +178,8 @@ def _plan_doc(plan: SetupPlan, *, survey_line: str) -> dict:
             "variant": plan.variant_id, "why": plan.why,
             "url": request.url if request else None, "torch_covers": plan.torch_covers,
             "pip": str(plan.torch_install) if plan.torch_install else None,
-            "notes": list(plan.notes)}
+            "notes": list(plan.notes),
+            "environments": plan.environments.to_dict() if plan.environments else None}
 
 
 def _confirm() -> bool:

@@ -107,7 +107,7 @@ def advise_builds(survey: GpuSurvey, *, platform: str = LINUX_X86_64,
     checked = [(build, check_build(survey, label=build.label, archs=build.archs,
                                    cuda=build.cuda, windows=windows))
                for build in official_builds(platform=platform, version=version)]
-    covering = sorted((pair for pair in checked if pair[1].covers_all), key=_preference,
+    covering = sorted((pair for pair in checked if pair[1].covers_all), key=build_preference,
                       reverse=True)
     ccs = [gpu.compute_capability for gpu in survey.gpus]
     driver_needed = _driver_needed(survey, checked)
@@ -123,7 +123,7 @@ def advise_builds(survey: GpuSurvey, *, platform: str = LINUX_X86_64,
     )
 
 
-def _preference(pair: tuple[OfficialBuild, BuildCoverage]) -> tuple:
+def build_preference(pair: tuple[OfficialBuild, BuildCoverage]) -> tuple:
     build, coverage = pair
     full_driver = coverage.runtime is None or coverage.runtime.status == "ok"
     all_native = all(item.kernel.status == "ok" for item in coverage.gpus)
@@ -136,7 +136,7 @@ def _partial_preference(pair: tuple[OfficialBuild, BuildCoverage]) -> tuple:
     covered = [item.gpu for item in coverage.gpus if item.runs]
     newest = max((gpu.compute_capability for gpu in covered), default=(0, 0))
     runtime_ok = coverage.runtime is None or coverage.runtime.status != "too-old"
-    return (runtime_ok, len(covered), newest, *_preference(pair))
+    return (runtime_ok, len(covered), newest, *build_preference(pair))
 
 
 def _driver_needed(survey: GpuSurvey,

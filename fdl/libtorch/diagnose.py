@@ -15,8 +15,10 @@ from typing import Any
 
 from fdl.libtorch.catalog import LINUX_X86_64, WINDOWS_X86_64
 from fdl.libtorch.coverage import BuildAdvice, BuildCoverage, advise_builds, check_build
+from fdl.libtorch.environments import EnvironmentPlan, plan_environments
 from fdl.libtorch.wheel import CPU_WHEEL as CPU_WHEEL_INSTALL
 from fdl.libtorch.wheel import torch_install
+from fdl.paths import flodl_home
 from fdl.system.gpus import GpuSurvey
 from fdl.system.host import HostInfo, NetInterface
 from fdl.system.torchenv import TorchInfo
@@ -45,6 +47,8 @@ class DiagnoseReport:
     verdict: Finding
     libtorch: dict[str, Any] | None = None  # the active variant: id, path, version, cuda, archs
     libtorch_coverage: BuildCoverage | None = None
+    # no single build covers every GPU: one environment per device class (fdl setup's proposal)
+    environments: EnvironmentPlan | None = None
 
     @property
     def gpus_uncovered(self) -> bool:
@@ -141,8 +145,10 @@ def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
                                cuda=torch.cuda_version, windows=windows)
     advice = advise_builds(survey, platform=platform) if platform else advise_builds(
         dataclasses.replace(survey, gpus=()))
-    findings = [*_gpu_findings(survey, torch, coverage, advice), *_host_findings(host, torch),
-                *_peer_findings(torch)]
+    environments = plan_environments(survey, home=flodl_home(), fdl_requirement="fdl",
+                                     platform=platform) if platform else None
+    findings = [*_gpu_findings(survey, torch, coverage, advice, environments),
+                *_host_findings(host, torch), *_peer_findings(torch)]
     libtorch_coverage = None
     if libtorch is not None:
         libtorch_coverage = check_build(survey, label=f"libtorch {libtorch['id']}",
@@ -154,9 +160,9 @@ def build_report(*, host: HostInfo, survey: GpuSurvey, torch: TorchInfo,
                                 "fdl setup"))
     findings += [Finding("warn", f"libtorch store: {problem}", "fdl libtorch list")
                  for problem in libtorch_problems]
-    verdict = _verdict(survey, torch, coverage, advice, findings)
+    verdict = _verdict(survey, torch, coverage, advice, findings, environments)
     return DiagnoseReport(context, host, survey, torch, coverage, advice, tuple(findings),
-                          verdict, libtorch, libtorch_coverage)
+                          verdict, libtorch, libtorch_coverage, environments)
 
 
 def _peer_findings(torch: TorchInfo) -> list[Finding]:
@@ -185,7 +191,7 @@ def install_command(advice: BuildAdvice) -> str | None:
 
 
 def _gpu_findings(survey: GpuSurvey, torch: TorchInfo, coverage: BuildCoverage | None,
-                  advice: BuildAdvice) -> list[Finding]:
+                  advice: BuildAdvice, environments: EnvironmentPlan | None) -> list[Finding]:
     findings = [Finding("info", note) for note in survey.notes]
     if coverage:
         for item in coverage.gpus:
@@ -211,6 +217,10 @@ def _gpu_findings(survey: GpuSurvey, torch: TorchInfo, coverage: BuildCoverage |
             message += (f"; build from source with TORCH_CUDA_ARCH_LIST="
                         f'"{advice.source_arch_list}" and {span}')
         findings.append(Finding("warn", message, install_command(advice)))
+    if environments is not None:
+        findings.append(Finding("info", f"without a source build: {environments.summary()}, "
+                                "one worker per card (fdl run --worker-python)",
+                                "fdl setup --dry-run"))
     if torch.cuda_version and not survey.gpus:
         findings.append(Finding(
             "warn", f"torch {torch.version} is a CUDA build but this host has no usable NVIDIA "
@@ -260,7 +270,17 @@ def _host_findings(host: HostInfo, torch: TorchInfo) -> list[Finding]:
 
 
 def _verdict(survey: GpuSurvey, torch: TorchInfo, coverage: BuildCoverage | None,
-             advice: BuildAdvice, findings: list[Finding]) -> Finding:
+             advice: BuildAdvice, findings: list[Finding],
+             environments: EnvironmentPlan | None = None) -> Finding:
+    verdict = _torch_verdict(survey, torch, coverage, advice, findings)
+    if environments is None or verdict.command != install_command(advice) or torch.error:
+        return verdict  # a driver to install first, or nothing a wheel would fix
+    return Finding(verdict.level, f"{verdict.message}; fdl's option: {environments.summary()}",
+                   "fdl setup --dry-run")
+
+
+def _torch_verdict(survey: GpuSurvey, torch: TorchInfo, coverage: BuildCoverage | None,
+                   advice: BuildAdvice, findings: list[Finding]) -> Finding:
     command = install_command(advice)
     if torch.error:
         return Finding("error", f"the torch wheel could not be probed: {torch.error}",
@@ -316,6 +336,7 @@ def _to_dict(report: DiagnoseReport) -> dict[str, Any]:
                 "cuda_max": advice.source_cuda[1] if advice.source_cuda else None},
             "driver_needed": advice.driver_needed,
             "install_command": install_command(advice),
+            "environments": report.environments.to_dict() if report.environments else None,
         },
         "libtorch": None if report.libtorch is None else {
             **report.libtorch, "coverage": _coverage_dict(report.libtorch_coverage)},

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from fdl.libtorch.catalog import LINUX_X86_64, LibtorchArchive, find_archive
 from fdl.libtorch.coverage import advise_builds, check_build
+from fdl.libtorch.environments import EnvironmentPlan, plan_environments
 from fdl.libtorch.install import ArchiveRequest
 from fdl.libtorch.request import archive_request
 from fdl.libtorch.resolve import Resolution, resolve_variant
@@ -46,6 +48,8 @@ class SetupPlan:
     link_python: str | None = None  # the interpreter whose wheel's libtorch is used (linked)
     link_id: str | None = None  # "python/torch-2.13.0+cpu" when the wheel's libtorch is used
     why: str = ""  # one line: why this libtorch (link or download)
+    # No single build covers every GPU: one environment per device class, the default proposal
+    environments: EnvironmentPlan | None = None
 
     @property
     def variant_id(self) -> str | None:
@@ -70,9 +74,13 @@ class SetupPlan:
 def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
                active: str | None, version: str | None = None, variant: str | None = None,
                download: bool = False, platform: str = LINUX_X86_64,
-               base: str | None = None) -> SetupPlan:
+               base: str | None = None, envs_home: Path | None = None,
+               fdl_requirement: str = "fdl") -> SetupPlan:
     """``variant`` (``"2.11.0-cu128"``) overrides the automatic choice, e.g. to take the
-    best-partial option on mixed GPUs; it and ``download`` rule out linking the wheel."""
+    best-partial option on mixed GPUs; it and ``download`` rule out linking the wheel.
+    ``envs_home`` (``$FLODL_HOME``): where environments per device class would live, planned
+    when no single build covers every GPU (fdl.libtorch.environments); ``fdl_requirement`` is
+    what their ``pip install`` of fdl names."""
     resolution = resolve_variant(survey, version=version, platform=platform, base=base)
     if variant is not None:
         ver, _, name = variant.partition("-")
@@ -92,8 +100,26 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
                          covers, command, pip_argv, (), torch.python, wanted, why)
     action = "none" if archive is None else _action(f"precompiled/{archive.name}", installed,
                                                       active, new="download")
+    environments = plan_environments(survey, home=envs_home, fdl_requirement=fdl_requirement,
+                                     platform=platform) \
+        if envs_home is not None and archive is None and variant is None else None
     return SetupPlan(resolution, action, archive, covers, command, pip_argv,
-                     (*_notes(resolution), refusal), why=resolution.reason)
+                     (*_environment_notes(environments), *_notes(resolution),
+                      _no_archive_either(refusal) if archive is None else refusal),
+                     why=resolution.reason, environments=environments)
+
+
+def _environment_notes(plan: EnvironmentPlan | None) -> tuple[str, ...]:
+    if plan is None:
+        return ()
+    return (f"proposed: {plan.summary()} (the environments below; then fdl run "
+            f"--worker-python {plan.worker_python()})",)
+
+
+def _no_archive_either(refusal: str) -> str:
+    """The wheel's refusal, without promising an archive the plan does not have."""
+    return refusal.replace(": downloading the libtorch archive",
+                           ", and no official libtorch archive does either")
 
 
 def _action(wanted: str, installed: Sequence[str], active: str | None, *, new: str) -> str:

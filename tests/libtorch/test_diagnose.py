@@ -75,7 +75,9 @@ def test_mixed_pascal_blackwell_no_official_build_covers_both():
     finding = next(f for f in result.findings if "no official torch build covers" in f.message)
     assert 'TORCH_CUDA_ARCH_LIST="6.1;12.0"' in finding.message
     assert "CUDA 12.8-12.9" in finding.message
-    assert 'TORCH_CUDA_ARCH_LIST="6.1;12.0"' in result.verdict.command
+    assert 'TORCH_CUDA_ARCH_LIST="6.1;12.0"' in finding.command
+    assert result.verdict.command == "fdl setup --dry-run"  # the environment per card first
+    assert "fdl's option: two environments, same torch 2.11.0" in result.verdict.message
 
 
 @pytest.mark.parametrize(("build", "missing"), [
@@ -87,7 +89,12 @@ def test_mixed_gpus_each_official_wheel_misses_one(build, missing):
     assert result.verdict.level == "error"
     assert [g.name for g in result.torch_coverage.missing] == missing
     assert result.gpus_uncovered
-    assert "6.1;12.0" in result.verdict.command
+    # the verdict names fdl's way (an environment per card), the finding the source build
+    assert result.verdict.command == "fdl setup --dry-run"
+    assert result.verdict.message.endswith(
+        "fdl's option: two environments, same torch 2.11.0: cu128 for GPU 0, cu126 for GPU 1")
+    finding = next(f for f in result.findings if "no official torch build covers" in f.message)
+    assert "6.1;12.0" in finding.command
 
 
 def test_rtx4090_cpu_wheel_is_an_error_with_the_right_install_command():
