@@ -322,6 +322,8 @@ def _print_spec(spec: LaunchSpec, *, as_json: bool) -> None:
         ("rendezvous", f"{rdzv['backend']} at {rdzv['endpoint']} (run id {rdzv['run_id']}, "
                        f"{rdzv['source']})"),
         *([("network", _network_line(document["network"]))] if document["network"] else []),
+        *([("kernels", "; ".join(document["kernel_check"]) or "every worker's torch has "
+                       "kernels for its GPU")] if document["kernel_check"] is not None else []),
         ("max restarts", document["max_restarts"]),
         ("run directory", document["run_dir"]),
     ])

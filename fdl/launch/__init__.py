@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep
 
     from fdl.launch.request import RunRequest
     from fdl.launch.spec import LaunchSpec
+    from fdl.system.gpus import GpuSurvey
 
 
 def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
@@ -65,6 +66,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
         taken=Path.exists, live=live, launcher_pid=launcher_pid,
     )
     spec = _with_interpreters(request, spec, cwd=cwd)
+    spec = _with_kernel_check(spec, survey, preview=preview)
     try:
         network = node_network(spec.rendezvous, env)  # several nodes: from this node's routes
     except EndpointNotResolved as exc:
@@ -110,6 +112,26 @@ def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> L
     encoded = json.dumps({str(rank): path for rank, path in sorted(mapping.items())})
     return replace(spec, interpreters=tuple(named),
                    env={**spec.env, interpreters.WORKER_PYTHON_ENV: encoded})
+
+
+def _with_kernel_check(spec: LaunchSpec, survey: GpuSurvey, *, preview: bool) -> LaunchSpec:
+    """GPU workers: each one's torch has a kernel for its GPU (fdl.launch.kernels), or the run
+    is refused before anything starts; ``--dry-run`` shows what the check found."""
+    from dataclasses import replace
+
+    from fdl.errors import UsageError
+    from fdl.launch.kernels import kernel_problems
+
+    if spec.devices.kind != "cuda":
+        return spec
+    problems = kernel_problems(spec.devices, survey, {r: spec.python_of(r)
+                                                      for r in range(spec.nproc_per_node)})
+    if problems and not preview:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageError(f"{problems[0]}{more}",
+                         hint="`fdl diagnose` says which torch build runs each GPU; "
+                              "--worker-python runs a worker under another environment")
+    return replace(spec, kernel_check=problems)
 
 
 def _check_script(request: RunRequest, *, cwd: Path) -> None:

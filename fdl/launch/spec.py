@@ -44,6 +44,9 @@ class LaunchSpec:
     # --worker-python: the local workers that run under another interpreter, as they reported
     # themselves (fdl.launch.interpreters); the others run under the launcher's
     interpreters: tuple[Interpreter, ...] = ()
+    # GPU workers: what the check of each one's torch against its GPU found (fdl.launch.kernels;
+    # () = every one can run; None = not checked: CPU workers)
+    kernel_check: tuple[str, ...] | None = None
 
     @property
     def nproc_per_node(self) -> int:
@@ -75,6 +78,7 @@ class LaunchSpec:
                          "device": self.devices.describe(r), "python": self.python_of(r)}
                         for r in range(self.nproc_per_node)],
             "interpreters": [i.to_dict() for i in self.interpreters],
+            "kernel_check": None if self.kernel_check is None else list(self.kernel_check),
             "network": self.network.to_dict() if self.network is not None else (
                 {"problem": self.network_problem} if self.network_problem else None),
             "env": dict(sorted(self.env.items())),

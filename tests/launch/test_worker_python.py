@@ -112,3 +112,66 @@ def test_a_bad_worker_python_is_one_usage_error(tmp_path, value, says):
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: --worker-python") and says in first, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+STANDIN_TORCH = '''"""A stand-in for a CUDA 12.8 torch wheel: what fdl's probes read of one, nothing more."""
+__version__ = "2.13.0+cu128"
+
+
+class _C:
+    @staticmethod
+    def _cuda_getArchFlags():
+        return "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+
+
+class version:
+    cuda, hip = "12.8", None
+
+
+class cuda:
+    device_count = is_available = staticmethod(lambda: 0)
+
+
+class distributed:
+    is_available = staticmethod(lambda: False)
+'''
+
+
+def make_cu128_standin(root: Path) -> Path:
+    """A venv whose torch is a stand-in cu128 build (sm_75 to sm_120: no Pascal) and whose fdl
+    is this checkout's: the boundary a CUDA wheel would be, on a host without one."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
+                   capture_output=True, timeout=120)
+    python = root / "bin" / "python"
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; "
+                                   "print(sysconfig.get_paths()['purelib'])"], check=True,
+                                  capture_output=True, text=True, timeout=60).stdout.strip())
+    (purelib / "torch").mkdir()
+    (purelib / "torch" / "__init__.py").write_text(STANDIN_TORCH)
+    info = purelib / "torch-2.13.0+cu128.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cu128\n")
+    (purelib / "checkout.pth").write_text(str(Path(__file__).resolve().parents[2]) + "\n")
+    return python
+
+
+def test_a_worker_whose_torch_has_no_kernel_for_its_gpu_is_refused_before_it_starts(tmp_path):
+    """The surveyed RTX 5060 Ti + GTX 1060 (the GPUs are the boundary: FDL_GPU_SURVEY), both
+    workers under a cu128 torch: it runs the 5060 Ti and has no kernel for the 1060."""
+    standin = make_cu128_standin(tmp_path / "cu128")
+    (tmp_path / "train.py").write_text("raise SystemExit('never run')\n")
+    env = {"FDL_GPU_SURVEY": str(Path(__file__).parents[1] / "fixtures" / "gpus" /
+                                 "gtx1060_rtx5060ti.json")}
+    flags = ("--worker-python", f"0={standin},1={standin}", "train.py")
+    planned = run_fdl("run", "--dry-run", "--json", *flags, cwd=tmp_path, env=env)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["kernel_check"] == [
+        f"local rank 1 (GPU 1 NVIDIA GeForce GTX 1060 6GB, sm_61): torch 2.13.0+cu128 under "
+        f"{standin} cannot run on it (no kernel image for sm_61: the build has sm_75, sm_80, "
+        "sm_86, sm_90, sm_100, sm_120 (a cubin runs only on its own major version, PTX only on "
+        "newer GPUs))"]
+    proc = run_fdl("run", *flags, cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0].startswith(
+        "error: local rank 1 (GPU 1 NVIDIA GeForce GTX 1060 6GB, sm_61): torch 2.13.0+cu128")
+    assert not (tmp_path / "runs").exists()  # refused before anything was written

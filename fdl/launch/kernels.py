@@ -1,0 +1,64 @@
+"""Before any worker starts on a GPU: has the torch it will run a kernel for that GPU?
+
+A worker on a GTX 1060 (sm_61) under a cu128 wheel (sm_75 and up) would fail at its first
+CUDA call with "no kernel image is available", after the rendezvous, with the other workers
+waiting. ``fdl run`` asks each interpreter its workers will run under (its own, and those
+``--worker-python`` names) for its torch build, in a subprocess (fdl.system.torchenv: the
+release, CUDA version and ``torch.cuda.get_arch_list()``), and checks each worker's GPU against
+it with the coverage rules of ``fdl diagnose`` (fdl.libtorch.coverage: SASS or PTX, the driver's
+floors). A worker that cannot run is refused before anything starts; ``--dry-run`` shows the
+check. Only for GPU workers: a CPU run pays nothing. Each interpreter is asked once per process
+(``fdl compare`` plans many runs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from fdl.libtorch.coverage import check_build
+from fdl.system.gpus import GpuSurvey
+from fdl.system.torchenv import TorchInfo, probe_torch
+
+if TYPE_CHECKING:
+    from fdl.launch.devices import DevicePlan
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_once(python: str) -> TorchInfo:
+    return probe_torch(python=python)
+
+
+def kernel_problems(devices: DevicePlan, survey: GpuSurvey, pythons: Mapping[int, str], *,
+                    probe: Callable[[str], TorchInfo] = _probe_once) -> tuple[str, ...]:
+    """One line per local worker whose torch cannot run on its GPU (none for CPU workers).
+    ``pythons``: each local rank's interpreter."""
+    if devices.kind != "cuda":
+        return ()
+    paths = sorted(set(pythons.values()))
+    with ThreadPoolExecutor(max_workers=len(paths)) as pool:
+        builds = dict(zip(paths, pool.map(probe, paths), strict=True))
+    problems = []
+    for rank, gpu in enumerate(devices.gpus):
+        python = pythons[rank]
+        info, where = builds[python], f"local rank {rank} (GPU {gpu.index} {gpu.name}, {gpu.arch})"
+        if info.error or not info.installed:
+            problems.append(f"{where}: no usable torch under {python}"
+                            + (f" ({info.error})" if info.error else ""))
+        elif not info.cuda_version:
+            problems.append(f"{where}: torch {info.version} under {python} is a CPU-only build")
+        else:
+            alone = GpuSurvey(survey.source, (gpu,), survey.driver_version,
+                              survey.cuda_driver_version)
+            coverage = check_build(alone, label=f"torch {info.version}", archs=info.arch_list,
+                                   cuda=info.cuda_version)
+            if not coverage.covers_all:
+                item = coverage.gpus[0]
+                reason = item.kernel.reason if not item.kernel.runs else (
+                    item.driver.reason if item.driver.status == "too-old" else
+                    coverage.runtime.reason if coverage.runtime else "")
+                problems.append(f"{where}: torch {info.version} under {python} cannot run on "
+                                f"it ({reason})")
+    return tuple(problems)
