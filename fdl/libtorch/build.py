@@ -70,6 +70,12 @@ class BuildStep:
 
 
 
+# What a source build costs (pytorch's own build docs and flodl's report: 2-6 hours on a
+# desktop, 4 h reported by flodl), said before it starts
+BUILD_COST = ("2-6 hours of compiling (flodl reports 4 h), a recursive clone of pytorch and "
+              "tens of GB of disk")
+
+
 @dataclass(frozen=True)
 class BuildPlan:
     """Everything a source build will do, decided before anything runs."""
@@ -86,6 +92,11 @@ class BuildPlan:
     dockerfile: str | None = None  # docker mode: the rendered Dockerfile
     base_image: str | None = None  # docker mode: "nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04"
     cuda_home: str | None = None  # native mode: the toolkit to build with (else nvcc on PATH)
+    cuda_range: tuple[str, str | None] | None = None  # the CUDA toolkits that compile the archs
+    # native mode: the nvcc found and what is wrong with it for these archs (None: it fits)
+    nvcc: str | None = None
+    toolkit_problem: str | None = None
+    cost: str = BUILD_COST
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types (paths as strings, tuples as lists) for ``--dry-run``/``--json``."""
@@ -102,8 +113,10 @@ class BuildResult:
 
 def plan_build(*, version: str, archs: Sequence[str], jobs: int, mode: str, cache_dir: Path,
                repo_url: str = DEFAULT_REPO, cuda_home: str | None = None,
-               python: str = sys.executable) -> BuildPlan:
-    """The build of libtorch ``version`` for ``archs`` (``"6.1"``, ``"12.0+PTX"``, ``sm_86``)."""
+               python: str = sys.executable, nvcc: str | None = None) -> BuildPlan:
+    """The build of libtorch ``version`` for ``archs`` (``"6.1"``, ``"12.0+PTX"``, ``sm_86``).
+    ``nvcc``: the toolkit version a native build would use (None: none found), checked
+    against the range the archs need (:attr:`BuildPlan.toolkit_problem`)."""
     version = _check_version(version)
     arch_list = normalize_archs(archs)
     cuda_range = _cuda_range(arch_list)
@@ -129,7 +142,25 @@ def plan_build(*, version: str, archs: Sequence[str], jobs: int, mode: str, cach
                      mode=mode, source_dir=source_dir, output_name=name,
                      log_path=cache_dir / "build-logs" / f"{name}.log", steps=steps,
                      dockerfile=dockerfile, base_image=base_image,
-                     cuda_home=cuda_home if mode == "native" else None)
+                     cuda_home=cuda_home if mode == "native" else None, cuda_range=cuda_range,
+                     nvcc=nvcc if mode == "native" else None,
+                     toolkit_problem=toolkit_problem(nvcc, cuda_range, arch_list)
+                     if mode == "native" else None)
+
+
+def toolkit_problem(nvcc: str | None, cuda_range: tuple[str, str | None],
+                    arch_list: Sequence[str]) -> str | None:
+    """Why the nvcc found cannot build ``arch_list`` (None: it can). CUDA 13 dropped
+    sm_50..sm_72, and Blackwell (sm_120) needs 12.8: a wrong toolkit fails hours into the build,
+    after a multi-GB clone."""
+    low, high = cuda_range
+    span = f"CUDA {low}" + (f"-{high}" if high and high != low else "+" if not high else "")
+    if nvcc is None:
+        return f"no nvcc found (CUDA_HOME, PATH): this build needs {span}"
+    found = version_tuple(nvcc)
+    if found < version_tuple(low) or (high is not None and found[:2] > version_tuple(high)[:2]):
+        return (f"nvcc {nvcc} cannot build {';'.join(arch_list)}: this build needs {span}")
+    return None
 
 
 def normalize_archs(archs: Sequence[str]) -> tuple[str, ...]:

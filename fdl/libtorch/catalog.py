@@ -177,5 +177,28 @@ def find_archive(*, version: str, variant: str, platform: str = LINUX_X86_64,
                      hint=f"variants of {version}: {', '.join(variants)}")
 
 
+def split_variant(text: str, *, version: str | None, platform: str = LINUX_X86_64,
+                  base: str | None = None) -> LibtorchArchive:
+    """``--variant`` as every command takes it: ``2.11.0-cu128`` (a release and its variant:
+    what fdl prints), or ``cu128`` with ``--version`` or, without one, the newest release that
+    publishes it. A usage error for a release and a ``--version`` that differ, or an unknown
+    one (naming what exists)."""
+    from fdl.errors import UsageError
+
+    named, sep, variant = text.strip().partition("-")
+    if sep and named[:1].isdigit():
+        if version is not None and version != named:
+            raise UsageError(f"--variant {text} names release {named}, --version {version}",
+                             hint="give one of them: --variant 2.11.0-cu128, or --variant "
+                                  "cu128 --version 2.11.0")
+        return find_archive(version=named, variant=variant, platform=platform, base=base)
+    variant = text.strip()
+    if version is None:
+        newest = next((a.version for a in libtorch_archives(platform=platform, base=base)
+                       if a.variant == variant), None)
+        version = newest or latest_version()
+    return find_archive(version=version, variant=variant, platform=platform, base=base)
+
+
 def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".") if part.isdigit())

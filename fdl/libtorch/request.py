@@ -4,7 +4,8 @@
 (``FDL_LIBTORCH_MIRROR``) and, only when no flag names the archive, the GPU survey go in; the
 :class:`~fdl.libtorch.install.ArchiveRequest` to install and one line saying why come out.
 
-    --cpu | --cuda 12.6 | --variant cu130   that catalog entry of --version (default: newest)
+    --cpu | --cuda 12.6 | --variant cu130   that catalog entry of --version (default: the newest
+                                            release that has it); --variant 2.11.0-cu128 names both
     --url URL [--version V] [--variant NAME]
                                             exactly that archive, named from the archive itself
                                             (its build-version: 2.13.0-cu128) once fetched;
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fdl.errors import FdlError, UsageError
-from fdl.libtorch.catalog import LibtorchArchive, find_archive, latest_version
+from fdl.libtorch.catalog import LibtorchArchive, split_variant
 from fdl.libtorch.install import ArchiveRequest
 from fdl.libtorch.resolve import resolve_variant
 from fdl.libtorch.validate import check_variant_name
@@ -73,14 +74,14 @@ def resolve_download(ask: DownloadAsk, *, base: str | None,
         request = ArchiveRequest(None, ask.url, ask.sha256, None, version=ask.version,
                                  variant=ask.variant)
         return DownloadChoice(request, f"fetching {ask.url} (named from its build-version)")
-    version = ask.version or latest_version()
     chosen = "cpu" if ask.cpu else f"cu{ask.cuda.replace('.', '')}" if ask.cuda else ask.variant
     if chosen is not None:
-        archive = find_archive(version=version, variant=chosen, base=base)
+        archive = split_variant(chosen, version=ask.version, base=base)
         return DownloadChoice(archive_request(archive, sha256=ask.sha256),
                               f"{archive.name} as asked")
     assert survey is not None, "resolve_download: the GPUs decide and no survey was given"
-    return _for_every_gpu(survey, version=version, base=base, sha256=ask.sha256)
+    # the same resolution as fdl setup's (every release unless --version names one)
+    return _for_every_gpu(survey, version=ask.version, base=base, sha256=ask.sha256)
 
 
 def archive_request(archive: LibtorchArchive, *, sha256: str | None = None) -> ArchiveRequest:
@@ -104,13 +105,13 @@ def _check_ask(ask: DownloadAsk) -> None:
                          hint="name the variant with --variant NAME")
 
 
-def _for_every_gpu(survey: GpuSurvey, *, version: str, base: str | None,
+def _for_every_gpu(survey: GpuSurvey, *, version: str | None, base: str | None,
                    sha256: str | None) -> DownloadChoice:
     resolution = resolve_variant(survey, version=version, base=base)
     if resolution.archive is None:
         options = []
         if resolution.best_partial:
-            options.append(f"--variant {resolution.best_partial.variant} (covers the most; "
+            options.append(f"--variant {resolution.best_partial.name} (covers the most; "
                            f"leaves out {', '.join(resolution.left_out)})")
         if resolution.source_arch_list:
             options.append(f'fdl libtorch build --archs "{resolution.source_arch_list}"')

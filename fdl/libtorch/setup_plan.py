@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fdl.libtorch.catalog import LINUX_X86_64, LibtorchArchive, find_archive
+from fdl.libtorch.catalog import LINUX_X86_64, LibtorchArchive, split_variant
 from fdl.libtorch.coverage import advise_builds, check_build
 from fdl.libtorch.environments import EnvironmentPlan, plan_environments
 from fdl.libtorch.install import ArchiveRequest
@@ -83,8 +83,7 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
     what their ``pip install`` of fdl names."""
     resolution = resolve_variant(survey, version=version, platform=platform, base=base)
     if variant is not None:
-        ver, _, name = variant.partition("-")
-        chosen = find_archive(version=ver, variant=name, platform=platform, base=base)
+        chosen = split_variant(variant, version=version, platform=platform, base=base)
         resolution = Resolution(chosen, f"{chosen.name} chosen with --variant")
     archive = resolution.archive
     covers, missing, command = _torch_wheel(survey, torch, platform)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -414,3 +415,45 @@ def test_runner_feeds_stdin_fills_staging_ignores_unchecked_failures_reads_docke
     log = plan.log_path.read_text()
     assert "== fdl: step cleanup exited with 1; ignored" in log
     assert f"copied {len(NVCC_13_0)}" in log
+
+
+# ---- the toolkit, checked before the clone ------------------------------------------------------
+
+@pytest.mark.parametrize(("nvcc", "problem"), [
+    ("12.8", None), ("12.9", None),
+    ("13.0", "nvcc 13.0 cannot build 6.1;12.0: this build needs CUDA 12.8-12.9"),
+    ("12.6", "nvcc 12.6 cannot build 6.1;12.0: this build needs CUDA 12.8-12.9"),
+    (None, "no nvcc found (CUDA_HOME, PATH): this build needs CUDA 12.8-12.9")])
+def test_the_nvcc_found_is_checked_against_the_range_the_archs_need(tmp_path, nvcc, problem):
+    """CUDA 13 dropped Pascal, Blackwell needs 12.8: a Pascal + Blackwell build has a window."""
+    plan = plan_build(version="2.14.0", archs=["6.1", "12.0"], jobs=2, mode="native",
+                      cache_dir=tmp_path, nvcc=nvcc)
+    assert plan.toolkit_problem == problem
+    assert plan.cuda_range == ("12.8", "12.9")
+    docker = plan_build(version="2.14.0", archs=["6.1", "12.0"], jobs=2, mode="docker",
+                        cache_dir=tmp_path, nvcc=nvcc)
+    assert docker.toolkit_problem is None  # the container brings its own
+
+
+@posix_only
+def test_a_build_with_the_wrong_nvcc_is_refused_before_anything_and_dry_run_pastes(tmp_path):
+    from helpers import run_fdl
+
+    bin_dir = fake_nvcc(tmp_path / "bin", NVCC_13_0)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "FDL_CACHE_DIR": str(tmp_path / "cache"), "FLODL_HOME": str(tmp_path / "home")}
+    proc = run_fdl("libtorch", "build", "--archs", "6.1;12.0", env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == (
+        "error: nvcc 13.0 cannot build 6.1;12.0: this build needs CUDA 12.8-12.9")
+    assert not (tmp_path / "cache" / "pytorch-src").exists()  # nothing cloned
+    planned = run_fdl("libtorch", "build", "--archs", "6.1;12.0", "--dry-run", env=env)
+    assert planned.returncode == 0, planned.stderr
+    assert "toolkit: nvcc 13.0 cannot build 6.1;12.0" in planned.stdout
+    assert "2-6 hours of compiling" in planned.stdout
+    steps = [line.split("] ", 1)[1] for line in planned.stdout.splitlines()
+             if line.strip().startswith("[")]
+    configure = next(step for step in steps if "--cmake-only" in step)
+    assert "TORCH_CUDA_ARCH_LIST='6.1;12.0'" in configure
+    words = shlex.split(configure)  # it pastes: one subshell, the list one word
+    assert words[0] == "(cd" and "TORCH_CUDA_ARCH_LIST=6.1;12.0" in words

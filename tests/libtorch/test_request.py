@@ -143,5 +143,26 @@ def test_gpus_no_official_variant_covers_fail_with_the_options():
     error = caught.value
     assert error.exit_code == 1 and not isinstance(error, UsageError)
     assert error.message.startswith("no official libtorch covers")
-    assert error.hint.startswith("--variant cu126 (covers the most; leaves out")
+    assert error.hint.startswith("--variant 2.13.0-cu126 (covers the most; leaves out")
     assert error.hint.endswith('; or fdl libtorch build --archs "6.1;12.0"')
+
+
+def test_without_a_version_download_offers_what_setup_offers():
+    """One answer: the best partial variant over every release, named as --variant takes it
+    in both commands (fdl setup's plan says 2.11.0-cu128 for this host too)."""
+    from fdl.libtorch.setup_plan import plan_setup
+    from fdl.system.torchenv import TorchInfo
+
+    with pytest.raises(FdlError) as caught:
+        resolve("gtx1060_rtx5060ti")
+    assert caught.value.hint.startswith("--variant 2.11.0-cu128 (covers the most; leaves out "
+                                        "NVIDIA GeForce GTX 1060 6GB)")
+    survey = load_survey_fixture(GPU_FIXTURES / "gtx1060_rtx5060ti.json")
+    plan = plan_setup(survey=survey, torch=TorchInfo(installed=False, python="python"),
+                      installed=[], active=None)
+    assert any("fdl setup --variant 2.11.0-cu128" in note for note in plan.notes)
+    assert resolve(variant="2.11.0-cu128").request.name == "2.11.0-cu128"
+    assert resolve(variant="cu128").request.name == "2.11.0-cu128"  # the newest that has it
+    assert resolve(variant="cu128", version="2.10.0").request.name == "2.10.0-cu128"
+    with pytest.raises(UsageError, match=r"names release 2\.11\.0, --version 2\.10\.0"):
+        resolve(variant="2.11.0-cu128", version="2.10.0")

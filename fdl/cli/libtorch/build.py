@@ -50,12 +50,18 @@ def build(
         if not survey.gpus:
             raise UsageError("no NVIDIA GPU found to build for", hint='pass --archs "8.6;12.0"')
         archs = ";".join(sorted({g.cc for g in survey.gpus}))
+    cuda_home = os.environ.get("CUDA_HOME")
     plan = plan_build(version=version or latest_version(), archs=archs.replace(",", ";").split(";"),
                       jobs=(os.cpu_count() or 1) if jobs is None else jobs, mode="docker" if docker else "native",
-                      cache_dir=cache_dir(), cuda_home=os.environ.get("CUDA_HOME"))
+                      cache_dir=cache_dir(), cuda_home=cuda_home,
+                      nvcc=None if docker else _nvcc_version(cuda_home))
     if dry_run:
         _print_plan(plan.to_dict(), as_json=json_output)
         return
+    if plan.toolkit_problem:  # hours into the build, after the clone, otherwise
+        raise UsageError(plan.toolkit_problem,
+                         hint="install a CUDA toolkit in that range and set CUDA_HOME to it, or "
+                              "build in a container with --docker")
     store = Store(libtorch_root())
     staging = store.staging() / f"{plan.output_name}.build"
     console.info(f"building libtorch {plan.version} for {plan.torch_cuda_arch_list}; "
@@ -68,6 +74,15 @@ def build(
     console.info(f"installed {variant.id}" + ("" if no_activate else " and activated it"))
 
 
+def _nvcc_version(cuda_home: str | None) -> str | None:
+    """The version of the nvcc a native build would use: CUDA_HOME's, else PATH's."""
+    import os
+
+    from fdl.libtorch.build_runner import probe_nvcc
+
+    return probe_nvcc(cuda_home=cuda_home, env=os.environ)
+
+
 def _tail(line: str) -> None:
     from fdl import console
 
@@ -75,15 +90,21 @@ def _tail(line: str) -> None:
 
 
 def _print_plan(document: dict, *, as_json: bool) -> None:
+    import shlex
+
     from fdl import console
 
     if as_json:
         console.print_json(document)
         return
     console.rule("fdl libtorch build --dry-run")
-    console.print_pairs([(k, v) for k, v in document.items() if k not in ("steps", "dockerfile")])
-    for step in document["steps"]:
-        env = " ".join(f"{k}={v}" for k, v in step.get("env", {}).items())
-        console.out(f"  [{step['name']}] (cd {step['cwd']}) {env} {' '.join(step['argv'])}")
+    console.print_pairs([(k, v) for k, v in document.items()
+                         if k not in ("steps", "dockerfile", "toolkit_problem")])
+    console.out(f"  toolkit: {document['toolkit_problem'] or 'fits'}"
+                if document["mode"] == "native" else "  toolkit: the container's")
+    for step in document["steps"]:  # each line pastes into a shell as it is
+        env = "".join(f"{k}={shlex.quote(str(v))} " for k, v in step.get("env", {}).items())
+        console.out(f"  [{step['name']}] (cd {shlex.quote(step['cwd'])} && "
+                    f"{env}{shlex.join(step['argv'])})")
     if document.get("dockerfile"):
         console.out(document["dockerfile"])
