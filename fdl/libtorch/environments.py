@@ -76,8 +76,15 @@ class EnvironmentPlan:
                  for env in self.environments]
         return f"{count} environments, same torch {self.release}: {', '.join(parts)}"
 
+    def train_today(self) -> str:
+        """The path that needs nothing new built: the newest GPU alone, on its environment."""
+        env, gpu = max(((env, gpu) for env in self.environments for gpu in env.gpus),
+                       key=lambda pair: pair[1].compute_capability)
+        return (f"train today on GPU {gpu.index} ({gpu.name}) alone, on {env.build.version}+"
+                f"{env.build.variant}: fdl run --devices {gpu.index} train.py")
+
     def to_dict(self) -> dict[str, object]:
-        return {"release": self.release,
+        return {"release": self.release, "train_today": self.train_today(),
                 "environments": [env.to_dict() for env in self.environments],
                 "device_map": self.device_map, "worker_python": self.worker_python()}
 

@@ -114,7 +114,10 @@ def _for_every_gpu(survey: GpuSurvey, *, version: str | None, base: str | None,
             options.append(f"--variant {resolution.best_partial.name} (covers the most; "
                            f"leaves out {', '.join(resolution.left_out)})")
         if resolution.source_arch_list:
-            options.append(f'fdl libtorch build --archs "{resolution.source_arch_list}"')
+            options.append(f'fdl libtorch build --archs "{resolution.source_arch_list}" (one '
+                           "libtorch for every GPU: what a C++ program on all of them needs; "
+                           "fdl's Python workers can instead run one environment per card: "
+                           "fdl setup --dry-run)")
         raise FdlError(resolution.reason, hint="; or ".join(options) or None)
     return DownloadChoice(archive_request(resolution.archive, sha256=sha256),
                           f"auto: {resolution.reason}")

@@ -112,7 +112,10 @@ def _environment_notes(plan: EnvironmentPlan | None) -> tuple[str, ...]:
     if plan is None:
         return ()
     return (f"proposed: {plan.summary()} (the environments below; then fdl run "
-            f"--worker-python {plan.worker_python()})",)
+            f"--worker-python {plan.worker_python()})",
+            f"or {plan.train_today()}",
+            "C++ (libtorch): one process runs one libtorch, so a C++ program on every GPU "
+            "still needs the source build; environments per card serve fdl's Python workers")
 
 
 def _no_archive_either(refusal: str) -> str:

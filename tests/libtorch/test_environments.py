@@ -77,6 +77,8 @@ def test_the_plan_names_paths_commands_the_device_map_and_the_run_flag():
                                     f"1={HOME}/envs/2.11.0-cu126/bin/python")
     assert result.summary() == ("two environments, same torch 2.11.0: cu128 for GPU 0, cu126 "
                                 "for GPU 1")
+    assert doc["train_today"] == ("train today on GPU 0 (NVIDIA GeForce RTX 5060 Ti) alone, on "
+                                  "2.11.0+cu128: fdl run --devices 0 train.py")
     for command in fast["commands"]:  # they paste into a shell as they are
         assert shlex.split(command)
 

@@ -144,7 +144,8 @@ def test_gpus_no_official_variant_covers_fail_with_the_options():
     assert error.exit_code == 1 and not isinstance(error, UsageError)
     assert error.message.startswith("no official libtorch covers")
     assert error.hint.startswith("--variant 2.13.0-cu126 (covers the most; leaves out")
-    assert error.hint.endswith('; or fdl libtorch build --archs "6.1;12.0"')
+    assert '; or fdl libtorch build --archs "6.1;12.0" (one libtorch for every GPU' in error.hint
+    assert error.hint.endswith("one environment per card: fdl setup --dry-run)")
 
 
 def test_without_a_version_download_offers_what_setup_offers():
