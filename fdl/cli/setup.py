@@ -118,10 +118,9 @@ def _fdl_requirement() -> str:
     from pathlib import Path
     from urllib.parse import unquote, urlparse
 
-    import fdl
-    from fdl.version import __version__
+    from fdl import version
 
-    checkout = Path(fdl.__file__).resolve().parent.parent
+    checkout = Path(version.__file__).resolve().parent.parent
     if (checkout / "pyproject.toml").is_file():
         return str(checkout)
     try:
@@ -131,7 +130,7 @@ def _fdl_requirement() -> str:
     parsed = urlparse(url) if isinstance(url, str) else None
     if parsed is not None and parsed.scheme == "file" and Path(unquote(parsed.path)).is_dir():
         return unquote(parsed.path)
-    return f"fdl=={__version__}"
+    return f"fdl=={version.__version__}"
 
 
 def _survey_line(survey: GpuSurvey) -> str:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from fdl.libtorch.coverage import check_build
-from fdl.system.gpus import GpuSurvey
+from fdl.system.compat import driver_verdict, gpu_driver_verdict, kernel_verdict, parse_arch_list
+from fdl.system.gpus import GpuInfo, GpuSurvey
 from fdl.system.torchenv import TorchInfo, probe_torch
 
 if TYPE_CHECKING:
@@ -50,15 +50,23 @@ def kernel_problems(devices: DevicePlan, survey: GpuSurvey, pythons: Mapping[int
         elif not info.cuda_version:
             problems.append(f"{where}: torch {info.version} under {python} is a CPU-only build")
         else:
-            alone = GpuSurvey(survey.source, (gpu,), survey.driver_version,
-                              survey.cuda_driver_version)
-            coverage = check_build(alone, label=f"torch {info.version}", archs=info.arch_list,
-                                   cuda=info.cuda_version)
-            if not coverage.covers_all:
-                item = coverage.gpus[0]
-                reason = item.kernel.reason if not item.kernel.runs else (
-                    item.driver.reason if item.driver.status == "too-old" else
-                    coverage.runtime.reason if coverage.runtime else "")
+            reason = _why_not(gpu, info, survey)
+            if reason is not None:
                 problems.append(f"{where}: torch {info.version} under {python} cannot run on "
                                 f"it ({reason})")
     return tuple(problems)
+
+
+def _why_not(gpu: GpuInfo, info: TorchInfo, survey: GpuSurvey) -> str | None:
+    """Why ``info``'s CUDA build cannot run on ``gpu`` with this driver (None: it can), by the
+    rules fdl diagnose applies (fdl.system.compat)."""
+    kernel = kernel_verdict(gpu.compute_capability, parse_arch_list(list(info.arch_list)))
+    if not kernel.runs:
+        return kernel.reason
+    known = gpu_driver_verdict(gpu.compute_capability, driver_version=survey.driver_version)
+    if known.status == "too-old":
+        return known.reason
+    runtime = driver_verdict(driver_version=survey.driver_version,
+                             cuda_driver_version=survey.cuda_driver_version,
+                             runtime_cuda=str(info.cuda_version))
+    return runtime.reason if runtime.status == "too-old" else None
