@@ -36,7 +36,10 @@ class DivergedRun:
 
     def first_halving(self) -> dict:
         halvings = [g for g in self.of("guard") if g["halve"]]
-        assert halvings, [(g["round"], g["level"]) for g in self.of("guard")]
+        rounds = {e["round"]: (e["epoch"], e["anchor"]) for e in self.of("round")}
+        # (round, epoch, anchor, drift level, streak): what a run that never halved did
+        assert halvings, [(g["round"], *rounds.get(g["round"], (None, None)), g["level"],
+                           g["streak"]) for g in self.of("guard")]
         return halvings[0]
 
 
