@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 @functools.lru_cache(maxsize=16)
 def _probe_once(python: str) -> TorchInfo:
-    return probe_torch(python=python)
+    return probe_torch(python=python, peers=False)  # the build is what is checked
 
 
 def kernel_problems(devices: DevicePlan, survey: GpuSurvey, pythons: Mapping[int, str], *,

@@ -74,7 +74,8 @@ count = get(lambda: torch.cuda.device_count(), 0)
 peer = get(lambda: [[i, j, bool(torch.cuda.can_device_access_peer(i, j))
                      and bool(torch.cuda.can_device_access_peer(j, i))]
                     for i in range(count) for j in range(i + 1, count)], []) \
-    if isinstance(count, int) and count >= 2 else []
+    if isinstance(count, int) and count >= 2 and not os.environ.get("FDL_PROBE_NO_PEERS") \
+    else []
 emit(
     installed=True, stage="done", path=root,
     libtorch=all(os.path.isdir(os.path.join(root, part))
@@ -125,8 +126,11 @@ class TorchInfo:
     peer_access: tuple[tuple[int, int, bool], ...] = ()
 
 
-def probe_torch(*, python: str | None = None, timeout_s: float = 60.0) -> TorchInfo:
+def probe_torch(*, python: str | None = None, timeout_s: float = 60.0,
+                peers: bool = True) -> TorchInfo:
     """Probe the torch of ``python`` (default: this interpreter) in a child process.
+    ``peers=False`` leaves out the GPU pairs' peer access (it initialises CUDA on every GPU:
+    seconds that a check of the build alone does not need).
 
     Never raises: a missing interpreter, a crash or a probe still running after ``timeout_s``
     seconds (the child and its children are then killed) come back as ``TorchInfo.error``.
@@ -135,7 +139,8 @@ def probe_torch(*, python: str | None = None, timeout_s: float = 60.0) -> TorchI
     try:
         child = subprocess.Popen(
             [python, "-c", _PROBE], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, errors="replace", env={**os.environ, **_QUIET_ENV},
+            stderr=subprocess.PIPE, text=True, errors="replace",
+            env={**os.environ, **_QUIET_ENV, **({} if peers else {"FDL_PROBE_NO_PEERS": "1"})},
             start_new_session=True,
         )
     except OSError as exc:

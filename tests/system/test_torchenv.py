@@ -213,3 +213,21 @@ def test_parse_probe_output_keeps_only_well_formed_peer_pairs() -> None:
     assert parse_probe_output(json.dumps(record), python="py").peer_access == ((0, 1, False),)
     assert parse_probe_output(json.dumps({**DONE, "peer_access": {"0": 1}}),
                               python="py").peer_access == ()
+
+
+def test_peer_access_is_asked_only_when_wanted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in torch with two GPUs (the CUDA boundary): the full probe asks each pair for
+    peer access (CUDA initialised on every GPU); ``peers=False`` (fdl run's check of the build)
+    does not ask."""
+    (tmp_path / "site/torch").mkdir(parents=True)
+    (tmp_path / "site/torch/__init__.py").write_text(
+        "import types\n__version__ = '2.13.0+cu128'\nversion = types.SimpleNamespace(cuda='12.8')\n"
+        "cuda = types.SimpleNamespace(device_count=lambda: 2,\n"
+        "                             can_device_access_peer=lambda i, j: False)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    python = fake_python(tmp_path, f'exec "{sys.executable}" -S "$@"\n')
+    assert probe_torch(python=python).peer_access == ((0, 1, False),)
+    assert probe_torch(python=python, peers=False).peer_access == ()
