@@ -30,6 +30,7 @@ probes, asks, and renders.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -78,6 +79,18 @@ def setup(
         console.print_json(_plan_doc(plan, survey_line=_survey_line(survey)))
         return
     _render_plan(plan, survey_line=_survey_line(survey))
+    if plan.environments is not None and not dry_run:
+        if not yes and not _confirm():
+            raise typer.Exit(1)
+        from fdl import console
+        from fdl.libtorch.make_env import make_environments
+        from fdl.scaffold.fdl_wheel import build_fdl_wheel
+
+        path = make_environments(plan.environments, wheel=_fdl_wheel_path(),
+                                 wheel_data=build_fdl_wheel().data, say=console.info)
+        console.info(f"fdl setup: device map {path}: fdl run starts each GPU's worker under "
+                     "its environment")
+        return
     if dry_run or (plan.action in ("present", "none")
                    and not (install_torch and plan.torch_install)):
         return
@@ -93,6 +106,7 @@ def _plan(store: Store, *, version: str | None, variant: str | None, download: b
     from concurrent.futures import ThreadPoolExecutor
 
     from fdl.libtorch.catalog import MIRROR_ENV
+    from fdl.libtorch.environments import TORCH_INDEX_ENV
     from fdl.libtorch.setup_plan import plan_setup
     from fdl.paths import flodl_home
     from fdl.system.gpus import probe_gpus
@@ -105,32 +119,19 @@ def _plan(store: Store, *, version: str | None, variant: str | None, download: b
     plan = plan_setup(survey=survey, torch=torch, installed=[v.id for v in store.variants()],
                       active=active.id if active else None, version=version, variant=variant,
                       download=download, base=os.environ.get(MIRROR_ENV),
-                      envs_home=flodl_home(), fdl_requirement=_fdl_requirement())
+                      envs_home=flodl_home(), fdl_requirement=str(_fdl_wheel_path()),
+                      env_python=sys.executable, torch_index=os.environ.get(TORCH_INDEX_ENV))
     return plan, survey
 
 
-def _fdl_requirement() -> str:
-    """What an environment's pip installs as fdl: the checkout this fdl runs from (``pip
-    install -e .``) or was installed from (``pip install .``, PEP 610's direct_url.json), else
-    this release by name."""
-    import json
-    from importlib.metadata import PackageNotFoundError, distribution
-    from pathlib import Path
-    from urllib.parse import unquote, urlparse
-
+def _fdl_wheel_path() -> Path:
+    """Where the environments' fdl comes from: the running fdl packed as a wheel
+    (fdl.scaffold.fdl_wheel: no index has fdl), written there when they are made."""
     from fdl import version
+    from fdl.paths import flodl_home
 
-    checkout = Path(version.__file__).resolve().parent.parent
-    if (checkout / "pyproject.toml").is_file():
-        return str(checkout)
-    try:
-        url = json.loads(distribution("fdl").read_text("direct_url.json") or "{}").get("url")
-    except (PackageNotFoundError, ValueError, AttributeError):
-        url = None
-    parsed = urlparse(url) if isinstance(url, str) else None
-    if parsed is not None and parsed.scheme == "file" and Path(unquote(parsed.path)).is_dir():
-        return unquote(parsed.path)
-    return f"fdl=={version.__version__}"
+    return flodl_home() / "envs" / "wheels" / \
+        f"fdl-{version.__version__.replace('-', '_')}-py3-none-any.whl"
 
 
 def _survey_line(survey: GpuSurvey) -> str:
@@ -168,7 +169,7 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
                         f"{env.build.variant} for {gpus}")
             for argv in env.commands:
                 console.out(f"    {shlex.join(argv)}")
-        console.out("  fdl setup does not make them yet: run the commands above")
+        console.out("  fdl setup --yes makes them (or run the commands above)")
 
 
 def _plan_doc(plan: SetupPlan, *, survey_line: str) -> dict:

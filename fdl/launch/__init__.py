@@ -56,7 +56,6 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     file_values, file_path = load_config_file(cwd)
     settings = resolve_run_settings(flags=request.flags, env=env, file_values=file_values,
                                     file_path=file_path)
-    settings = _backend_for_environments(request, settings, cwd=cwd)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
     spec = build_launch_spec(
@@ -76,42 +75,42 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     return replace(spec, network=network, env={**spec.env, **network.env})
 
 
-def _backend_for_environments(request: RunRequest, settings: dict, *, cwd: Path) -> dict:
-    """``--worker-python`` naming another interpreter than this one: several environments,
-    two NCCLs, so the averaging backend is ``cpu`` unless the user chose one."""
+def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> LaunchSpec:
+    """Each local worker's interpreter: ``--worker-python``, else (GPU workers) the device map
+    ``fdl setup`` wrote. Each named one is checked (it runs, has fdl and torch, of the
+    launcher's releases) and the map put in the worker environment; with an interpreter other
+    than this one the averaging backend is ``cpu`` (two wheels, two NCCLs) unless the user
+    chose one."""
+    import json
     import os
     import sys
-
-    from fdl.settings import Setting
-
-    text = request.get("worker_python")
-    if not text or settings["backend"].source != "default":
-        return settings
-    own = os.path.abspath(sys.executable)
-    paths = {os.path.abspath(cwd / os.path.expanduser(item.partition("=")[2].strip()))
-             for item in text.split(",")}
-    if paths <= {own}:
-        return settings
-    return {**settings, "backend": Setting("cpu", "--worker-python: several environments")}
-
-
-def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> LaunchSpec:
-    """``--worker-python``: each named interpreter checked (it runs, has fdl and torch, of the
-    launcher's releases) and the map put in the worker environment."""
-    import json
     from dataclasses import replace
 
     from fdl.launch import interpreters
+    from fdl.paths import flodl_home
+    from fdl.settings import Setting, engine_env
 
     text = request.get("worker_python")
-    if not text:
+    if text:
+        mapping = interpreters.parse_worker_python(text, nproc=spec.nproc_per_node, cwd=cwd)
+        source = "--worker-python"
+    else:
+        mapping = interpreters.from_device_map(spec.devices, home=flodl_home())
+        source = "device map"
+    if not mapping:
         return spec
-    mapping = interpreters.parse_worker_python(text, nproc=spec.nproc_per_node, cwd=cwd)
-    named = [interpreters.probe(rank, path) for rank, path in sorted(mapping.items())]
-    interpreters.check_alike(named, own=interpreters.own_interpreter())
+    named = [interpreters.probe(rank, path, origin=source)
+             for rank, path in sorted(mapping.items())]
+    interpreters.check_alike(named, own=interpreters.own_interpreter(), origin=source,
+                             own_runs=len(mapping) < spec.nproc_per_node)
     encoded = json.dumps({str(rank): path for rank, path in sorted(mapping.items())})
-    return replace(spec, interpreters=tuple(named),
-                   env={**spec.env, interpreters.WORKER_PYTHON_ENV: encoded})
+    env = {**spec.env, interpreters.WORKER_PYTHON_ENV: encoded}
+    settings = spec.settings
+    if settings["backend"].source == "default" and \
+            set(mapping.values()) - {os.path.abspath(sys.executable)}:
+        settings = {**settings, "backend": Setting("cpu", f"{source}: several environments")}
+        env.update(engine_env(settings))
+    return replace(spec, interpreters=tuple(named), env=env, settings=settings)
 
 
 def _with_kernel_check(spec: LaunchSpec, survey: GpuSurvey, *, preview: bool) -> LaunchSpec:

@@ -29,8 +29,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fdl.errors import UsageError
+
+if TYPE_CHECKING:
+    from fdl.launch.devices import DevicePlan
 
 WORKER_PYTHON_ENV = "FDL_WORKER_PYTHON"  # {"<local rank>": "<interpreter>"}, JSON
 EXECED_ENV = "FDL_WORKER_PYTHON_EXECED"  # set across the exec: never a second one
@@ -92,7 +96,47 @@ def parse_worker_python(text: str, *, nproc: int, cwd: Path) -> dict[int, str]:
     return mapping
 
 
-def probe(local_rank: int, path: str) -> Interpreter:
+DEVICE_MAP_MAX_BYTES = 1 << 20  # a map for hundreds of GPUs is a few KB
+
+
+def from_device_map(devices: DevicePlan, *, home: Path) -> dict[int, str]:
+    """{local rank: interpreter} for the GPU workers whose GPU ``$FLODL_HOME/envs/
+    device-map.json`` (written by ``fdl setup``) names, by UUID or ``index:N``; {} without a
+    map or GPU workers. The file is read as hostile: a regular file of bounded size holding an
+    object of objects with a ``python`` string; anything else is one usage error naming it."""
+    if devices.kind != "cuda":
+        return {}
+    path = home / "envs" / "device-map.json"
+    if not path.exists():
+        return {}
+    problem = "not a regular file" if not path.is_file() or path.is_symlink() else None
+    document = None
+    if problem is None:
+        try:
+            with path.open("rb") as handle:
+                raw = handle.read(DEVICE_MAP_MAX_BYTES + 1)
+            document = json.loads(raw) if len(raw) <= DEVICE_MAP_MAX_BYTES else None
+            problem = None if document is not None else "larger than 1 MiB"
+        except (OSError, ValueError, RecursionError) as exc:
+            problem = f"unreadable ({type(exc).__name__})"
+    entries = document.get("devices") if isinstance(document, dict) else None
+    if problem is None and not (isinstance(entries, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("python"), str) and v["python"]
+            for v in entries.values())):
+        problem = "not a map of GPUs to {\"python\": PATH}"
+    if problem is not None:
+        raise UsageError(f"device map {path}: {problem}",
+                         hint="run fdl setup again to rewrite it, or remove it")
+    assert isinstance(entries, dict)
+    mapping = {}
+    for rank, gpu in enumerate(devices.gpus):
+        entry = entries.get(gpu.uuid or "") or entries.get(f"index:{gpu.index}")
+        if entry is not None:
+            mapping[rank] = entry["python"]
+    return mapping
+
+
+def probe(local_rank: int, path: str, *, origin: str = "--worker-python") -> Interpreter:
     """Ask ``path`` for its Python, fdl and torch versions (a usage error when it cannot)."""
     try:
         done = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True,
@@ -103,11 +147,11 @@ def probe(local_rank: int, path: str) -> Interpreter:
         report = None
     if not isinstance(report, dict) or not all(isinstance(report.get(k), (str, type(None)))
                                                for k in ("python", "fdl", "torch")):
-        raise UsageError(f"--worker-python: {path} (local rank {local_rank}) does not run as "
+        raise UsageError(f"{origin}: {path} (local rank {local_rank}) does not run as "
                          "a Python interpreter", hint="give the path of a python executable")
     missing = [name for name in ("fdl", "torch") if not report.get(name)]
     if missing:
-        raise UsageError(f"--worker-python: {path} (local rank {local_rank}) has no "
+        raise UsageError(f"{origin}: {path} (local rank {local_rank}) has no "
                          f"{' and no '.join(missing)}",
                          hint=f"install them in that environment: {path} -m pip install "
                               "fdl torch==<this release>")
@@ -115,18 +159,22 @@ def probe(local_rank: int, path: str) -> Interpreter:
                        str(report["torch"]))
 
 
-def check_alike(interpreters: list[Interpreter], *, own: Interpreter) -> None:
-    """Every named interpreter runs the launcher's Python (major.minor), fdl and torch release:
-    one line naming the first that does not."""
+def check_alike(interpreters: list[Interpreter], *, own: Interpreter,
+                origin: str = "--worker-python", own_runs: bool = True) -> None:
+    """Every worker's interpreter runs the same Python (major.minor), fdl and torch release:
+    the named ones against the launcher's when some worker runs under it (``own_runs``), else
+    against the first named; one line naming the first that differs."""
+    reference = own if own_runs else interpreters[0]
     for other in interpreters:
-        for field, mine, theirs in (("Python", own.python, other.python),
-                                    ("fdl", own.fdl, other.fdl),
-                                    ("torch release", release(own.torch),
+        for field, mine, theirs in (("Python", reference.python, other.python),
+                                    ("fdl", reference.fdl, other.fdl),
+                                    ("torch release", release(reference.torch),
                                      release(other.torch))):
             if mine != theirs:
-                raise UsageError(f"--worker-python: local rank {other.local_rank} "
-                                 f"({other.path}) has {field} {theirs}, the launcher's "
-                                 f"workers {mine}",
+                whose = "the launcher's workers" if own_runs else \
+                    f"local rank {reference.local_rank}'s"
+                raise UsageError(f"{origin}: local rank {other.local_rank} "
+                                 f"({other.path}) has {field} {theirs}, {whose} {mine}",
                                  hint="every worker needs the same release (the CUDA tag "
                                       "may differ): install it in that environment")
 

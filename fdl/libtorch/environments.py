@@ -83,6 +83,14 @@ class EnvironmentPlan:
         return (f"train today on GPU {gpu.index} ({gpu.name}) alone, on {env.build.version}+"
                 f"{env.build.variant}: fdl run --devices {gpu.index} train.py")
 
+    def map_document(self) -> dict[str, object]:
+        """What ``$FLODL_HOME/envs/device-map.json`` holds (fdl run reads it): each GPU's
+        interpreter by its UUID (or ``index:N``)."""
+        return {"release": self.release,
+                "devices": {_device_key(gpu): {"environment": env.name,
+                                               "python": str(env.python)}
+                            for env in self.environments for gpu in env.gpus}}
+
     def to_dict(self) -> dict[str, object]:
         return {"release": self.release, "train_today": self.train_today(),
                 "environments": [env.to_dict() for env in self.environments],
@@ -90,7 +98,8 @@ class EnvironmentPlan:
 
 
 def plan_environments(survey: GpuSurvey, *, home: Path, fdl_requirement: str,
-                      platform: str = LINUX_X86_64) -> EnvironmentPlan | None:
+                      platform: str = LINUX_X86_64, python: str = "python3",
+                      index_base: str | None = None) -> EnvironmentPlan | None:
     """The environments per device class for ``survey`` (see the module docstring)."""
     if len(survey.gpus) < 2:
         return None
@@ -106,7 +115,8 @@ def plan_environments(survey: GpuSurvey, *, home: Path, fdl_requirement: str,
             chosen = _fewest_builds(survey, candidates, windows=windows)
             if chosen is not None:
                 return EnvironmentPlan(release, tuple(
-                    _environment(build, gpus, home=home, fdl_requirement=fdl_requirement)
+                    _environment(build, gpus, home=home, fdl_requirement=fdl_requirement,
+                                 python=python, index_base=index_base)
                     for build, gpus in chosen))
     return None
 
@@ -143,18 +153,22 @@ def _alone(survey: GpuSurvey, gpu: GpuInfo) -> GpuSurvey:
 
 
 def _environment(build: OfficialBuild, gpus: tuple[GpuInfo, ...], *, home: Path,
-                 fdl_requirement: str) -> Environment:
+                 fdl_requirement: str, python: str, index_base: str | None) -> Environment:
     name = f"{build.version}-{build.variant}"
     path = home / "envs" / name
     env = Environment(name, build, path, gpus, ())
-    python = str(env.python)
+    inside = str(env.python)
+    index = f"{index_base.rstrip('/')}/{build.variant}" if index_base else build.wheel_index_url
     commands = (
-        ("python3", "-m", "venv", str(path)),
-        (python, "-m", "pip", "install", f"torch=={build.version}", "--index-url",
-         build.wheel_index_url),
-        (python, "-m", "pip", "install", fdl_requirement),
+        (python, "-m", "venv", str(path)),
+        (inside, "-m", "pip", "install", f"torch=={build.version}", "--index-url", index),
+        (inside, "-m", "pip", "install", fdl_requirement),
     )
     return Environment(name, build, path, gpus, commands)
+
+
+DEVICE_MAP = "device-map.json"  # in $FLODL_HOME/envs: written once the environments work
+TORCH_INDEX_ENV = "FDL_TORCH_INDEX"  # a mirror of https://download.pytorch.org/whl
 
 
 def _device_key(gpu: GpuInfo) -> str:

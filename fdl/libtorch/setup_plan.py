@@ -75,12 +75,14 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
                active: str | None, version: str | None = None, variant: str | None = None,
                download: bool = False, platform: str = LINUX_X86_64,
                base: str | None = None, envs_home: Path | None = None,
-               fdl_requirement: str = "fdl") -> SetupPlan:
+               fdl_requirement: str = "fdl", env_python: str = "python3",
+               torch_index: str | None = None) -> SetupPlan:
     """``variant`` (``"2.11.0-cu128"``) overrides the automatic choice, e.g. to take the
     best-partial option on mixed GPUs; it and ``download`` rule out linking the wheel.
     ``envs_home`` (``$FLODL_HOME``): where environments per device class would live, planned
     when no single build covers every GPU (fdl.libtorch.environments); ``fdl_requirement`` is
-    what their ``pip install`` of fdl names."""
+    what their ``pip install`` of fdl names, ``env_python`` what makes their venvs and
+    ``torch_index`` a mirror of PyTorch's wheel index (``FDL_TORCH_INDEX``)."""
     resolution = resolve_variant(survey, version=version, platform=platform, base=base)
     if variant is not None:
         chosen = split_variant(variant, version=version, platform=platform, base=base)
@@ -100,7 +102,8 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
     action = "none" if archive is None else _action(f"precompiled/{archive.name}", installed,
                                                       active, new="download")
     environments = plan_environments(survey, home=envs_home, fdl_requirement=fdl_requirement,
-                                     platform=platform) \
+                                     platform=platform, python=env_python,
+                                     index_base=torch_index) \
         if envs_home is not None and archive is None and variant is None else None
     return SetupPlan(resolution, action, archive, covers, command, pip_argv,
                      (*_environment_notes(environments), *_notes(resolution),
