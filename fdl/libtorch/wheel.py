@@ -10,7 +10,7 @@ back the env assignments and ``argv``).
     >>> str(torch_install(advice))   # an official wheel covers every GPU
     "pip install --force-reinstall 'torch==2.14.0' --index-url https://download.pytorch.org/whl/cu126"
     >>> str(torch_install(advice))   # none does: a source build, which fdl shows but never runs
-    'TORCH_CUDA_ARCH_LIST="6.1;12.0" USE_CUDA=1 python -m pip install --no-build-isolation -v .  # in a pytorch checkout: ...'
+    'TORCH_CUDA_ARCH_LIST="6.1;12.0" USE_CUDA=1 python -m pip install --no-build-isolation -v .  # in a checkout of the release: ...'
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from fdl.libtorch.catalog import latest_version
 from fdl.libtorch.coverage import BuildAdvice
 
 INDEX_URL = "https://download.pytorch.org/whl"
@@ -56,7 +57,9 @@ def torch_install(advice: BuildAdvice) -> TorchInstall | None:
         return TorchInstall(
             ("python", "-m", "pip", "install", "--no-build-isolation", "-v", "."),
             env=(("TORCH_CUDA_ARCH_LIST", advice.source_arch_list), ("USE_CUDA", "1")),
-            note="in a pytorch checkout: git clone --recursive https://github.com/pytorch/pytorch")
+            note=f"in a checkout of the release: git clone --recursive --branch "
+                 f"v{latest_version()} https://github.com/pytorch/pytorch; 2-6 hours of "
+                 "compiling and tens of GB of disk")
     return None
 
 

@@ -81,7 +81,9 @@ def test_a_source_build_is_shown_and_never_run():
     result = plan("gtx1060_rtx5060ti", torch=NO_TORCH)
     shown = str(result.torch_install)
     assert shown.startswith('TORCH_CUDA_ARCH_LIST="6.1;12.0" USE_CUDA=1 python -m pip install '
-                            "--no-build-isolation -v .  # in a pytorch checkout: git clone")
+                            "--no-build-isolation -v .  # in a checkout of the release: git "
+                            "clone --recursive --branch v2.14.0 ")  # pinned to a tag
+    assert shown.endswith("2-6 hours of compiling and tens of GB of disk")
     assert result.pip_argv is None and not result.torch_install.is_wheel
     command, _, _ = shown.partition("  #")
     assert shlex.split(command) == ["TORCH_CUDA_ARCH_LIST=6.1;12.0", "USE_CUDA=1",
