@@ -106,8 +106,9 @@ def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> L
     encoded = json.dumps({str(rank): path for rank, path in sorted(mapping.items())})
     env = {**spec.env, interpreters.WORKER_PYTHON_ENV: encoded}
     settings = spec.settings
-    if settings["backend"].source == "default" and \
-            set(mapping.values()) - {os.path.abspath(sys.executable)}:
+    used = set(mapping.values()) | ({os.path.abspath(sys.executable)}
+                                    if len(mapping) < spec.nproc_per_node else set())
+    if settings["backend"].source == "default" and len(used) > 1:
         settings = {**settings, "backend": Setting("cpu", f"{source}: several environments")}
         env.update(engine_env(settings))
     return replace(spec, interpreters=tuple(named), env=env, settings=settings)
@@ -115,22 +116,31 @@ def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> L
 
 def _with_kernel_check(spec: LaunchSpec, survey: GpuSurvey, *, preview: bool) -> LaunchSpec:
     """GPU workers: each one's torch has a kernel for its GPU (fdl.launch.kernels), or the run
-    is refused before anything starts; ``--dry-run`` shows what the check found."""
+    is refused before anything starts; ``--dry-run`` shows what the check found. Several
+    environments that carry one and the same NCCL may average over it after all."""
     from dataclasses import replace
 
     from fdl.errors import UsageError
-    from fdl.launch.kernels import kernel_problems
+    from fdl.launch.kernels import kernel_problems, probe_builds, shared_nccl
+    from fdl.settings import SETTINGS, SOURCES_ENV, Setting, engine_env
 
     if spec.devices.kind != "cuda":
         return spec
-    problems = kernel_problems(spec.devices, survey, {r: spec.python_of(r)
-                                                      for r in range(spec.nproc_per_node)})
+    pythons = {r: spec.python_of(r) for r in range(spec.nproc_per_node)}
+    builds = probe_builds(pythons)
+    problems = kernel_problems(spec.devices, survey, pythons, builds)
     if problems and not preview:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UsageError(f"{problems[0]}{more}",
                          hint="`fdl diagnose` says which torch build runs each GPU; "
                               "--worker-python runs a worker under another environment")
-    return replace(spec, kernel_check=problems)
+    settings, env = spec.settings, dict(spec.env)
+    if settings["backend"].source.endswith("several environments") and shared_nccl(builds):
+        default = next(s.default for s in SETTINGS if s.name == "backend")
+        settings = {**settings, "backend": Setting(default, "default")}
+        env.pop(next(s.env for s in SETTINGS if s.name == "backend"), None)
+        env[SOURCES_ENV] = engine_env(settings)[SOURCES_ENV]
+    return replace(spec, kernel_check=problems, settings=settings, env=env)
 
 
 def _check_script(request: RunRequest, *, cwd: Path) -> None:

@@ -15,8 +15,9 @@ Before any worker starts, the launcher asks each named interpreter (a subprocess
 import) for its Python, fdl and torch versions: one that does not run, lacks fdl or torch, or
 differs from the launcher's in Python (major.minor), fdl or the torch *release* (the CUDA tag,
 ``+cu126`` against ``+cu128``, may differ: that is the point) is a usage error naming the worker.
-With more than one environment the averaging backend is ``cpu`` (two wheels carry two NCCLs),
-unless the user set one. Each worker's engine compares fdl and the torch release again at the
+With workers under more than one interpreter the averaging backend is ``cpu`` (two wheels carry
+two NCCLs), unless the user set one or every GPU worker's torch carries the same NCCL
+(fdl.launch.kernels). Each worker's engine compares fdl and the torch release again at the
 rendezvous (fdl.engine.agreement), as torch reports them at run time.
 """
 

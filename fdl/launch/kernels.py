@@ -31,15 +31,28 @@ def _probe_once(python: str) -> TorchInfo:
     return probe_torch(python=python, peers=False)  # the build is what is checked
 
 
-def kernel_problems(devices: DevicePlan, survey: GpuSurvey, pythons: Mapping[int, str], *,
-                    probe: Callable[[str], TorchInfo] = _probe_once) -> tuple[str, ...]:
+def probe_builds(pythons: Mapping[int, str], *,
+                 probe: Callable[[str], TorchInfo] = _probe_once) -> dict[str, TorchInfo]:
+    """Each interpreter's torch build, probed at once (once per interpreter and process)."""
+    paths = sorted(set(pythons.values()))
+    with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:
+        return dict(zip(paths, pool.map(probe, paths), strict=True))
+
+
+def shared_nccl(builds: Mapping[str, TorchInfo]) -> str | None:
+    """The NCCL every build carries when it is one and the same (None otherwise): several
+    environments may then still average over NCCL."""
+    versions = {info.nccl_version for info in builds.values()}
+    only = versions.pop() if len(versions) == 1 else None
+    return only or None
+
+
+def kernel_problems(devices: DevicePlan, survey: GpuSurvey, pythons: Mapping[int, str],
+                    builds: Mapping[str, TorchInfo]) -> tuple[str, ...]:
     """One line per local worker whose torch cannot run on its GPU (none for CPU workers).
-    ``pythons``: each local rank's interpreter."""
+    ``pythons``: each local rank's interpreter; ``builds``: what :func:`probe_builds` found."""
     if devices.kind != "cuda":
         return ()
-    paths = sorted(set(pythons.values()))
-    with ThreadPoolExecutor(max_workers=len(paths)) as pool:
-        builds = dict(zip(paths, pool.map(probe, paths), strict=True))
     problems = []
     for rank, gpu in enumerate(devices.gpus):
         python = pythons[rank]

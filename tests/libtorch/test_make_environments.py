@@ -40,19 +40,24 @@ class version:
 
 class cuda:
     device_count = is_available = staticmethod(lambda: 0)
+    nccl = type("nccl", (), {{"version": staticmethod(lambda: {nccl})}})
 
 
 class distributed:
-    is_available = staticmethod(lambda: False)
+    is_available = is_nccl_available = is_gloo_available = staticmethod(lambda: True)
 '''
+#: each wheel's NCCL, as torch.cuda.nccl.version() reports it: two wheels, two NCCLs
+NCCL = {"cu126": (2, 21, 5), "cu128": (2, 26, 2)}
 
 
-def standin_wheel(folder: Path, variant: str, *, archs: str) -> Path:
+def standin_wheel(folder: Path, variant: str, *, archs: str,
+                  nccl: tuple[int, ...] | None = None) -> Path:
     """torch-2.11.0+<variant>-py3-none-any.whl, a valid wheel (PEP 427) of the stand-in."""
     version = f"2.11.0+{variant}"
     cuda = f"{variant[2:-1]}.{variant[-1]}"
     info = f"torch-{version}.dist-info"
-    files = {"torch/__init__.py": STANDIN.format(version=version, archs=archs, cuda=cuda),
+    files = {"torch/__init__.py": STANDIN.format(version=version, archs=archs, cuda=cuda,
+                                                 nccl=nccl or NCCL[variant]),
              f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: fdl-test\nRoot-Is-Purelib: true\n"
                               "Tag: py3-none-any\n"}
@@ -69,13 +74,15 @@ def standin_wheel(folder: Path, variant: str, *, archs: str) -> Path:
 
 
 @pytest.fixture
-def torch_index(tmp_path):
-    """PyTorch's wheel index, stood in: <base>/<variant>/torch/ lists that variant's wheel."""
+def torch_index(tmp_path, request):
+    """PyTorch's wheel index, stood in: <base>/<variant>/torch/ lists that variant's wheel
+    (``request.param``: one NCCL for both wheels instead of each its own)."""
     root = tmp_path / "index"
     for variant, archs in ARCHS.items():
         folder = root / variant / "torch"
         folder.mkdir(parents=True)
-        wheel = standin_wheel(folder, variant, archs=archs)
+        wheel = standin_wheel(folder, variant, archs=archs,
+                              nccl=getattr(request, "param", None))
         (folder / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n')
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
@@ -93,7 +100,13 @@ def torch_index(tmp_path):
     server.server_close()
 
 
-def test_setup_makes_one_environment_per_card_and_run_uses_them(tmp_path, torch_index):
+@pytest.mark.parametrize(("torch_index", "backend"), [
+    (None, {"value": "cpu", "source": "device map: several environments"}),
+    ((2, 21, 5), {"value": "auto", "source": "default"})], indirect=["torch_index"])
+def test_setup_makes_one_environment_per_card_and_run_uses_them(tmp_path, torch_index,
+                                                                backend):
+    """Two wheels carry two NCCLs: averages go through host memory; the same NCCL in both
+    leaves the backend to the usual choice."""
     home = tmp_path / "flodl"
     env = {"FDL_GPU_SURVEY": str(FIXTURE), "FLODL_HOME": str(home),
            "FDL_TORCH_INDEX": torch_index, "PIP_NO_DEPS": "1",
@@ -117,8 +130,8 @@ def test_setup_makes_one_environment_per_card_and_run_uses_them(tmp_path, torch_
         str(envs / "2.11.0-cu126" / "bin" / "python")]
     assert [i["torch"] for i in spec["interpreters"]] == ["2.11.0+cu128", "2.11.0+cu126"]
     assert spec["kernel_check"] == []  # each card's torch has its kernels
-    assert spec["settings"]["backend"] == {"value": "cpu",
-                                           "source": "device map: several environments"}
+    assert spec["settings"]["backend"] == backend
+    assert ("FDL_BACKEND" in spec["env"]) == (backend["value"] == "cpu")
 
 
 def test_an_environment_whose_torch_misses_its_card_is_refused_and_no_map_is_written(
@@ -139,3 +152,15 @@ def test_an_environment_whose_torch_misses_its_card_is_refused_and_no_map_is_wri
     assert "error: environment 2.11.0-cu126: its torch 2.11.0+cu126 has no kernels for " \
            "NVIDIA GeForce GTX 1060 6GB (sm_61)" in made.stderr
     assert not (home / "envs" / "device-map.json").exists()
+
+
+def test_environments_share_nccl_only_when_every_build_carries_the_same():
+    from fdl.launch.kernels import shared_nccl
+    from fdl.system.torchenv import TorchInfo
+
+    def build(nccl):
+        return TorchInfo(installed=True, python="p", nccl_version=nccl)
+
+    assert shared_nccl({"a": build("2.21.5"), "b": build("2.21.5")}) == "2.21.5"
+    assert shared_nccl({"a": build("2.21.5"), "b": build("2.26.2")}) is None
+    assert shared_nccl({"a": build(None), "b": build(None)}) is None
