@@ -116,8 +116,10 @@ def from_device_map(devices: DevicePlan, *, home: Path) -> dict[int, str]:
         try:
             with path.open("rb") as handle:
                 raw = handle.read(DEVICE_MAP_MAX_BYTES + 1)
-            document = json.loads(raw) if len(raw) <= DEVICE_MAP_MAX_BYTES else None
-            problem = None if document is not None else "larger than 1 MiB"
+            if len(raw) > DEVICE_MAP_MAX_BYTES:
+                problem = "larger than 1 MiB"
+            else:
+                document = json.loads(raw)
         except (OSError, ValueError, RecursionError) as exc:
             problem = f"unreadable ({type(exc).__name__})"
     entries = document.get("devices") if isinstance(document, dict) else None

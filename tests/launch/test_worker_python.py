@@ -175,3 +175,25 @@ def test_a_worker_whose_torch_has_no_kernel_for_its_gpu_is_refused_before_it_sta
     assert proc.stderr.splitlines()[0].startswith(
         "error: local rank 1 (GPU 1 NVIDIA GeForce GTX 1060 6GB, sm_61): torch 2.13.0+cu128")
     assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("kind", ["garbage", "null", "fifo", "deep", "not python"])
+def test_a_hostile_device_map_is_one_error_naming_it(tmp_path, kind):
+    """$FLODL_HOME/envs/device-map.json as a clumsy user or an attacker leaves it: never a
+    hang (a FIFO), a traceback (nesting) or a worker started under a non-path."""
+    import os
+
+    envs = tmp_path / "home" / "envs"
+    envs.mkdir(parents=True)
+    path = envs / "device-map.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text({"garbage": "{not json", "null": "null", "deep": "[" * 100_000,
+                         "not python": json.dumps({"devices": {"index:0": {"python": 7}}})}[kind])
+    (tmp_path / "train.py").write_text("")
+    env = {"FDL_GPU_SURVEY": str(Path(__file__).parents[1] / "fixtures" / "gpus" /
+                                 "gtx1060_rtx5060ti.json"), "FLODL_HOME": str(tmp_path / "home")}
+    proc = run_fdl("run", "--dry-run", "train.py", cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[0].startswith(f"error: device map {path}: ")
