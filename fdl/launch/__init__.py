@@ -78,9 +78,10 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
 def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> LaunchSpec:
     """Each local worker's interpreter: ``--worker-python``, else (GPU workers) the device map
     ``fdl setup`` wrote. Each named one is checked (it runs, has fdl and torch, of the
-    launcher's releases) and the map put in the worker environment; with an interpreter other
-    than this one the averaging backend is ``cpu`` (two wheels, two NCCLs) unless the user
-    chose one."""
+    launcher's releases) and the map put in the worker environment; with workers under more
+    than one interpreter the averaging backend is ``cpu`` (two wheels, two NCCLs) unless the
+    user chose one (:func:`_with_kernel_check` may give it back where every build carries the
+    same NCCL)."""
     import json
     import os
     import sys
