@@ -169,7 +169,8 @@ def _render_plan(plan: SetupPlan, *, survey_line: str) -> None:
                         f"{env.build.variant} for {gpus}")
             for argv in env.commands:
                 console.out(f"    {shlex.join(argv)}")
-        console.out("  fdl setup --yes makes them (or run the commands above)")
+        console.out("  fdl setup --yes makes them (it writes the fdl wheel the last command of "
+                    "each installs, then checks each environment's torch against its GPUs)")
 
 
 def _plan_doc(plan: SetupPlan, *, survey_line: str) -> dict:
