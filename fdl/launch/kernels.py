@@ -5,7 +5,7 @@ CUDA call with "no kernel image is available", after the rendezvous, with the ot
 waiting. ``fdl run`` asks each interpreter its workers will run under (its own, and those
 ``--worker-python`` names) for its torch build, in a subprocess (fdl.system.torchenv: the
 release, CUDA version and ``torch.cuda.get_arch_list()``), and checks each worker's GPU against
-it with the coverage rules of ``fdl diagnose`` (fdl.libtorch.coverage: SASS or PTX, the driver's
+it with the rules ``fdl diagnose`` applies (fdl.system.compat: SASS or PTX, the driver's
 floors). A worker that cannot run is refused before anything starts; ``--dry-run`` shows the
 check. Only for GPU workers: a CPU run pays nothing. Each interpreter is asked once per process
 (``fdl compare`` plans many runs).
