@@ -172,3 +172,48 @@ def wait_until_gone(pids: Iterable[int], what: str = "orphan workers to exit") -
         wait_until(lambda: not any(alive(pid) for pid in pids), what, timeout=60)
     except AssertionError:
         raise AssertionError(f"{what}: still running: {[p for p in pids if alive(p)]}") from None
+
+
+STANDIN_TORCH = '''"""A stand-in torch {version} build: what fdl's probes read of a real one, nothing more."""
+__version__ = "{version}"
+
+
+class _C:
+    @staticmethod
+    def _cuda_getArchFlags():
+        return "{archs}"
+
+
+class version:
+    cuda, hip = "{cuda}", None
+
+
+class cuda:
+    device_count = is_available = staticmethod(lambda: 0)
+    nccl = type("nccl", (), {{"version": staticmethod(lambda: {nccl})}})
+
+
+class distributed:
+    is_available = is_nccl_available = is_gloo_available = staticmethod(lambda: {nccl_on})
+'''
+
+
+def standin_torch(version: str, *, archs: str, nccl: tuple[int, ...] | None = None) -> str:
+    """The source of a stand-in CUDA torch (``2.11.0+cu128``): the boundary a CUDA wheel is, on
+    a host without one. ``nccl``: what ``torch.cuda.nccl.version()`` reports (None: no
+    torch.distributed)."""
+    variant = version.split("+")[1]
+    return STANDIN_TORCH.format(version=version, archs=archs,
+                                cuda=f"{variant[2:-1]}.{variant[-1]}", nccl=nccl,
+                                nccl_on=nccl is not None)
+
+
+def bare_venv(root: Path) -> tuple[Path, Path]:
+    """A venv without pip at ``root``: its python and its site-packages folder."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
+                   capture_output=True, timeout=120)
+    python = root / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"], check=True,
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    return python, Path(purelib)

@@ -50,8 +50,8 @@ def watch(port: int, lines: Lines, run_id: str = "run") -> JoinWatch:
     return lines.watch.start()
 
 
-def test_a_waiting_node_counts_itself_then_the_node_that_arrives(store):
-    _, port = store
+def meet(port: int) -> tuple[Lines, Lines]:
+    """Node 0 waits alone, node 1 arrives, both count 2/2; both watches stopped after."""
     first, second = Lines(), Lines()
     node0 = watch(port, first)
     try:
@@ -64,6 +64,12 @@ def test_a_waiting_node_counts_itself_then_the_node_that_arrives(store):
             node1.stop()
     finally:
         node0.stop()
+    return first, second
+
+
+def test_a_waiting_node_counts_itself_then_the_node_that_arrives(store):
+    _, port = store
+    first, _ = meet(port)
     assert not any("2/2" in line for line in first.lines[:1])
 
 
@@ -74,17 +80,9 @@ def test_a_node_that_left_is_not_counted(store):
     server.add("fdl/joined/run/slots", 1)
     server.add("fdl/joined/run/1", 5)  # claimed, ticked, gone
     other = watch(port, Lines(), run_id="another")  # a node of another run
-    first, second = Lines(), Lines()
-    node0 = watch(port, first)
     try:
-        first.wait_for("waiting for nodes: 1/2 joined")
-        node1 = watch(port, second)
-        try:
-            first.wait_for("2/2 nodes joined")
-        finally:
-            node1.stop()
+        first, _ = meet(port)
     finally:
-        node0.stop()
         other.stop()
     waiting = [line for line in first.lines if "waiting" in line]
     assert waiting and all("1/2 joined" in line for line in waiting)
@@ -96,18 +94,7 @@ def test_a_slot_claimed_but_never_ticked_does_not_stall_the_count(store):
     tick, and the count never moved)."""
     server, port = store
     server.add("fdl/joined/run/slots", 1)  # claimed, then killed before it ticked
-    first, second = Lines(), Lines()
-    node0 = watch(port, first)
-    try:
-        first.wait_for("waiting for nodes: 1/2 joined")
-        node1 = watch(port, second)
-        try:
-            first.wait_for("2/2 nodes joined")
-            second.wait_for("2/2 nodes joined")
-        finally:
-            node1.stop()
-    finally:
-        node0.stop()
+    first, second = meet(port)
     assert first.watch.errors == [] and second.watch.errors == []
 
 

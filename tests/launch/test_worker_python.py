@@ -11,31 +11,25 @@ from __future__ import annotations
 
 import json
 import site
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
-from helpers import run_fdl
+from helpers import bare_venv, run_fdl, standin_torch
 
 SCRIPT = Path(__file__).parent / "scripts" / "where_am_i.py"
 
 
 def make_env(root: Path, *, torch_release: str | None = None) -> Path:
     """A venv at ``root`` that imports this environment's fdl and torch; its python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
-                   capture_output=True, timeout=120)
-    python = root / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; "
-                              "print(sysconfig.get_paths()['purelib'])"], check=True,
-                             capture_output=True, text=True, timeout=60).stdout.strip()
+    python, purelib = bare_venv(root)
     ours = [p for p in site.getsitepackages() if Path(p).is_dir()] or \
         [sysconfig.get_paths()["purelib"]]
-    Path(purelib, "zz_parent.pth").write_text(
+    (purelib / "zz_parent.pth").write_text(
         "".join(f"import site; site.addsitedir({p!r})\n" for p in ours))
     if torch_release is not None:  # its own torch record, found first
-        info = Path(purelib, f"torch-{torch_release}.dist-info")
+        info = purelib / f"torch-{torch_release}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\n"
                                        f"Version: {torch_release}\n")
@@ -114,40 +108,13 @@ def test_a_bad_worker_python_is_one_usage_error(tmp_path, value, says):
     assert not (tmp_path / "runs").exists()
 
 
-STANDIN_TORCH = '''"""A stand-in for a CUDA 12.8 torch wheel: what fdl's probes read of one, nothing more."""
-__version__ = "2.13.0+cu128"
-
-
-class _C:
-    @staticmethod
-    def _cuda_getArchFlags():
-        return "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
-
-
-class version:
-    cuda, hip = "12.8", None
-
-
-class cuda:
-    device_count = is_available = staticmethod(lambda: 0)
-
-
-class distributed:
-    is_available = staticmethod(lambda: False)
-'''
-
-
 def make_cu128_standin(root: Path) -> Path:
     """A venv whose torch is a stand-in cu128 build (sm_75 to sm_120: no Pascal) and whose fdl
     is this checkout's: the boundary a CUDA wheel would be, on a host without one."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
-                   capture_output=True, timeout=120)
-    python = root / "bin" / "python"
-    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; "
-                                   "print(sysconfig.get_paths()['purelib'])"], check=True,
-                                  capture_output=True, text=True, timeout=60).stdout.strip())
+    python, purelib = bare_venv(root)
     (purelib / "torch").mkdir()
-    (purelib / "torch" / "__init__.py").write_text(STANDIN_TORCH)
+    (purelib / "torch" / "__init__.py").write_text(
+        standin_torch("2.13.0+cu128", archs="sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"))
     info = purelib / "torch-2.13.0+cu128.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cu128\n")

@@ -19,33 +19,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import run_fdl
+from helpers import run_fdl, standin_torch
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpus" / "gtx1060_rtx5060ti.json"
 ARCHS = {"cu126": "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90",
          "cu128": "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"}
-STANDIN = '''"""A stand-in torch {version} wheel: what fdl's probes read of a real one."""
-__version__ = "{version}"
-
-
-class _C:
-    @staticmethod
-    def _cuda_getArchFlags():
-        return "{archs}"
-
-
-class version:
-    cuda, hip = "{cuda}", None
-
-
-class cuda:
-    device_count = is_available = staticmethod(lambda: 0)
-    nccl = type("nccl", (), {{"version": staticmethod(lambda: {nccl})}})
-
-
-class distributed:
-    is_available = is_nccl_available = is_gloo_available = staticmethod(lambda: True)
-'''
 #: each wheel's NCCL, as torch.cuda.nccl.version() reports it: two wheels, two NCCLs
 NCCL = {"cu126": (2, 21, 5), "cu128": (2, 26, 2)}
 
@@ -54,10 +32,9 @@ def standin_wheel(folder: Path, variant: str, *, archs: str,
                   nccl: tuple[int, ...] | None = None) -> Path:
     """torch-2.11.0+<variant>-py3-none-any.whl, a valid wheel (PEP 427) of the stand-in."""
     version = f"2.11.0+{variant}"
-    cuda = f"{variant[2:-1]}.{variant[-1]}"
     info = f"torch-{version}.dist-info"
-    files = {"torch/__init__.py": STANDIN.format(version=version, archs=archs, cuda=cuda,
-                                                 nccl=nccl or NCCL[variant]),
+    files = {"torch/__init__.py": standin_torch(version, archs=archs,
+                                                nccl=nccl or NCCL[variant]),
              f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: fdl-test\nRoot-Is-Purelib: true\n"
                               "Tag: py3-none-any\n"}
