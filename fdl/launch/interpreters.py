@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -141,6 +140,8 @@ def from_device_map(devices: DevicePlan, *, home: Path) -> dict[int, str]:
 
 def probe(local_rank: int, path: str, *, origin: str = "--worker-python") -> Interpreter:
     """Ask ``path`` for its Python, fdl and torch versions (a usage error when it cannot)."""
+    import subprocess  # here: every worker imports this module first (exec_if_named)
+
     try:
         done = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S, env=_clean_env(os.environ))

@@ -59,8 +59,10 @@ class EnvironmentPlan:
 
     @property
     def device_map(self) -> dict[str, str]:
-        """GPU (UUID, or ``index:N``) -> environment name."""
-        return {_device_key(gpu): env.name for env in self.environments for gpu in env.gpus}
+        """GPU (UUID, or ``index:N``) -> environment name (the map file's, names only)."""
+        devices = self.map_document()["devices"]
+        assert isinstance(devices, dict)
+        return {key: entry["environment"] for key, entry in devices.items()}
 
     def worker_python(self) -> str:
         """``fdl run --worker-python``'s value for one worker per GPU in index order (local

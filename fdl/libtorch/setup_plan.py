@@ -91,7 +91,9 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
     covers, missing, command = _torch_wheel(survey, torch, platform)
     pip_argv = (torch.python, "-m", *command.argv) if command and command.is_wheel else None
     refusal = _no_link_reason(torch, covers=covers, missing=missing, download=download,
-                              variant=variant, version=version)
+                              variant=variant, version=version,
+                              instead=": downloading the libtorch archive" if archive else
+                              ", and no official libtorch archive does either")
     if refusal is None:
         wanted = f"python/torch-{torch.version}"
         instead = f"downloading {archive.name}" if archive else "a source build"
@@ -107,7 +109,7 @@ def plan_setup(*, survey: GpuSurvey, torch: TorchInfo, installed: Sequence[str],
         if envs_home is not None and archive is None and variant is None else None
     return SetupPlan(resolution, action, archive, covers, command, pip_argv,
                      (*_environment_notes(environments), *_notes(resolution),
-                      _no_archive_either(refusal) if archive is None else refusal),
+                      refusal),
                      why=resolution.reason, environments=environments)
 
 
@@ -121,12 +123,6 @@ def _environment_notes(plan: EnvironmentPlan | None) -> tuple[str, ...]:
             "still needs the source build; environments per card serve fdl's Python workers")
 
 
-def _no_archive_either(refusal: str) -> str:
-    """The wheel's refusal, without promising an archive the plan does not have."""
-    return refusal.replace(": downloading the libtorch archive",
-                           ", and no official libtorch archive does either")
-
-
 def _action(wanted: str, installed: Sequence[str], active: str | None, *, new: str) -> str:
     return "present" if active == wanted else "activate" if wanted in installed else new
 
@@ -138,26 +134,26 @@ def _names(survey: GpuSurvey) -> str:
 
 
 def _no_link_reason(torch: TorchInfo, *, covers: bool | None, missing: Sequence[str],
-                    download: bool, variant: str | None, version: str | None) -> str | None:
-    """Why the wheel's libtorch is not linked, or None when it is the one to use."""
+                    download: bool, variant: str | None, version: str | None,
+                    instead: str) -> str | None:
+    """Why the wheel's libtorch is not linked, ending with what the plan does ``instead`` (the
+    archive, or nothing when none covers every GPU either); None when it is the one to use."""
     if not torch.installed or torch.error or not torch.version:
-        return "no usable torch wheel to link: downloading the libtorch archive"
+        return f"no usable torch wheel to link{instead}"
     if missing:
         return (f"the installed torch {torch.version} wheel does not cover "
-                f"{', '.join(missing)}: downloading the libtorch archive")
+                f"{', '.join(missing)}{instead}")
     if not covers:
-        return (f"the installed torch {torch.version} wheel does not cover every GPU: "
-                "downloading the libtorch archive")
+        return f"the installed torch {torch.version} wheel does not cover every GPU{instead}"
     if not torch.libtorch:
         return (f"the installed torch {torch.version} wheel ships no libtorch "
-                "(lib/, include/, share/cmake/Torch): downloading the libtorch archive")
+                f"(lib/, include/, share/cmake/Torch){instead}")
     if download or variant is not None:
         flag = "--download" if download else "--variant"
         return (f"{flag}: downloading although the installed torch {torch.version} wheel "
                 "covers every GPU (fdl setup without it links the wheel's libtorch, 0 bytes)")
     if version is not None and torch.version.split("+")[0] != version:
-        return (f"--version {version}: the installed torch wheel is {torch.version}: "
-                "downloading the libtorch archive")
+        return f"--version {version}: the installed torch wheel is {torch.version}{instead}"
     return None
 
 
