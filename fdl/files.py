@@ -4,7 +4,14 @@
   replaces a file others may read (config.json, summary.json, metrics.jsonl, model.pt,
   checkpoint manifests, timeline and bench reports, the libtorch store's metadata). A reader
   sees the old file or the new one, never half of either; a write that fails (a value JSON
-  cannot hold, a full disk) leaves the old one.
+  cannot hold, a full disk) leaves the old one. A symbolic link planted at ``path`` is
+  replaced by the new file (``os.replace`` renames over the link itself), never written through.
+* :func:`open_for_writing` — the one way fdl opens one of its own files to write or append in
+  place (run logs, a compare cell's log, the JSON-lines files below): never through a symbolic
+  link at the last component (``O_NOFOLLOW``) and only a regular file; anything else there is a
+  :class:`~fdl.errors.UsageError` naming the file, and its target is not touched.
+  :func:`output_dir_problem` says, without writing, why a directory named by the user
+  (``--tensorboard DIR``, ``--out DIR``) could not take fdl's files.
 * :class:`JsonlAppender` / :func:`append_jsonl` — the one way fdl appends to a JSON-lines file
   (timelines, utilisation samples, metrics, bench results): one ``write`` per record, and
   opening makes sure the file ends with a newline first, so a record never glues onto the torn
@@ -16,15 +23,25 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from fdl import readback
+from fdl.errors import UsageError
+
+LINK_HINT = "remove it (fdl writes its file anew), or use another directory"
+# Where no directory fdl writes into can be: the kernel's pseudo-filesystems (a --tensorboard
+# under /proc fails inside the workers, after training started).
+SYSTEM_DIRS = (Path("/proc"), Path("/sys"))
 
 
 @contextmanager
@@ -64,6 +81,64 @@ def write_json_atomic(path: Path, document: Any, *, durable: bool = False) -> Pa
                         durable=durable)
 
 
+def open_for_writing(path: Path, *, append: bool = False,
+                     encoding: str | None = None) -> IO[Any]:
+    """``path`` opened to write (emptied first) or, with ``append``, to add to its end; created
+    (0644 less the umask) when absent. Binary and unbuffered, or text in ``encoding``.
+
+    Never through a symbolic link at the last component: ``O_NOFOLLOW`` makes the kernel refuse
+    one, so a link planted where fdl writes its own file (``logs/rank0.log`` pointing at a
+    user's file) is a :class:`UsageError` naming ``path`` and the link's target is not touched.
+    Anything but a regular file is refused the same way (``O_NONBLOCK``: a FIFO there never
+    blocks the writer). Other failures are the usual ``OSError``."""
+    flags = (os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+             | (os.O_APPEND if append else os.O_TRUNC))
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):  # O_NOFOLLOW's refusal
+            raise UsageError(f"{path} is a symbolic link; fdl does not write its files "
+                             "through a link", hint=LINK_HINT) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{path} is not a regular file; fdl writes its files only as regular "
+                         "files", hint=LINK_HINT)
+    os.set_blocking(fd, True)
+    if encoding is None:
+        return os.fdopen(fd, "ab" if append else "wb", buffering=0)
+    return os.fdopen(fd, "a" if append else "w", encoding=encoding)
+
+
+def named_path(path: Path) -> Path:
+    """``path`` made absolute with its parents resolved but its last component kept as named:
+    a symbolic link there stays a link, for the check that refuses one (a run directory),
+    where ``Path.resolve`` would silently follow it."""
+    absolute = Path(os.path.abspath(path))
+    return absolute.parent.resolve() / absolute.name if absolute.name else absolute
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why fdl could not write files into the directory ``path`` (made when absent), or None.
+    Reads only, so ``--dry-run`` can ask too: ``path`` or, when it does not exist yet, its
+    nearest existing parent must be a writable directory, outside :data:`SYSTEM_DIRS`. The
+    answer completes a sentence about ``path``: "is not a directory", "is under the file ..."."""
+    target = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(target))
+    system = next((d for d in SYSTEM_DIRS if real == d or d in real.parents), None)
+    if system is not None:
+        return f"is in {system}, where no files can be written"
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return "is not a directory" if existing == target else f"is under the file {existing}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == target \
+            else f"cannot be made: {existing} is not writable"
+    return None
+
+
 class JsonlAppender:
     """Appends JSON records to ``path``, one line each, creating the file if needed.
 
@@ -78,9 +153,9 @@ class JsonlAppender:
         self.path = Path(path)
         self._durable = durable
         self._default = default
-        self._file: IO[bytes] | None = self.path.open("ab", buffering=0)
+        self._file: IO[bytes] | None = open_for_writing(self.path, append=True)
         try:
-            if _ends_mid_line(self.path):
+            if _ends_mid_line(self._file.fileno()):
                 self._file.write(b"\n")
         except BaseException:
             self.close()
@@ -117,12 +192,11 @@ def append_jsonl(path: Path, record: dict[str, Any], *, durable: bool = False,
         appender.append(record)
 
 
-def _ends_mid_line(path: Path) -> bool:
-    with path.open("rb") as handle:
-        if handle.seek(0, os.SEEK_END) == 0:
-            return False
-        handle.seek(-1, os.SEEK_END)
-        return handle.read(1) != b"\n"
+def _ends_mid_line(fd: int) -> bool:
+    """Whether the file open as ``fd`` (readable) ends without a newline: read through the
+    descriptor, not the path, so it is the very file that was opened."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
 @dataclass
@@ -139,14 +213,17 @@ class JsonLines:
 
 def scan_jsonl(path: Path) -> JsonLines:
     """The records of a JSON-lines file and what is wrong with it; never raises for a missing,
-    unreadable or binary file (see :class:`JsonLines`)."""
+    unreadable or binary file, nor for one fdl would not read (a FIFO, a link, beyond
+    ``readback.JSONL_BYTES``: see :mod:`fdl.readback` and :class:`JsonLines`)."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        data = readback.read_bytes(path, limit=readback.JSONL_BYTES)
     except FileNotFoundError:
         return JsonLines(error="missing")
+    except readback.ReadBackError as exc:
+        return JsonLines(error=f"unreadable ({exc.problem})")
     except OSError as exc:
         return JsonLines(error=f"unreadable ({exc.strerror or exc})")
-    return parse_jsonl(text)
+    return parse_jsonl(data.decode("utf-8", errors="replace"))
 
 
 def parse_jsonl(text: str) -> JsonLines:
@@ -156,7 +233,7 @@ def parse_jsonl(text: str) -> JsonLines:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = readback.parse_json(line)
         except ValueError:
             record = None
         if isinstance(record, dict):
@@ -182,9 +259,10 @@ def hash_file(path: Path, *, algorithms: Iterable[str] = ("sha256",),
 
     Returns the running hashers, not their digests, so a caller can go on feeding them (a
     download resumed after the bytes already on disk). Raises ``ValueError`` for an unknown
-    algorithm and ``OSError`` for an unreadable file."""
+    algorithm and ``OSError`` for an unreadable file (``ValueError`` for one that is not a
+    regular file: a FIFO would never end)."""
     hashers = {name: hashlib.new(name) for name in algorithms}
-    with open(path, "rb") as handle:
+    with readback.open_regular(path, follow=True) as handle:
         while chunk := handle.read(chunk_size):
             for hasher in hashers.values():
                 hasher.update(chunk)

@@ -28,7 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.console", "fdl.settings"),
+    "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.readback", "fdl.console",
+             "fdl.settings"),
     "system": ("fdl.system",),
     "download": ("fdl.download",),
     "rundir": ("fdl.rundir",),

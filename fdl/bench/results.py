@@ -16,16 +16,16 @@ aggregation (lines parsed by fdl.files).
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fdl import readback
 from fdl.errors import FdlError
 from fdl.files import append_jsonl, parse_jsonl, read_jsonl, write_json_atomic
 from fdl.launch.child import log_tail
+from fdl.rundir.fields import MOST_METRIC, MOST_RATE, is_figure, is_metric
 
 if TYPE_CHECKING:
     from fdl.bench.cells import Cell
@@ -96,8 +96,8 @@ def write_sweep_json(out_dir: Path, *, machine: dict[str, Any], args: dict[str, 
     """sweep.json: the machine, the arguments and when this sweep (and each resume) started."""
     path = out_dir / "sweep.json"
     try:
-        previous = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # absent, not UTF-8 or not JSON: start the file anew
+        previous = readback.read_json(path)
+    except (OSError, ValueError):  # absent, not UTF-8, not JSON, not a file: start anew
         previous = {}
     if not isinstance(previous, dict) or not isinstance(previous.get("sessions", []), list):
         previous = {}
@@ -118,7 +118,7 @@ def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]
     that is not UTF-8 and a ``sweep.json`` that is not a JSON object are errors of one line
     naming the file, the line and the field."""
     path = Path(directory) / "results.jsonl"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise FdlError(f"no benchmark results: {path} does not exist",
                        hint="run `fdl bench` first, or point at the directory it wrote")
     text = _read_text(path)
@@ -141,21 +141,20 @@ def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]
     return records, meta
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, *, limit: int = readback.JSONL_BYTES) -> str:
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise FdlError(f"{path} is not UTF-8 text (byte {exc.start})",
-                       hint="it is not a file fdl bench wrote") from exc
+        return readback.read_text(path, limit=limit)
+    except readback.ReadBackError as exc:
+        raise FdlError(str(exc), hint="it is not a file fdl bench wrote") from None
     except OSError as exc:
         raise FdlError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 def _load_sweep_meta(path: Path) -> dict[str, Any]:
     try:
-        meta = json.loads(_read_text(path))
-    except json.JSONDecodeError as exc:
-        raise FdlError(f"{path}: not JSON ({exc.msg})",
+        meta = readback.parse_json(_read_text(path, limit=readback.SMALL_BYTES))
+    except ValueError as exc:
+        raise FdlError(f"{path}: not JSON fdl can use ({exc})",
                        hint="delete it: the next `fdl bench` in this directory rewrites it") from exc
     if not isinstance(meta, dict) or not isinstance(meta.get("machine", {}), dict) \
             or not isinstance(meta.get("args", {}), dict):
@@ -164,8 +163,8 @@ def _load_sweep_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-_NUMBER_FIELDS = ("eval", "reference", "wall_s", "samples_per_s", "syncs", "sync_overhead",
-                  "idle_fraction")
+_METRIC_FIELDS = ("eval", "reference")  # NaN or infinite when a run diverged
+_FIGURE_FIELDS = ("wall_s", "samples_per_s", "syncs", "sync_overhead", "idle_fraction")
 
 
 def check_record(record: Any) -> str | None:
@@ -180,17 +179,24 @@ def check_record(record: Any) -> str | None:
     for key in ("policy", "backend"):
         if record.get(key) is not None and not isinstance(record[key], str):
             return f"field {key!r} must be a string or null, got {record[key]!r:.40}"
-    for key in _NUMBER_FIELDS:
+    for key in _METRIC_FIELDS:
         if not _is_number_or_none(record.get(key)):
-            return f"field {key!r} must be a number or null, got {record[key]!r:.40}"
+            return (f"field {key!r} must be a number at most {MOST_METRIC:g} in size or null, "
+                    f"got {record[key]!r:.40}")
+    for key in _FIGURE_FIELDS:
+        if record.get(key) is not None and not is_figure(record[key], most=MOST_RATE):
+            return f"field {key!r} must be a number in [0, {MOST_RATE:g}] or null, " \
+                   f"got {record[key]!r:.40}"
     world = record.get("world_size")
     if world is not None and (not isinstance(world, int) or isinstance(world, bool)
                               or not 1 <= world <= 4096):
         return f"field 'world_size' must be an integer 1..4096 or null, got {world!r:.40}"
     slowdown = record.get("slowdown")
     if slowdown is not None and (not isinstance(slowdown, list) or not slowdown
-                                 or not all(_is_number(f) and 0 < f < math.inf for f in slowdown)):
-        return f"field 'slowdown' must be a list of numbers > 0 or null, got {slowdown!r:.40}"
+                                 or not all(is_figure(f, most=MOST_RATE) and f > 0
+                                            for f in slowdown)):
+        return f"field 'slowdown' must be a list of numbers in (0, {MOST_RATE:g}] or null, " \
+               f"got {slowdown!r:.40}"
     return _check_history(record.get("history"))
 
 
@@ -207,10 +213,7 @@ def _check_history(history: Any) -> str | None:
     return None
 
 
-def _is_number(value: Any) -> bool:
-    """An int or float (NaN included: a diverged run's loss is a result too), not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _is_number_or_none(value: Any) -> bool:
-    return value is None or _is_number(value)
+    """None, or a number at most MOST_METRIC in size (NaN and infinity included: a diverged
+    run's loss is a result too), not a bool."""
+    return value is None or is_metric(value)

@@ -9,20 +9,20 @@ cell's log and to ``echo``; Ctrl-C stops it and propagates, finished cells stay 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.compare.figures import build_document, build_rows, epochs_of
 from fdl.compare.plan import CompareCell, ComparePlan
 from fdl.compare.recommend import recommend
 from fdl.compare.render import PLOT_FILE, render_markdown, render_png
 from fdl.compare.results import CellOutcome, RunResult, RunUnusable, load_run_result
 from fdl.errors import UsageError
-from fdl.files import write_atomic, write_json_atomic
+from fdl.files import output_dir_problem, write_atomic, write_json_atomic
 from fdl.launch.child import run_from_scratch
 
 PLAN_FILE = "plan.json"
@@ -38,16 +38,19 @@ def check_out_dir(plan: ComparePlan) -> None:
     if not out.is_dir():
         raise UsageError(f"--out {out} is not a directory", hint="pass --out DIR")
     path = out / PLAN_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         if any(out.iterdir()):
             raise UsageError(f"--out {out} is not empty and holds no fdl compare",
                              hint="pass a new or empty directory as --out")
         return
     try:
-        previous = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"{path} cannot be read as fdl compare's plan ({exc})",
-                         hint=_HINT) from exc
+        previous = readback.read_json(path)
+    except readback.ReadBackError as exc:
+        raise UsageError(f"{path} cannot be read as fdl compare's plan: it {exc.problem}",
+                         hint=_HINT) from None
+    except OSError as exc:
+        raise UsageError(f"{path} cannot be read as fdl compare's plan "
+                         f"({exc.strerror or exc})", hint=_HINT) from None
     found = {key: previous.get(key) for key in plan.identity} \
         if isinstance(previous, dict) else None
     if found != dict(plan.identity):
@@ -64,6 +67,20 @@ def _describe(identity: Mapping[str, Any] | None, *, plan: ComparePlan) -> str:
         + (f" with {options}" if options else " with no fdl run option")
 
 
+def check_cells(plan: ComparePlan) -> None:
+    """A UsageError unless fdl can write into ``plan.out`` (fdl.files.output_dir_problem) and no
+    cell's run directory or log there is a symbolic link: fdl compare removes an unfinished
+    cell's directory and rewrites its log, and neither may reach through a link to what it
+    points at. Reads only."""
+    problem = output_dir_problem(plan.out)
+    if problem is not None:
+        raise UsageError(f"--out {plan.out} {problem}", hint="pass --out DIR you can write")
+    for path in (p for cell in plan.cells for p in (cell.run_dir, cell.log)):
+        if path.is_symlink():
+            raise UsageError(f"{path} is a symbolic link; fdl compare does not write or remove "
+                             "a run through a link", hint="remove the link, or pass another --out")
+
+
 def finished_result(cell: CompareCell) -> RunResult | None:
     """The cell's result when its run directory holds a usable run of this very cell."""
     try:
@@ -76,7 +93,9 @@ def run_compare(plan: ComparePlan, *, env: Mapping[str, str] | None = None,
                 on_cell: Callable[[int, CompareCell, bool], None] | None = None,
                 echo: Callable[[str], None] | None = None) -> list[CellOutcome]:
     """Every cell's outcome, running those not finished; ``on_cell(index, cell, reused)``
-    before each. Call :func:`check_out_dir` first."""
+    before each. Call :func:`check_out_dir` first; :func:`check_cells` is called here, before
+    anything is written."""
+    check_cells(plan)
     try:
         plan.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(plan.out / PLAN_FILE, {"schema": SCHEMA, **plan.to_dict()})

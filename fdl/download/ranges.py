@@ -15,11 +15,11 @@ starts over.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.files import write_json_atomic
 
 _VERSION = 1
@@ -117,7 +117,7 @@ def load_state(part: Path) -> RangeState | None:
     """The record beside ``part``, or None when there is none or it cannot be trusted (see the
     module docstring); the ``.part`` must have the recorded size."""
     try:
-        state = RangeState.from_dict(json.loads(state_path(part).read_text()))
+        state = RangeState.from_dict(readback.read_json(state_path(part)))
         if part.stat().st_size != state.size:
             return None
     except (OSError, ValueError):  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from fdl.errors import UsageError
-from fdl.rundir.layout import check_run_dir
+from fdl.files import open_for_writing
+from fdl.rundir.layout import check_run_dir, tail_lines
 
 STOP_GRACE_S = 30  # how long fdl run gets to stop its workers after our SIGINT
 LOG_TAIL_LINES = 30
@@ -34,15 +35,26 @@ def run_from_scratch(argv: Sequence[str], *, run_dir: Path, log: Path, cwd: Path
     its exit code. An earlier attempt's ``run_dir`` is removed first (never mix two attempts),
     but a directory that is not a run fdl wrote is a UsageError and nothing starts. ``log``,
     ``cwd``, ``env`` and ``echo`` as for :func:`run_logged`."""
-    if run_dir.exists():
+    if run_dir.exists() or run_dir.is_symlink():
         try:
-            check_run_dir(run_dir, use="overwrite")
+            check_run_dir(run_dir, use="overwrite")  # a link is refused: never removed through
         except UsageError as exc:  # its hint names fdl run's --run-dir, which no caller has
             raise UsageError(exc.message, hint="move what is there away, or pass another "
                                                 "--out") from exc
-        shutil.rmtree(run_dir)
+        _remove_attempt(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     return run_logged(argv, log=log, cwd=cwd, env=env, echo=echo)
+
+
+def _remove_attempt(run_dir: Path) -> None:
+    """Remove an earlier attempt's run directory (checked to be one, not a link); shutil.rmtree
+    removes the links inside it, never what they point at. A failure is one usage error."""
+    try:
+        shutil.rmtree(run_dir)
+    except OSError as exc:
+        raise UsageError(f"cannot remove the earlier attempt in {run_dir}: "
+                         f"{exc.strerror or exc}", hint="remove it yourself, or pass another "
+                                                         "--out") from exc
 
 
 def run_logged(argv: Sequence[str], *, log: Path, cwd: Path, env: Mapping[str, str],
@@ -51,8 +63,9 @@ def run_logged(argv: Sequence[str], *, log: Path, cwd: Path, env: Mapping[str, s
 
     ``echo`` also gets each line of output as it comes (without its newline); the child then
     runs with ``PYTHONUNBUFFERED=1`` so that its lines are not held back by a pipe's buffer.
-    On Ctrl-C the child is stopped (:func:`wait_child`) and KeyboardInterrupt propagates."""
-    with log.open("w", encoding="utf-8") as handle:
+    On Ctrl-C the child is stopped (:func:`wait_child`) and KeyboardInterrupt propagates. A link
+    planted at ``log`` is a usage error, its target untouched (fdl.files.open_for_writing)."""
+    with open_for_writing(log, encoding="utf-8") as handle:
         if echo is None:
             child = subprocess.Popen(list(argv), stdout=handle, stderr=subprocess.STDOUT,
                                      cwd=cwd, env=dict(env))
@@ -92,8 +105,5 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def log_tail(log: Path, *, count: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``count`` lines of ``log`` (empty when it cannot be read)."""
-    try:
-        return log.read_text(encoding="utf-8", errors="replace").splitlines()[-count:]
-    except OSError:
-        return []
+    """The last ``count`` lines of ``log`` (fdl.rundir.layout.tail_lines)."""
+    return tail_lines(log, count)

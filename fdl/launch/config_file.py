@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.errors import ConfigError, UsageError
 from fdl.settings import BY_NAME, FILE_KEYS, parse_from
 
@@ -54,10 +55,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a file",
                           hint=f"fdl run reads its settings from {path.name}; remove or rename it")
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        return tomllib.loads(readback.read_text(path, limit=readback.SMALL_BYTES, follow=True))
+    except RecursionError:  # tomllib recurses once per level of nesting
+        raise ConfigError(f"cannot read {path}: nested too deep",
+                          hint=f"fix {path.name} (TOML), or remove it") from None
+    except (OSError, ValueError) as exc:  # ReadBackError, TOMLDecodeError are ValueErrors
         raise ConfigError(f"cannot read {path}: {exc}",
-                          hint=f"fix {path.name} (TOML), or remove it") from exc
+                          hint=f"fix {path.name} (TOML), or remove it") from None
 
 
 def _validated(table: dict[str, Any], path: Path, prefix: str = "") -> dict[str, Any]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fdl import readback
 from fdl.errors import UsageError
 
 if TYPE_CHECKING:
@@ -109,18 +110,13 @@ def from_device_map(devices: DevicePlan, *, home: Path) -> dict[int, str]:
     path = home / "envs" / "device-map.json"
     if not path.exists():
         return {}
-    problem = "not a regular file" if not path.is_file() or path.is_symlink() else None
-    document = None
-    if problem is None:
-        try:
-            with path.open("rb") as handle:
-                raw = handle.read(DEVICE_MAP_MAX_BYTES + 1)
-            if len(raw) > DEVICE_MAP_MAX_BYTES:
-                problem = "larger than 1 MiB"
-            else:
-                document = json.loads(raw)
-        except (OSError, ValueError, RecursionError) as exc:
-            problem = f"unreadable ({type(exc).__name__})"
+    problem, document = None, None
+    try:
+        document = readback.read_json(path, limit=DEVICE_MAP_MAX_BYTES)
+    except readback.ReadBackError as exc:
+        problem = exc.problem
+    except OSError as exc:
+        problem = f"unreadable ({exc.strerror or exc})"
     entries = document.get("devices") if isinstance(document, dict) else None
     if problem is None and not (isinstance(entries, dict) and all(
             isinstance(v, dict) and isinstance(v.get("python"), str) and v["python"]

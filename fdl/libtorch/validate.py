@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.errors import UsageError
 
 NAME_RULE = "letters, digits, '.', '-', '+' and '_', starting with a letter or digit, " \
@@ -25,7 +25,6 @@ _CUDA = re.compile(r"\d+(\.\d+)*")
 _ARCH = re.compile(r"[A-Za-z0-9_.+:-]{1,40}")
 _TEXT_KEYS = ("version", "cuda", "source", "url", "sha256", "installed_at", "variant",
               "platform", "min_driver")
-_MAX_READ = 1 << 20  # a variant.json or .active larger than this is not one fdl wrote
 
 
 def is_variant_name(name: str) -> bool:
@@ -42,27 +41,24 @@ def check_variant_name(name: str, *, what: str = "libtorch variant name") -> str
 
 
 def read_small_text(path: Path) -> str:
-    """The UTF-8 text of the regular file ``path`` (at most 1 MiB).
+    """The UTF-8 text of the regular file ``path`` (at most 1 MiB), read with
+    :mod:`fdl.readback` (links to a regular file are followed: the store's own ``.active`` may
+    be one in older stores).
 
     Raises ``FileNotFoundError`` when it does not exist, ``ValueError`` (with the reason as its
     message) when it is not a regular file, too large or not UTF-8, ``OSError`` when it cannot
-    be read. A FIFO is never opened (it would block)."""
-    info = path.stat()
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError("not a regular file")
-    if info.st_size > _MAX_READ:
-        raise ValueError(f"{info.st_size} bytes, larger than any file fdl writes")
+    be read. A FIFO is never read (it would block)."""
     try:
-        return path.read_bytes()[:_MAX_READ].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError("not UTF-8 text") from exc
+        return readback.read_text(path, limit=readback.SMALL_BYTES, follow=True)
+    except readback.ReadBackError as exc:
+        raise ValueError(exc.problem) from None
 
 
 def read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """``(meta, None)`` for a good ``path/variant.json``; ``(None, why)`` for a broken one;
     ``(None, None)`` when there is none (a half-install: not a variant, nothing to report)."""
     try:
-        meta = json.loads(read_small_text(path / "variant.json"))
+        meta = readback.parse_json(read_small_text(path / "variant.json"))
     except (FileNotFoundError, NotADirectoryError):  # nothing there, or a stray file
         return None, None
     except json.JSONDecodeError as exc:

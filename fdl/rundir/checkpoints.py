@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.files import atomic_replace, sha256_file, write_atomic
 
 DIRNAME = "checkpoints"
@@ -99,7 +100,7 @@ class Checkpoint:
         return int(self.manifest["world_size"])
 
     def engine_state(self) -> dict[str, Any]:
-        return json.loads((self.path / ENGINE_FILE).read_text(encoding="utf-8"))
+        return readback.read_json(self.path / ENGINE_FILE, limit=readback.DOCUMENT_BYTES)
 
 
 def checkpoint_name(round_index: int) -> str:
@@ -198,7 +199,7 @@ def newest_written(run_dir: Path) -> str | None:
     checks them, :func:`latest_checkpoint`)."""
     for path in sorted((run_dir / DIRNAME).glob("ckpt-r*"), reverse=True):
         try:
-            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+            manifest = readback.read_json(path / MANIFEST)
         except (OSError, ValueError):
             continue
         if _manifest_problem(manifest) is None:
@@ -208,7 +209,7 @@ def newest_written(run_dir: Path) -> str | None:
 
 def _verify(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        manifest = readback.read_json(path / MANIFEST)
     except FileNotFoundError:
         return {}, "no manifest (the write did not finish)"
     except (OSError, ValueError) as exc:
@@ -219,6 +220,8 @@ def _verify(path: Path) -> tuple[dict[str, Any], str | None]:
     for name, expected in manifest["files"].items():
         try:
             problem = _file_problem(path / name, expected)
+        except ValueError as exc:  # a FIFO or device swapped in after the check above
+            problem = f"{name} cannot be read ({exc})"
         except OSError as exc:
             problem = f"{name} cannot be read ({exc.strerror or exc})"
         if problem is not None:
@@ -227,8 +230,12 @@ def _verify(path: Path) -> tuple[dict[str, Any], str | None]:
 
 
 def _file_problem(file: Path, expected: dict[str, Any]) -> str | None:
-    if not file.is_file():
+    if file.is_symlink():
+        return f"{file.name} is a symbolic link (fdl writes none)"
+    if not file.exists():
         return f"{file.name} is missing"
+    if not file.is_file():
+        return f"{file.name} is not a regular file"
     if file.stat().st_size != expected["size"]:
         return f"{file.name} has {file.stat().st_size} bytes, the manifest says {expected['size']}"
     if file_digest(file)["sha256"] != expected["sha256"]:

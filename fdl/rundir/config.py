@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.errors import UsageError
 from fdl.files import write_json_atomic
 from fdl.rundir.fields import is_int, read_json, show
@@ -31,7 +32,7 @@ def merge_engine(run_dir: Path, engine: dict[str, Any]) -> None:
     the engine's part alone."""
     path = run_dir / FILE
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = readback.read_json(path)
     except (OSError, ValueError):
         document = {}
     if not isinstance(document, dict):
@@ -56,7 +57,7 @@ def read_config(run_dir: Path, *, hint: str, missing_ok: bool = True) -> dict[st
 def holds_a_run(run_dir: Path) -> bool:
     """Whether ``run_dir`` has a config.json as fdl run writes it (an object with the version)."""
     try:
-        document = json.loads((run_dir / FILE).read_text(encoding="utf-8"))
+        document = readback.read_json(run_dir / FILE)
     except (OSError, ValueError):
         return False
     return isinstance(document, dict) and VERSION_KEY in document

@@ -18,12 +18,12 @@ one that raised because a peer had died (gloo's "Connection closed by peer").
 
 from __future__ import annotations
 
-import json
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.files import write_json_atomic
 from fdl.rundir.fields import is_finite, is_int
 
@@ -82,7 +82,7 @@ def read_crash(logs: Path, rank: int | str, *, pid: int) -> Crash | None:
     """Rank ``rank``'s record when process ``pid`` wrote it and it holds what
     :func:`write_crash` writes; None otherwise (absent, an earlier attempt's, damaged)."""
     try:
-        document = json.loads(crash_path(logs, rank).read_text(encoding="utf-8"))
+        document = readback.read_json(crash_path(logs, rank))
     except (OSError, ValueError):
         return None
     if not isinstance(document, dict) or document.get("pid") != pid or \

@@ -15,16 +15,25 @@ a directory that holds nothing but what ``fdl run`` writes (:data:`RUN_ENTRIES`)
 filesystem): the first makes it, the others join it (:func:`join_or_prepare_run_dir`), each rank
 writing its own log and timeline and each joining node's agent its own
 ``logs/agent-<address>.log``.
+
+Nothing is written through a symbolic link: a run directory that is one is refused (by every
+use), so are links planted among the files a resumed run writes again by name (its top-level
+entries, ``logs/``, ``timeline/``: :func:`planted_link`), and ``--overwrite-run-dir`` removes a
+link, never what it points at. fdl.files.open_for_writing refuses them again where the files are
+opened.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.errors import UsageError
 from fdl.rundir import checkpoints, config, metrics, model, progress, summary, timeline
 
@@ -40,7 +49,10 @@ RUN_ENTRIES = frozenset({config.FILE, LOGS, metrics.FILE, summary.FILE, model.FI
 def check_run_dir(run_dir: Path, *, use: str) -> None:
     """Raise a usage error unless ``run_dir`` may be used as ``use`` says (``"new"``,
     ``"resume"`` or ``"overwrite"``). Reads only: nothing is created or deleted here."""
-    if use == "resume" or not (run_dir.exists() or run_dir.is_symlink()):
+    _refuse_links(run_dir, use=use)
+    if use == "resume":
+        return
+    if not run_dir.exists():
         return
     if not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir} is not a directory",
@@ -60,6 +72,36 @@ def check_run_dir(run_dir: Path, *, use: str) -> None:
         raise UsageError(f"run directory {run_dir} holds files fdl run did not write "
                          f"({', '.join(foreign[:5])}); not replacing it",
                          hint="move them away, or pass another --run-dir")
+
+
+# The folders whose files a resumed run opens again by name (a rank's log, its timeline)
+LINK_CHECKED = (LOGS, timeline.DIRNAME)
+
+
+def _refuse_links(run_dir: Path, *, use: str) -> None:
+    """A usage error when ``run_dir`` is a symbolic link, or (``use`` ``"resume"``) holds one
+    where a resumed run writes (:func:`planted_link`)."""
+    if run_dir.is_symlink():
+        raise UsageError(f"run directory {run_dir} is a symbolic link; fdl does not write a run "
+                         "through a link",
+                         hint=f"name the directory itself ({os.path.realpath(run_dir)})")
+    link = planted_link(run_dir) if use == "resume" else None
+    if link is not None:
+        raise UsageError(f"run directory {run_dir} holds a symbolic link, "
+                         f"{link.relative_to(run_dir)}; fdl does not write its files through "
+                         "a link", hint="remove the link (fdl writes its file anew), then "
+                                        "resume again")
+
+
+def planted_link(run_dir: Path) -> Path | None:
+    """The first symbolic link among ``run_dir``'s own entries (:data:`RUN_ENTRIES`) and the
+    files of :data:`LINK_CHECKED`, or None. fdl never makes a link there: one is planted."""
+    candidates = [run_dir / name for name in sorted(RUN_ENTRIES)]
+    for name in LINK_CHECKED:
+        folder = run_dir / name
+        if folder.is_dir() and not folder.is_symlink():
+            candidates += [folder / entry for entry in sorted(_entries(folder))]
+    return next((path for path in candidates if path.is_symlink()), None)
 
 
 # A node of a multi-node run joins a run directory another node of the same run made (a shared
@@ -114,7 +156,8 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
     has just made."""
     if use != "resume" and joinable(run_dir, spec=spec, fdl_version=fdl_version):
         return True
-    if use == "overwrite" and _several_nodes(spec) and run_dir.is_dir():
+    if use == "overwrite" and _several_nodes(spec) and run_dir.is_dir() \
+            and not run_dir.is_symlink():  # a link: check_run_dir refuses it below
         if not _claim_overwrite(run_dir, spec):
             return _join_when_made(run_dir, spec=spec, fdl_version=fdl_version)
         try:
@@ -151,15 +194,13 @@ def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
     marker, run_id = run_dir / OVERWRITING, _run_id(spec)
     for _ in range(2):
         try:
-            handle = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            handle = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644)
         except FileExistsError:
-            try:
-                stale = time.time() - marker.lstat().st_mtime > CLAIM_STALE_S
-                theirs = "" if marker.is_symlink() else marker.read_text(errors="replace")[:200]
-            except OSError:  # gone meanwhile: try again
-                continue
-            if stale:
-                marker.unlink(missing_ok=True)
+            theirs = _claim_of(marker)
+            if theirs is None:  # gone meanwhile, stale, or not a claim (a link, a FIFO)
+                with suppress(OSError):  # the entry itself, never a link's target
+                    marker.unlink()
                 continue
             if theirs != run_id:
                 raise UsageError(f"run directory {run_dir} is being replaced by another fdl "
@@ -173,6 +214,17 @@ def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
         return True
     raise UsageError(f"run directory {run_dir} is being replaced by another fdl run",
                      hint="pass another --run-dir")
+
+
+def _claim_of(marker: Path) -> str | None:
+    """The run id a claim holds; None when there is no claim to respect: it is gone, older than
+    :data:`CLAIM_STALE_S`, or not a claim fdl writes (a link, a FIFO: readback refuses them)."""
+    try:
+        if time.time() - marker.lstat().st_mtime > CLAIM_STALE_S:
+            return None
+        return readback.read_text(marker, limit=4096)[:200]
+    except (OSError, ValueError):
+        return None
 
 
 def _join_when_made(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
@@ -250,8 +302,12 @@ def _is_run_entry(name: str) -> bool:
 
 def _remove_run(run_dir: Path) -> None:
     """Delete the earlier run: fdl's entries only, each checked again (by name) right before.
-    No directory yet: nothing to replace (``--overwrite-run-dir`` on a first run)."""
-    if not (run_dir.exists() or run_dir.is_symlink()):
+    No directory yet: nothing to replace (``--overwrite-run-dir`` on a first run). A link is
+    removed itself (``unlink``), and ``shutil.rmtree`` does not follow links inside a folder."""
+    if run_dir.is_symlink():
+        raise UsageError(f"run directory {run_dir} is a symbolic link; not replacing it",
+                         hint=f"name the directory itself ({os.path.realpath(run_dir)})")
+    if not run_dir.exists():
         return
     for name in _entries(run_dir):
         if not _is_run_entry(name):
@@ -262,7 +318,7 @@ def _remove_run(run_dir: Path) -> None:
         path = run_dir / name
         if name == OVERWRITING:  # this node's claim: kept until its config.json is written
             continue
-        if path.is_dir() and not path.is_symlink():
+        if stat.S_ISDIR(path.lstat().st_mode):
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
@@ -297,14 +353,16 @@ def tensorboard_dir(run_dir: Path | None) -> Path:
     return (run_dir if run_dir is not None else Path("runs")) / TENSORBOARD
 
 
+TAIL_BYTES = 64 << 10  # the last lines of a log, however long it grew
+
+
 def tail_lines(path: Path, count: int = 20) -> list[str]:
-    """The last ``count`` lines of a log file (empty when it does not exist)."""
+    """The last ``count`` lines of a log file, from its last :data:`TAIL_BYTES` (empty when it
+    does not exist, cannot be read, or is not a regular file: fdl.readback)."""
     try:
-        with path.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - 64 * 1024))
-            data = handle.read()
-    except OSError:
+        with readback.open_regular(path) as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - TAIL_BYTES))
+            data = handle.read(TAIL_BYTES)
+    except (OSError, ValueError):
         return []
     return data.decode("utf-8", errors="replace").splitlines()[-count:]

@@ -21,7 +21,6 @@ without it is still schema 1, shown without precisions.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.files import write_json_atomic
 from fdl.settings import PROGRESS_ENV
 
@@ -116,15 +116,8 @@ class ProgressFile:
 def read_snapshot(run_dir: Path) -> dict[str, Any] | None:
     """The snapshot in ``run_dir``, or None when there is none fit to show."""
     try:
-        with open(run_dir / FILE, "rb") as handle:
-            data = handle.read(MAX_BYTES + 1)
-    except OSError:
-        return None
-    if len(data) > MAX_BYTES:
-        return None
-    try:
-        document = json.loads(data)
-    except ValueError:
+        document = readback.read_json(run_dir / FILE, limit=MAX_BYTES)
+    except (OSError, ValueError):
         return None
     if not isinstance(document, dict) or document.get("schema") != SCHEMA:
         return None

@@ -19,7 +19,7 @@ from typing import Any
 from fdl.errors import UsageError
 from fdl.rundir import config as run_config
 from fdl.rundir import metrics, timeline
-from fdl.rundir.fields import is_finite, is_int, is_number
+from fdl.rundir.fields import MOST_RATE, is_figure, is_finite, is_int, is_number
 from fdl.rundir.layout import logs_dir
 from fdl.rundir.stop_point import stop_point
 from fdl.rundir.summary import HINT
@@ -69,7 +69,7 @@ def rebuilt_summary(config: dict[str, Any], timelines: list[timeline.RankTimelin
         "backend": str(_setting(config, "resolved_backend") or _setting(config, "backend")
                        or "unknown"),
         "world_size": len(timelines), "wall_s": wall,
-        "emulated_slowdown": _setting(config, "simulate_slowdown"),
+        "emulated_slowdown": _slowdown(config),
         "throughput": {
             "samples_per_s": sum(samples) / wall if wall > 0 else None,
             "per_rank_samples_per_s": [s / wall if wall > 0 else None for s in samples]},
@@ -83,6 +83,16 @@ def rebuilt_summary(config: dict[str, Any], timelines: list[timeline.RankTimelin
         "final_loss": last_epoch.get("train_loss") if is_number(
             last_epoch.get("train_loss")) else None,
     }
+
+
+def _slowdown(config: dict[str, Any]) -> list[float] | None:
+    """The run's --simulate-slowdown factors; None when config.json holds none fit to show
+    (an older or edited file: the report leaves the column out rather than fail on it)."""
+    factors = _setting(config, "simulate_slowdown")
+    if isinstance(factors, list) and factors and all(
+            is_figure(f, most=MOST_RATE) for f in factors):
+        return factors
+    return None
 
 
 def _setting(config: dict[str, Any], name: str) -> Any:

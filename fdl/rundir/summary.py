@@ -9,13 +9,22 @@ readers show such a field as unknown.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.errors import UsageError
 from fdl.files import write_json_atomic
-from fdl.rundir.fields import is_finite, is_int, is_number, read_json, show
+from fdl.rundir.fields import (
+    MOST_METRIC,
+    MOST_RATE,
+    MOST_SECONDS,
+    is_figure,
+    is_int,
+    is_metric,
+    read_json,
+    show,
+)
 
 FILE = "summary.json"
 HINT = "summary.json and config.json are written by fdl run; restore them or re-run"
@@ -78,7 +87,7 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{run_dir} has no {FILE} (not a finished fdl run)",
                          hint="pass a run directory, e.g. runs/<time>-train-async")
-    summary = read_json(path, hint=HINT)
+    summary = read_json(path, hint=HINT, limit=readback.DOCUMENT_BYTES)
     _check_summary(summary, path)
     return summary
 
@@ -87,37 +96,42 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     """summary.json as an object, unchecked, or None when there is none that parses (the
     merged timeline shows what it has)."""
     try:
-        summary = json.loads((run_dir / FILE).read_text(encoding="utf-8"))
+        summary = readback.read_json(run_dir / FILE, limit=readback.DOCUMENT_BYTES)
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) else None
 
 
-_NUMBER_OR_NULL = (lambda v: v is None or is_number(v), "a number or null")
+def _figure(most: float, *, null: bool = True) -> tuple[Any, str]:
+    """A finite figure in [0, most] (or null, a figure the run could not measure)."""
+    return (lambda v: (null and v is None) or is_figure(v, most=most),
+            f"a number in [0, {most:g}]" + (" or null" if null else ""))
+
+
 _FIELDS: dict[str, tuple[Any, str]] = {
     "policy": (lambda v: isinstance(v, str), "a string"),
     "backend": (lambda v: isinstance(v, str), "a string"),
     "world_size": (lambda v: is_int(v) and v >= 1, "a positive integer"),
-    "wall_s": (is_finite, "a number >= 0"),
+    "wall_s": _figure(MOST_SECONDS, null=False),
     "throughput": (lambda v: isinstance(v, dict), "an object"),
-    "throughput.samples_per_s": _NUMBER_OR_NULL,
+    "throughput.samples_per_s": _figure(MOST_RATE),
     "throughput.per_rank_samples_per_s": (
-        lambda v: isinstance(v, list) and all(x is None or is_finite(x) for x in v),
-        "a list of numbers >= 0 or nulls, one per rank"),
+        lambda v: isinstance(v, list) and all(
+            x is None or is_figure(x, most=MOST_RATE) for x in v),
+        f"a list of numbers in [0, {MOST_RATE:g}] or nulls, one per rank"),
     "sync": (lambda v: isinstance(v, dict), "an object"),
     "sync.rounds": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
-    "sync.mean_ms": _NUMBER_OR_NULL,
-    "sync.overhead": _NUMBER_OR_NULL,
-    "emulated_slowdown": (lambda v: v is None or (isinstance(v, list)
-                                                  and all(is_number(x) for x in v)),
-                          "a list of numbers or null"),
+    "sync.mean_ms": _figure(MOST_RATE),
+    "sync.overhead": _figure(MOST_RATE),
+    "emulated_slowdown": (lambda v: v is None or (isinstance(v, list) and all(
+        is_figure(x, most=MOST_RATE) for x in v)), "a list of numbers >= 0 or null"),
 }
 _OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
     "anchor_history": (lambda v: isinstance(v, list) and all(
         isinstance(x, list) and len(x) == 3 for x in v), "a list of [round, anchor, reason]"),
-    "eval": (lambda v: isinstance(v, dict) and all(is_number(x) for x in v.values()),
-             "an object of numbers"),
-    "final_loss": _NUMBER_OR_NULL,
+    "eval": (lambda v: isinstance(v, dict), "an object of numbers"),
+    "final_loss": (lambda v: v is None or is_metric(v),
+                   f"a number at most {MOST_METRIC:g} in size, or null"),
     "devices": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                 "a list of strings, one per rank"),
     "precision": (lambda v: v is None or (isinstance(v, list)
@@ -139,6 +153,10 @@ def _check_summary(summary: Any, path: Path) -> None:
         if not valid(holder[key]):
             raise UsageError(f"{path}: {name} is {show(holder[key])}, expected {allowed}",
                              hint=HINT)
+    for key, value in summary.get("eval", {}).items():
+        if not is_metric(value):
+            raise UsageError(f"{path}: eval.{key} is {show(value)}, expected a number at most "
+                             f"{MOST_METRIC:g} in size", hint=HINT)
     per_rank = [("throughput.per_rank_samples_per_s",
                  summary["throughput"]["per_rank_samples_per_s"]),
                 ("devices", summary.get("devices")), ("precision", summary.get("precision"))]

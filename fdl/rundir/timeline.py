@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from fdl.files import JsonlAppender, scan_jsonl
-from fdl.rundir.fields import is_finite, is_int, show
+from fdl.rundir.fields import (
+    MOST_CLOCK,
+    MOST_COUNT,
+    MOST_SECONDS,
+    is_figure,
+    is_int,
+    show,
+)
 
 DIRNAME = "timeline"
 RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
@@ -69,14 +76,14 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "final": ("checksum", "anchor"),
 }
 # The fields a reader relies on, per kind, and what each must hold.
+_CLOCK = (lambda v: is_figure(v, most=MOST_CLOCK), f"a clock reading in [0, {MOST_CLOCK:g}]")
+_SECONDS = (lambda v: is_figure(v, most=MOST_SECONDS), f"a number in [0, {MOST_SECONDS:g}]")
+_COUNT = (lambda v: is_int(v) and 0 <= v <= MOST_COUNT, f"an integer in [0, {MOST_COUNT:g}]")
 _CHECKED: dict[str, dict[str, tuple[Any, str]]] = {
-    "round": {"t": (is_finite, "a number >= 0"),
-              "steps": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
-              "samples": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
-              "compute_s": (is_finite, "a number >= 0"), "data_s": (is_finite, "a number >= 0"),
-              "sleep_s": (is_finite, "a number >= 0"), "comm_s": (is_finite, "a number >= 0")},
-    "sync": {"t": (is_finite, "a number >= 0"), "wait_s": (is_finite, "a number >= 0")},
-    "epoch": {"t": (is_finite, "a number >= 0")},
+    "round": {"t": _CLOCK, "steps": _COUNT, "samples": _COUNT, "compute_s": _SECONDS,
+              "data_s": _SECONDS, "sleep_s": _SECONDS, "comm_s": _SECONDS},
+    "sync": {"t": _CLOCK, "wait_s": _SECONDS},
+    "epoch": {"t": _CLOCK},
 }
 _OPTIONAL = {"data_s", "sleep_s", "comm_s"}  # rounds written before the field existed
 NO_FINAL_EVENT = "no final event (cut off before the run ended)"

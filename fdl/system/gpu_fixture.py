@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fdl import readback
 from fdl.errors import SurveyError
 from fdl.system.gpu_info import GpuInfo, GpuSurvey, parse_compute_capability
 
@@ -43,12 +44,12 @@ def load_survey_fixture(path: Path) -> GpuSurvey:
     naming the file and the key for a missing file, bad JSON or a missing or ill-typed key.
     """
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = readback.read_json(Path(path), follow=True)
     except OSError as exc:
         problem = f"cannot read the GPU survey ({exc.strerror or exc})"
         raise SurveyError(f"{path}: {problem}", hint=_FIXTURE_HINT) from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        problem = f"the GPU survey is not valid JSON ({exc})"
+    except readback.ReadBackError as exc:  # not a file, too large, not UTF-8, not JSON
+        problem = f"the GPU survey {exc.problem}"
         raise SurveyError(f"{path}: {problem}", hint=_FIXTURE_HINT) from None
     top = _checked(data, _SURVEY_KEYS, path=path, where="")
     gpus = tuple(

@@ -100,7 +100,7 @@ def test_cli_report_warns_about_the_incomplete_rank_and_still_reports(tmp_path):
 @pytest.mark.parametrize(("record", "why"), [
     ({"t": 102.0, "kind": "round", "samples": 25, "compute_s": 1.0}, "has no 'steps'"),
     ({"t": 102.0, "kind": "round", "steps": 2, "samples": "25", "compute_s": 1.0},
-     "'samples' is \"25\", expected an integer >= 0"),
+     "'samples' is \"25\", expected an integer in [0, "),
     ({"t": 102.0, "kind": "sync", "wait_s": None}, "'wait_s' is null"),
     ({"t": "noon", "kind": "epoch"}, "'t' is \"noon\""),
     ({"t": 102.0, "kind": 7}, "'kind' is 7"),
@@ -158,7 +158,7 @@ def with_summary(**changes) -> dict:
      r"summary\.json has no wall_s"),
     (json.dumps(with_summary(throughput=[40.0])).encode(), r"throughput is list, expected an "),
     (json.dumps(with_summary(sync__rounds="4")).encode(), r"sync\.rounds is \"4\""),
-    (json.dumps(with_summary(eval={"accuracy": "high"})).encode(), r"eval is dict, expected "),
+    (json.dumps(with_summary(eval={"accuracy": "high"})).encode(), r"eval.accuracy is \"high\", expected a number at most "),
     (json.dumps(with_summary(anchor_history=[[1, 8]])).encode(), r"anchor_history is list"),
 ], ids=["not-json", "binary", "list", "world-size-str", "world-size-huge", "no-wall",
         "throughput-list", "rounds-str", "eval-str", "anchor-pair"])
