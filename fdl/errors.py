@@ -43,3 +43,36 @@ class MissingTorchError(UsageError):
             f"torch is not installed; {what} needs it",
             hint="pip install 'fdl[torch]'  (`fdl diagnose` shows which build fits your GPUs)",
         )
+
+
+# The hint for each errno a user can act on; any other gets the generic one.
+_OS_HINTS = {
+    "EACCES": "permission denied: check the ownership and permissions of that path",
+    "EPERM": "the operation is not permitted there: check the ownership and permissions of "
+             "that path",
+    "EROFS": "that filesystem is mounted read-only: choose a writable place, or remount it "
+             "read-write",
+    "ENAMETOOLONG": "a name there is longer than the filesystem allows (255 bytes per name on "
+                    "most): choose a shorter one",
+    "ENOSPC": "no space left on that device: free some space, or choose another place",
+    "EDQUOT": "the disk quota is used up: free some space, or choose another place",
+}
+_OS_HINT = "the operating system refused it; FDL_DEBUG=1 shows where it happened"
+
+
+def os_failure(exc: OSError, *, doing: str | None = None,
+               exit_code: int | None = None) -> FdlError:
+    """An ``OSError`` as fdl's one line: what fdl was doing (``doing``, e.g. "cannot change the
+    libtorch store"), the path the OS named (both paths of a rename), what the OS said, and a
+    hint chosen by errno. ``raise os_failure(exc, doing=...) from exc`` where the operation is
+    known; ``fdl/cli/main.py`` applies it (without ``doing``) to any OSError that escapes.
+    ``exit_code``: 1 unless given (2 where the path is the user's input, nothing started)."""
+    import errno
+
+    paths = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    parts = [doing] if doing else []
+    if paths:
+        parts.append(" -> ".join(paths))
+    parts.append(exc.strerror or str(exc) or type(exc).__name__)
+    hint = _OS_HINTS.get(errno.errorcode.get(exc.errno or 0, ""), _OS_HINT)
+    return FdlError(": ".join(parts), hint=hint, exit_code=exit_code)

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -241,3 +242,24 @@ def mirror_env(http_server, tmp_path) -> dict[str, str]:
     archives they want fetched in ``http_server.files``."""
     return {"FLODL_HOME": str(tmp_path / "home"), "FDL_LIBTORCH_MIRROR": http_server.url(""),
             "FDL_ALLOW_HTTP": "1", "FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")}
+
+
+@pytest.fixture
+def read_only() -> Iterator[Callable[[Path], Path]]:
+    """``read_only(folder)``: ``folder`` bind-mounted read-only over itself (what root cannot
+    write either) until the test ends."""
+    mounted: list[Path] = []
+
+    def make(folder: Path) -> Path:
+        first = subprocess.run(["mount", "--bind", str(folder), str(folder)],
+                               capture_output=True, text=True)
+        if first.returncode != 0:
+            pytest.skip(f"a read-only bind mount needs root (CAP_SYS_ADMIN): {first.stderr}")
+        mounted.append(folder)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True,
+                       capture_output=True)
+        return folder
+
+    yield make
+    for folder in reversed(mounted):
+        subprocess.run(["umount", str(folder)], check=True, capture_output=True)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.bench.results import load_results
+from fdl.errors import FdlError, UsageError, os_failure
 from fdl.files import write_atomic
 
 SCHEMA = 1
@@ -220,7 +221,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def write_report(directory: Path) -> list[Path]:
     """Write report.json, report.md and the PNG charts into ``directory``; return their paths."""
     directory = Path(directory)
-    records, meta = load_results(directory)
+    records, meta = _load(directory)
     machine = dict(meta.get("machine") or {})
     if not machine.get("date"):
         machine["date"] = meta.get("started") or datetime.now(timezone.utc).isoformat(
@@ -232,11 +233,24 @@ def write_report(directory: Path) -> list[Path]:
         markdown += "\nPlots skipped: matplotlib is not installed (pip install 'fdl[report]').\n"
     else:
         markdown += "\n## Plots\n\n" + "\n\n".join(f"![{name}]({name})" for name in pngs) + "\n"
-    written = [write_atomic(directory / "report.json",
-                             (json.dumps(report, indent=2) + "\n").encode()),
-               write_atomic(directory / "report.md", markdown.encode())]
-    written += [write_atomic(directory / name, data) for name, data in (pngs or {}).items()]
-    return written
+    files = {"report.json": (json.dumps(report, indent=2) + "\n").encode(),
+             "report.md": markdown.encode(), **(pngs or {})}
+    try:
+        return [write_atomic(directory / name, data) for name, data in files.items()]
+    except OSError as exc:  # a read-only or full sweep directory
+        raise os_failure(exc, doing=f"cannot write the report into {directory}") from exc
+
+
+def _load(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`load_results`, a directory that holds no sweep fdl bench can read being a usage
+    error (exit 2, as ``fdl report`` given a directory that is no run's); an OS failure reading
+    it stays a failure (exit 1)."""
+    try:
+        return load_results(directory)
+    except FdlError as exc:
+        if isinstance(exc, UsageError) or isinstance(exc.__cause__, OSError):
+            raise
+        raise UsageError(exc.message, hint=exc.hint) from exc
 
 
 def _title_note(meta: dict[str, Any]) -> str:

@@ -2,7 +2,10 @@
 
 Exit codes are interface: 0 ok, 1 failure, 2 usage (bad flags, bad config), 130 on Ctrl-C;
 ``fdl run`` returns the failing worker's code. A user error prints ``error: ...`` and
-``hint: ...`` on stderr and no traceback; ``FDL_DEBUG=1`` adds the traceback.
+``hint: ...`` on stderr and no traceback; ``FDL_DEBUG=1`` adds the traceback. An ``OSError``
+the library let through (permission denied, a read-only filesystem, a name too long, no space)
+is one ``error:`` line too, naming the path and what the OS said, with a hint by errno
+(``fdl.errors.os_failure``), exit 1.
 
 This module imports only typer, the standard library and ``fdl.errors`` at module level:
 ``fdl --help`` must not load torch, httpx, pynvml or rich.progress (tests/test_startup.py).
@@ -10,7 +13,6 @@ This module imports only typer, the standard library and ``fdl.errors`` at modul
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Annotated, Any
@@ -19,14 +21,15 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from fdl.errors import FdlError
+from fdl.errors import FdlError, os_failure
 from fdl.version import __version__
 
 
 def _report(exc: FdlError) -> None:
     from fdl import console
+    from fdl.settings import debugging
 
-    if os.environ.get("FDL_DEBUG"):
+    if debugging():
         traceback.print_exception(exc, file=sys.stderr)
     console.error(exc.message, exc.hint)
 
@@ -63,9 +66,20 @@ class FdlGroup(TyperGroup):
         except (KeyboardInterrupt, typer.Abort):
             sys.stderr.write("\ninterrupted\n")
             code = 130
+        except OSError as exc:  # the safety net: a failure the library did not name itself
+            _report(_os_failure(exc))
+            code = 1
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _os_failure(exc: OSError) -> FdlError:
+    """An OSError that escaped the library as one ``error:`` line (the path, what the OS said)
+    and a hint by errno; chained to it, so that ``FDL_DEBUG=1`` shows where it was raised."""
+    failure = os_failure(exc)
+    failure.__cause__ = exc
+    return failure
 
 
 def _filled(args: Any) -> list[str]:

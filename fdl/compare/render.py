@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.compare.figures import format_seconds
+from fdl.console import shown
 
 PLOT_FILE = "compare.png"
 ERROR = "measurement error"
@@ -79,11 +80,14 @@ def _time_to_loss(row: Mapping[str, Any], *, has_target: bool) -> str:
 
 def render_markdown(document: Mapping[str, Any], *, plot: bool) -> str:
     """compare.md: what was compared, the table, the recommendation and why the others lost,
-    the failed cells, and the plot (or why there is none)."""
+    the failed cells, and the plot (or why there is none). Outside text in it (the script's
+    path and arguments, metric names, GPU names, failures) is shown as the terminal shows it
+    (:func:`fdl.console.shown`: control characters escaped, a table cell on one line), so
+    ``cat compare.md`` cannot act on the terminal; compare.json keeps the exact values."""
     lines = [f"# fdl compare: {document['script']}", "", *_facts(document), ""]
     for _, columns, rows in tables(document):
-        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-                  *("| " + " | ".join(row) + " |" for row in rows), ""]
+        lines += [_markdown_row(columns), "|" + "---|" * len(columns),
+                  *(_markdown_row(row) for row in rows), ""]
     errors = measurement_errors(document)
     if errors:
         lines += ["Measurement errors (not results):", "", *(f"- {line}" for line in errors), ""]
@@ -95,7 +99,11 @@ def render_markdown(document: Mapping[str, Any], *, plot: bool) -> str:
         lines += ["", "Failed runs:", ""]
         lines += [f"- `{c['name']}`: {c['failure']} (output: `{c['name']}.log`)" for c in failed]
     lines += ["", f"![{PLOT_FILE}]({PLOT_FILE})" if plot else f"Plot skipped: {NO_MATPLOTLIB}."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(shown(line) for line in lines) + "\n"
+
+
+def _markdown_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def _facts(document: Mapping[str, Any]) -> list[str]:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import MissingTorchError, UsageError
+from fdl.files import open_for_writing
 from fdl.launch.rendezvous import (
     Rendezvous,
     bind_listener,
@@ -282,6 +283,8 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool) -> Any:
                 attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 if attempt and path.exists():
                     path.replace(run_layout.log_path(logs_dir, rank, attempt=attempt - 1))
+                # made here, never through a link planted there; torch opens it next by name
+                open_for_writing(path).close()
                 dest.stdouts[local_rank] = str(path)
                 dest.stderrs[local_rank] = ""  # the worker merges stderr into stdout
                 if not quiet or rank == "0":

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fdl.errors import UsageError
+from fdl.files import named_path
 from fdl.launch.request import RunRequest
 from fdl.rundir.config import FILE as CONFIG_FILE
 from fdl.rundir.config import launch_settings, read_config
@@ -26,12 +27,12 @@ def resume_request(request: RunRequest, *, cwd: Path) -> RunRequest:
     directory that is not a run of fdl run."""
     given = request.get("resume")
     assert given is not None
-    run_dir = (cwd / given).resolve()
+    run_dir = named_path(cwd / given)  # a link stays one: fdl.rundir.layout refuses it
     if not run_dir.is_dir():
         raise UsageError(f"--resume {given}: no such run directory",
                          hint="--resume takes the run directory of an earlier fdl run")
     explicit = request.get("run_dir")
-    if explicit is not None and (cwd / explicit).resolve() != run_dir:
+    if explicit is not None and named_path(cwd / explicit) != run_dir:
         raise UsageError("--resume and --run-dir name different directories",
                          hint="--resume RUN_DIR continues in RUN_DIR; leave --run-dir out")
     previous = read_config(run_dir, hint="--resume needs a run directory written by fdl run",

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from fdl.files import open_for_writing
+
 STOP_SIGNALS = frozenset(int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                           signal.SIGQUIT))
 AGENT_LOGGER = "torch.distributed.elastic"  # every logger of torch's agent is below it
@@ -35,8 +37,10 @@ AGENT_LOGGER = "torch.distributed.elastic"  # every logger of torch's agent is b
 @contextmanager
 def terminal_for_workers(agent_log_path: Path) -> Iterator[None]:
     """What reaches the terminal during one launch, as the module docstring says; with
-    ``FDL_DEBUG`` set, everything as torch has it."""
-    if os.environ.get("FDL_DEBUG"):
+    ``FDL_DEBUG=1`` (:func:`fdl.settings.debugging`), everything as torch has it."""
+    from fdl.settings import debugging
+
+    if debugging():
         yield
         return
     import sys
@@ -127,11 +131,19 @@ def _watch(read_fd: int, gate: OutputGate) -> None:
             gate.close_gate()
 
 
+class _LogFile(logging.FileHandler):
+    """A FileHandler that opens its file as fdl opens its own: never through a link."""
+
+    def _open(self) -> TextIO:
+        return open_for_writing(Path(self.baseFilename), append=True,  # type: ignore[return-value]
+                                encoding=self.encoding)
+
+
 @contextmanager
 def agent_log(path: Path) -> Iterator[None]:
     """torch's agent logs into ``path`` (created at its first line) instead of the terminal."""
     logger = logging.getLogger(AGENT_LOGGER)
-    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler = _LogFile(path, encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = logger.propagate
     logger.addHandler(handler)

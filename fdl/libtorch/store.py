@@ -9,7 +9,8 @@ Layout::
                                               installed_at (+ whatever the installer adds)
     <root>/.active                            one line: the id ("<kind>/<name>") in use
     <root>/.lock  .staging/  .trash/          lock file, work space beside the variants
-    <root>/.staging/<name>.lock               held while <name> downloads (download_lock)
+    <root>/.staging/<name>.lock               held while <name> downloads (download_lock);
+                                              deleted when the download ends
 
 Contract: a variant exists when its ``variant.json`` does. ``install`` moves a finished tree into
 place and writes the metadata last, so a crash leaves either the old state or an invisible
@@ -43,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fdl.errors import FdlError, UsageError
+from fdl.errors import FdlError, UsageError, os_failure
 from fdl.files import write_atomic
 from fdl.libtorch.validate import (
     NAME_RULE,
@@ -169,6 +170,8 @@ class Store:
             raise FdlError(f"the libtorch store {self.root} is locked by another fdl process "
                            f"(waited {self.lock_timeout_s:g} s)",
                            hint="wait for the other install or removal to finish") from exc
+        except OSError as exc:  # a read-only store, a lock file fdl may not open
+            raise os_failure(exc, doing="cannot lock the libtorch store to change it") from exc
         try:
             yield
         finally:
@@ -182,20 +185,30 @@ class Store:
         A second download of the same variant waits here for as long as the first runs (Ctrl-C
         ends the wait), calling ``on_wait`` once first, instead of writing into the same staging
         file; it then finds the first one's install. The store lock is not held meanwhile, so
-        other commands are not blocked by a long download. The lock file stays (empty)."""
+        other commands are not blocked by a long download.
+
+        The lock file is deleted when the block ends, however it ends (installed, failed,
+        Ctrl-C), while it is still held: a waiter that then locks the deleted file sees it
+        unlinked and starts over on a new one (filelock >= 3.20.4 checks), so nothing is left
+        in ``.staging`` and no two holders ever meet."""
         from filelock import FileLock, Timeout
 
         name = check_variant_name(name)  # before the name becomes a path
-        lock = FileLock(self.staging() / f"{name}.lock")
+        path = self.staging() / f"{name}.lock"
+        lock = FileLock(path)
         try:
             lock.acquire(timeout=0)
         except Timeout:
             if on_wait is not None:
                 on_wait()
             lock.acquire()
+        except OSError as exc:
+            raise os_failure(exc, doing=f"cannot lock the download of {name}") from exc
         try:
             yield
         finally:
+            with suppress(OSError):
+                path.unlink()
             lock.release()
 
     def partial_downloads(self) -> list[tuple[Path, int]]:

@@ -31,6 +31,7 @@ class WriteResult:
 
 def check_target(target: Path, *, force: bool) -> None:
     """UsageError unless ``target`` is missing, an empty folder, or a folder and ``force``."""
+    check_name_lengths(target)
     for ancestor in [target, *target.parents]:
         if ancestor.exists() and not ancestor.is_dir():
             raise UsageError(f"cannot create the project at {target}: {ancestor} is a file, "
@@ -41,6 +42,40 @@ def check_target(target: Path, *, force: bool) -> None:
         raise UsageError(f"{target} already exists and is not empty",
                          hint="pick another name, or pass --force to overwrite the files that "
                               "fdl init writes (other files are kept)")
+
+
+# _make_staging's folder is ".<name>.fdl-init-<8 hex digits>": 19 bytes more than the name.
+_STAGING_SUFFIX, _STAGING_TOKEN_BYTES = ".fdl-init-", 4
+_STAGING_EXTRA = 1 + len(_STAGING_SUFFIX) + 2 * _STAGING_TOKEN_BYTES
+_NAME_MAX = 255  # bytes per name on Linux and macOS filesystems, where pathconf cannot say
+
+
+def check_name_lengths(target: Path) -> None:
+    """UsageError when a name in ``target`` is longer than its filesystem allows (the nearest
+    existing folder's ``PC_NAME_MAX``; the project's own name less the room its staging folder
+    takes), before any path is touched: the OS would answer "File name too long" from deep
+    inside."""
+    existing = Path(target.anchor)
+    for index, part in enumerate(target.parts[1:], start=1):
+        limit = _name_max(existing)
+        last = index == len(target.parts) - 1
+        allowed = limit - _STAGING_EXTRA if last else limit
+        size = len(os.fsencode(part))
+        if size > allowed:
+            what = "the project's name" if last else f"the folder name {part[:24]}..."
+            room = f", less {_STAGING_EXTRA} for fdl init's staging folder" if last else ""
+            raise UsageError(f"cannot create the project at {target}: {what} is {size} bytes "
+                             f"long; at most {allowed} are allowed here ({limit} per name on "
+                             f"{existing}'s filesystem{room})", hint="pick a shorter name")
+        if (existing / part).is_dir():
+            existing = existing / part
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return _NAME_MAX
 
 
 def write_project(target: Path, files: Mapping[str, str | bytes], *,
@@ -92,7 +127,8 @@ def _missing_folders(folder: Path) -> list[Path]:
 def _make_staging(target: Path) -> Path:
     # os.mkdir (not tempfile.mkdtemp, whose folders are 0700) so the renamed project gets the
     # user's usual permissions.
-    staging = target.with_name(f".{target.name}.fdl-init-{secrets.token_hex(4)}")
+    staging = target.with_name(
+        f".{target.name}{_STAGING_SUFFIX}{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
     staging.mkdir()
     (staging / "new").mkdir()
     (staging / "old").mkdir()

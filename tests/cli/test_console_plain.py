@@ -13,14 +13,17 @@ from fdl import console
 
 
 def test_info_writes_the_line_as_rich_would(capsys):
-    console.info("run directory /tmp/a[b]:smile:\rx\a")
-    message = "run directory /tmp/a[b]:smile:\rx\a"
+    """info() skips rich, and writes what rich writes of the same line: controls escaped,
+    markup and emoji codes shown as typed."""
+    message = "run directory /tmp/a[b]:smile:\rx\a\x1b[2J"
+    console.info(message)
     from rich.console import Console
 
     expected = io.StringIO()
-    Console(file=expected, highlight=False, soft_wrap=True, emoji=False).print(message,
-                                                                               markup=False)
-    assert capsys.readouterr().err == expected.getvalue() == "run directory /tmp/a[b]:smile:x\n"
+    Console(file=expected, highlight=False, soft_wrap=True, emoji=False).print(
+        console.shown(message, lines=True), markup=False)
+    assert capsys.readouterr().err == expected.getvalue() == \
+        "run directory /tmp/a[b]:smile:\\rx\\x07\\x1b[2J\n"
 
 
 @pytest.mark.parametrize(("env", "live"), [

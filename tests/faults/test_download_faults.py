@@ -314,7 +314,7 @@ def test_the_extraction_limit_is_read_from_the_environment(http_server, mirror_e
     if valid:  # the archive is downloaded, refused, and not kept
         assert_one_error(proc, 1, "would unpack to", "limit of 64.0 KiB", "FDL_MAX_EXTRACT_BYTES",
                          alone=False)  # after the progress bar
-        assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]
+        assert staging_names(mirror_env) == []
     else:  # refused before anything is fetched or written
         assert_one_error(proc, 2, f"FDL_MAX_EXTRACT_BYTES={limit!r} is not a size")
         assert http_server.requests == [] and not Path(mirror_env["FLODL_HOME"]).exists()
@@ -358,7 +358,7 @@ def test_two_concurrent_downloads_of_one_variant_make_one_install(http_server, m
     assert doc["variants"][0]["sha256"] == hashlib.sha256(data).hexdigest()
     assert Path(doc["variants"][0]["path"], "lib", "libtorch_cpu.so").is_file()
     assert len(http_server.requests) == 1  # the second reused the first one's install
-    assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]
+    assert staging_names(mirror_env) == []
 
 
 # ---- item 6 and the archive faults: nothing kept after a failed extraction ------------------
@@ -388,7 +388,7 @@ def test_a_failed_extraction_installs_nothing_and_keeps_no_archive(http_server, 
     proc = run_fdl("libtorch", "download", "--cpu", "--version", "2.13.0", env=mirror_env)
     assert_one_error(proc, 1, *words, alone=False)  # after the progress bar
     assert libtorch_list(mirror_env) == {"schema": 1, "active": None, "variants": []}
-    assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]  # no .zip, .part or .tree
+    assert staging_names(mirror_env) == []  # no .zip, .part, .tree or lock
     assert not (tmp_path / "escaped.txt").exists()
     assert not (Path(mirror_env["FLODL_HOME"]) / "escaped.txt").exists()
 
@@ -460,7 +460,7 @@ def test_checksum_mismatch_installs_nothing(http_server, mirror_env):
                    env=mirror_env)
     assert_one_error(proc, 1, "checksum mismatch", "sha256", alone=False)  # after the progress
     assert libtorch_list(mirror_env) == {"schema": 1, "active": None, "variants": []}
-    assert staging_names(mirror_env) == ["2.13.0-cpu.lock"]
+    assert staging_names(mirror_env) == []
 
 
 # ---- Ctrl-C ---------------------------------------------------------------------------------
@@ -511,8 +511,7 @@ def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(ht
     assert [v["id"] for v in doc["variants"]] == ["precompiled/2.13.0-cpu"]
     kept = part.stat().st_size
     assert 0 < kept < len(data)
-    assert staging_names(mirror_env) == ["2.12.0-cpu.lock", "2.12.0-cpu.zip.part",
-                                         "2.13.0-cpu.lock"]
+    assert staging_names(mirror_env) == ["2.12.0-cpu.zip.part"]  # kept to resume; no lock
     shown = run_fdl("libtorch", "list", env=mirror_env)
     assert f"partial download: {part}" in shown.stderr
 
@@ -523,4 +522,4 @@ def test_sigint_mid_download_exits_130_installs_nothing_and_the_rerun_resumes(ht
     assert doc["active"] == "precompiled/2.12.0-cpu"
     entry = next(v for v in doc["variants"] if v["id"] == "precompiled/2.12.0-cpu")
     assert entry["sha256"] == hashlib.sha256(data).hexdigest()
-    assert staging_names(mirror_env) == ["2.12.0-cpu.lock", "2.13.0-cpu.lock"]
+    assert staging_names(mirror_env) == []

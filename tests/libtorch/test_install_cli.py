@@ -43,8 +43,8 @@ def test_download_installs_verifies_and_activates(http_server, mirror_env):
     assert entry["size"] == len(data) and entry["url"].endswith("%2Bcpu.zip")
     assert Path(entry["path"], "lib", "libtorch_cpu.so").is_file()
     home = Path(mirror_env["FLODL_HOME"]) / "libtorch" / ".staging"
-    # no archive, part file or tree left behind; the variant's (empty) download lock stays
-    assert [p.name for p in home.iterdir()] == ["2.13.0-cpu.lock"]
+    # no archive, part file, tree or download lock left behind
+    assert [p.name for p in home.iterdir()] == []
     exports = run_fdl("libtorch", "env", env=mirror_env).stdout
     assert f"export LIBTORCH={entry['path']}" in exports
     # a second download of the same variant fetches nothing and keeps it active
