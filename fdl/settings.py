@@ -2,7 +2,8 @@
 
 A **setting** (:data:`SETTINGS`) has a name (the ``fdl.toml`` key and the ``Trainer`` argument),
 a default, a parser that accepts text or a typed value and raises ``UsageError`` naming what is
-allowed, help text, and the sources it may come from:
+allowed (a number: its :class:`Range`, stated beside the parsers; a bool is never a number,
+nor are NaN and infinity), help text, and the sources it may come from:
 
 * ``--flag`` of ``fdl run`` (``flag=True``; the flag is the name with dashes),
 * an ``FDL_*`` variable (``env``),
@@ -56,6 +57,7 @@ TORCHRUN_WORKER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
                        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                        "MASTER_ADDR", "MASTER_PORT")
 ENV_PREFIXES = ("FDL_", "TORCHELASTIC_")  # fdl's variables and torchelastic's own
+DEBUG_ENV = "FDL_DEBUG"  # 1, true or yes: tracebacks too (:func:`debugging`); 0 or unset: none
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,13 @@ class Setting:
 
     value: Any
     source: str  # "flag" | "env" | "file:<path>" | "script" | "default"
+
+
+def debugging(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``FDL_DEBUG`` asks for tracebacks: ``1``, ``true`` or ``yes`` (any case); ``0``,
+    ``false`` or unset do not. ``env``: this process's environment unless given."""
+    value = (os.environ if env is None else env).get(DEBUG_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes")
 
 
 # ---- parsers: text (flag, env, file) or a typed value (file, script) -> the value -------------
@@ -92,86 +101,176 @@ def parse_outer_optimizer(value: Any) -> str:
 
 def parse_momentum(value: Any) -> float:
     """A momentum: a finite number from 0 up to, not including, 1."""
-    number = parse_fraction("outer_momentum", positive=False)(value)
-    if number >= 1:
-        raise UsageError(f"outer_momentum must be below 1, got {value!r}",
-                         hint="use a momentum from 0 (none) to below 1, e.g. 0.9")
-    return number
+    return parse_real("outer_momentum", MOMENTUMS,
+                      hint="use a momentum from 0 (none) to below 1, e.g. 0.9")(value)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    text = str(value).strip().lower()
-    if text not in allowed:
-        raise UsageError(f"unknown {name} {value!r}", hint=f"use one of: {', '.join(allowed)}")
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text is None or text not in allowed:
+        raise UsageError(f"unknown {name} {shown(value)}",
+                         hint=f"use one of: {', '.join(allowed)}")
     return text
 
 
-def parse_positive_int(name: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        number = _whole(value, bad=0)
-        if number <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}",
-                             hint=f"give {name} a whole number >= 1")
-        return number
+# ---- ranges: every number of the contract, allowed values stated once, beside its parser ------
 
-    return parse
+@dataclass(frozen=True)
+class Range:
+    """The numbers a setting allows, ``low`` to ``high``, each end included unless open: shown
+    as ``[1, 1000000]`` or ``(0, 1000]`` in the error that refuses a value outside it."""
+
+    low: float
+    high: float
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, number: float) -> bool:
+        above = number > self.low if self.open_low else number >= self.low
+        return above and (number < self.high if self.open_high else number <= self.high)
+
+    def __str__(self) -> str:
+        return (f"{'(' if self.open_low else '['}{_text(self.low)}, {_text(self.high)}"
+                f"{')' if self.open_high else ']'}")
 
 
-def parse_non_negative_int(name: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        number = _whole(value, bad=-1)
-        if number < 0:
-            raise UsageError(f"{name} must be an integer >= 0, got {value!r}",
-                             hint=f"give {name} a whole number >= 0")
-        return number
+# The engine seeds torch with seed + epoch (fdl.engine.data) and seed + 1_000_003 * rank
+# (fdl.engine.loop); torch.manual_seed takes at most 2**64 - 1, so a seed stops at 2**63 - 1,
+# which leaves room for both (tests/faults/test_number_faults.py seeds torch so at the ends).
+SEEDS = Range(0, 2**63 - 1)
+NUM_SEEDS = Range(1, 1000)  # fdl bench --seeds (per cell), fdl compare --seeds (per policy)
+EPOCHS = Range(1, 1_000_000)
+BATCH_SIZES = Range(1, 2**24)
+MAX_MICRO_BATCH = 2**20
+MICRO_BATCHES = Range(1, MAX_MICRO_BATCH)
+STEPS = Range(1, 10**12)
+SAMPLES = Range(1, 10**15)  # below 2**53: a count of samples stays exact as a float
+WORKERS_PER_NODE = Range(1, 1024)  # --nproc-per-node N; "cpu" is this host's core count
+NODES = Range(1, 10_000)  # --nnodes N or MIN:MAX (fdl.launch.rendezvous)
+RESTARTS = Range(0, 1000)
+# The emulation sleeps (f - 1) x a rank's compute (fdl.engine.speed): below 1 it cannot make a
+# rank faster, and a factor of 1000 already turns a 1 ms step into a second.
+SLOWDOWNS = Range(1, 1000)
+TIMES_S = Range(0, 365 * 86400, open_low=True)  # budgets and checkpoint intervals: a year
+MAX_COLLECTIVE_TIMEOUT_S = 86400.0  # a day: beyond it a stuck peer is never noticed
+COLLECTIVE_TIMEOUTS_S = Range(0, MAX_COLLECTIVE_TIMEOUT_S, open_low=True)
+DIVERGENCE_THRESHOLDS = Range(0, 1_000_000, open_low=True)
+OVERHEAD_TARGETS = Range(0, 1000, open_low=True)  # 1000: the anchor stays at its minimum
+OUTER_LRS = Range(0, 10, open_low=True)
+MOMENTUMS = Range(0, 1, open_high=True)
+MAX_SHOWN = 40  # a value longer than this is shortened in an error
 
-    return parse
 
-
-def _whole(value: Any, *, bad: int) -> int:
-    if isinstance(value, bool):
-        return bad
+def shown(value: Any) -> str:
+    """``repr(value)`` as an error shows it: shortened past :data:`MAX_SHOWN` characters, so a
+    400-digit number is never printed whole."""
     try:
-        return int(str(value).strip())
-    except ValueError:
-        return bad
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300 digits
+        return "a number of more than 4300 digits"
+    if len(text) <= MAX_SHOWN:
+        return text
+    size = f"{len(text.lstrip('-'))} digits" if isinstance(value, int) else \
+        f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters"
+    return f"{text[:MAX_SHOWN - 16]}... ({size})"
+
+
+def parse_whole(name: str, allowed: Range, *, hint: str | None = None) -> Callable[[Any], int]:
+    """A whole number in ``allowed``: an int, or text that reads as one (never a bool or a
+    float)."""
+    def parse(value: Any) -> int:
+        number = _whole(value)
+        if number is None or number not in allowed:
+            raise UsageError(f"{name} must be a whole number in {allowed}, got {shown(value)}",
+                             hint=hint or f"give {name} a whole number from "
+                                          f"{_text(allowed.low)} to {_text(allowed.high)}")
+        return number
+
+    return parse
+
+
+def parse_real(name: str, allowed: Range, *, hint: str | None = None) -> Callable[[Any], float]:
+    """A finite number in ``allowed``: an int, a float or text that reads as one (never a
+    bool, nan or infinity)."""
+    def parse(value: Any) -> float:
+        number = _real(value)
+        if number is None or number not in allowed:
+            raise UsageError(f"{name} must be a number in {allowed}, got {shown(value)}",
+                             hint=hint or f"give {name} a number in {allowed}, e.g. "
+                                          f"{_text(ENGINE_DEFAULTS.get(name, allowed.high))}")
+        return number
+
+    return parse
+
+
+def _whole(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(value.strip()) if isinstance(value, str) else None
+    except ValueError:  # not a whole number, or past Python's 4300 digits
+        return None
+
+
+def _real(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):  # not a number, or an int too large for a float
+        return None
+    return number if math.isfinite(number) else None
 
 
 def parse_slowdown(value: Any) -> tuple[float, ...]:
-    """``"1,2.5"`` or ``[1, 2.5]`` -> ``(1.0, 2.5)``; every factor a finite number > 0."""
-    items = value.split(",") if isinstance(value, str) else value
-    try:
-        factors = tuple(float(item) for item in items)
-    except (TypeError, ValueError):
-        factors = ()
-    if not factors or any(not 0 < f < math.inf for f in factors):  # rejects nan and inf too
+    """``"1,2.5"`` or ``[1, 2.5]`` -> ``(1.0, 2.5)``: one factor per worker, each in
+    :data:`SLOWDOWNS`."""
+    items = value.split(",") if isinstance(value, str) else \
+        value if isinstance(value, (list, tuple)) else ()
+    factors = tuple(_real(item) for item in items)
+    if not factors or any(f is None or f not in SLOWDOWNS for f in factors):
         raise UsageError(
-            f"malformed simulate_slowdown {value!r}",
-            hint="give one factor > 0 per worker, comma-separated, e.g. --simulate-slowdown 1,2.5",
+            f"simulate_slowdown must be one factor in {SLOWDOWNS} per worker, got {shown(value)}",
+            hint="e.g. --simulate-slowdown 1,2.5 (2 workers, the second 2.5x slower)",
         )
-    return factors
+    return factors  # type: ignore[return-value]  # none is None
 
 
 def parse_checkpoint_every(value: Any) -> str:
-    """``3`` (every 3 epochs) or a time ``10m`` / ``90s`` / ``1.5h``, in canonical text: ``"3"``
-    or ``"600s"`` (what workers receive in ``FDL_CHECKPOINT_EVERY``)."""
+    """``3`` (every 3 epochs, in :data:`EPOCHS`) or a time ``10m`` / ``90s`` / ``1.5h`` (in
+    :data:`TIMES_S`), in canonical text: ``"3"`` or ``"600s"`` (what workers receive in
+    ``FDL_CHECKPOINT_EVERY``)."""
     number, unit = _time_parts(value)
-    try:
-        amount = float(number) if unit else int(number)
-    except ValueError:
-        amount = 0
-    if not 0 < amount < math.inf:
-        raise UsageError(f"checkpoint_every must be a number of epochs or a time, got {value!r}",
+    amount: float | int | None = _seconds(number, unit) if unit else _whole(number)
+    if amount is None or amount not in (TIMES_S if unit else EPOCHS):
+        raise UsageError(f"checkpoint_every must be a number of epochs in {EPOCHS} or a time in "
+                         f"{_time_range(TIMES_S)}, got {shown(value)}",
                          hint="e.g. --checkpoint-every 2 (epochs) or --checkpoint-every 10m "
                               "(units s, m, h)")
-    return f"{amount * TIME_UNITS[unit]:g}s" if unit else str(amount)
+    return f"{_text(amount)}s" if unit else str(amount)
 
 
 def _time_parts(value: Any) -> tuple[str, str]:
     """``"1.5h"`` -> ``("1.5", "h")``, ``"3"`` -> ``("3", "")``: the number's text and its unit
     (one of :data:`TIME_UNITS`, or none)."""
-    text = str(value).strip().lower() if not isinstance(value, bool) else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return "", ""
+    try:
+        text = str(value).strip().lower()
+    except ValueError:  # an int past Python's 4300 digits
+        return "", ""
     return (text[:-1], text[-1]) if text[-1:] in TIME_UNITS else (text, "")
+
+
+def _seconds(number: str, unit: str) -> float | None:
+    """``number`` of ``unit`` in seconds (``1e308h`` is infinite: outside every range); None
+    unless ``number`` is a finite number."""
+    amount = _real(number)
+    return None if amount is None else amount * TIME_UNITS[unit]
+
+
+def _time_range(allowed: Range) -> str:
+    return f"(0s, {_text(allowed.high / 3600)}h]"
 
 
 def parse_precision(value: Any) -> tuple[str, ...]:
@@ -181,16 +280,15 @@ def parse_precision(value: Any) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     try:
         choices = tuple(str(item).strip().lower() for item in items)
-    except TypeError:  # not text, not a list
+    except (TypeError, ValueError):  # not text, not a list; an int past 4300 digits
         choices = ()
     if not choices or any(choice not in PRECISIONS for choice in choices):
         raise UsageError(f"precision must be one of {', '.join(PRECISIONS)} for every rank, or "
-                         f"one of them per rank, comma-separated; got {value!r}",
+                         f"one of them per rank, comma-separated; got {shown(value)}",
                          hint="e.g. --precision bf16, or --precision bf16,fp32 for 2 workers")
     return choices
 
 
-MAX_MICRO_BATCH = 2 ** 20
 # Settings given once for every worker or once per worker: a one-value and a two-worker example.
 PER_WORKER = {"precision": ("bf16", "bf16,fp32"), "micro_batch_size": ("16", "16,64")}
 
@@ -233,16 +331,15 @@ def parse_micro_batch(value: Any) -> tuple[int | str, ...] | None:
             if text == "auto":
                 choices.append("auto")
             elif isinstance(item, bool) or not text.isdigit() or \
-                    not 1 <= int(text) <= MAX_MICRO_BATCH:
+                    int(text) not in MICRO_BATCHES:
                 raise ValueError(text)
             else:
                 choices.append(int(text))
     except (TypeError, ValueError):
         choices = []
     if not choices:
-        raise UsageError(f"micro_batch_size must be auto or a whole number in [1, "
-                         f"{MAX_MICRO_BATCH}] for every rank, or one per rank, comma-separated; "
-                         f"got {value!r}",
+        raise UsageError(f"micro_batch_size must be auto or a whole number in {MICRO_BATCHES} "
+                         f"for every rank, or one per rank, comma-separated; got {shown(value)}",
                          hint="e.g. --micro-batch 16, --micro-batch 16,64 for 2 workers, "
                               "--micro-batch auto (the largest that fits on each GPU)")
     return tuple(choices)
@@ -259,17 +356,15 @@ def parse_budget(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_or_off
 
 
-def parse_time(name: str) -> Callable[[Any], float]:
-    """``90s``, ``10m``, ``1.5h`` or plain seconds (``600``, ``0.5``) -> seconds, a finite
-    number > 0."""
+def parse_time(name: str, allowed: Range = TIMES_S) -> Callable[[Any], float]:
+    """``90s``, ``10m``, ``1.5h`` or plain seconds (``600``, ``0.5``) -> seconds, in
+    ``allowed``."""
     def parse(value: Any) -> float:
         number, unit = _time_parts(value)
-        try:
-            seconds = float(number) * TIME_UNITS.get(unit, 1.0)
-        except ValueError:
-            seconds = math.nan
-        if not 0 < seconds < math.inf:  # rejects nan too
-            raise UsageError(f"{name} must be a time > 0, got {value!r}",
+        seconds = _seconds(number, unit or "s")
+        if seconds is None or seconds not in allowed:
+            raise UsageError(f"{name} must be a time in {_time_range(allowed)}, got "
+                             f"{shown(value)}",
                              hint=f"e.g. --{name.replace('_', '-')} 90s, 10m or 1.5h (units s, "
                                   f"m, h), or plain seconds")
         return seconds
@@ -277,23 +372,20 @@ def parse_time(name: str) -> Callable[[Any], float]:
     return parse
 
 
-MAX_COLLECTIVE_TIMEOUT_S = 86400.0  # a day: beyond it a stuck peer is never noticed
-
-
 def parse_collective_timeout(value: Any) -> float | None:
     """``auto`` (None: fdl.engine.collectives decides) or a time up to a day, in seconds."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
-    seconds = parse_time("collective_timeout")(value)
-    if seconds > MAX_COLLECTIVE_TIMEOUT_S:
-        raise UsageError(f"collective_timeout must be at most a day (24h), got {value!r}",
-                         hint="e.g. --collective-timeout 10m, or auto")
-    return seconds
+    return parse_time("collective_timeout", COLLECTIVE_TIMEOUTS_S)(value)
 
 
 def parse_tensorboard(value: Any) -> str | None:
     """``off`` -> None; ``on`` (the run directory's ``tensorboard/``) or a directory. A bare
-    ``--tensorboard`` means ``on`` (:data:`SettingSpec.bare`)."""
+    ``--tensorboard`` means ``on`` (:data:`SettingSpec.bare`). A directory must be one fdl can
+    write (fdl.files.output_dir_problem: not a file, not under one, not in /proc, writable),
+    checked here so the launcher and ``--dry-run`` refuse it before any worker starts."""
+    from fdl.files import output_dir_problem
+
     if value is None or value is False:
         return None
     text = str(value).strip() if value is not True else "on"
@@ -301,22 +393,25 @@ def parse_tensorboard(value: Any) -> str | None:
         return None
     if text.lower() in ("on", "true", "yes", "1"):
         return "on"
-    if Path(text).is_file():
-        raise UsageError(f"tensorboard takes a directory, got the file {text!r}",
+    problem = output_dir_problem(Path(text))
+    if problem is not None:
+        raise UsageError(f"tensorboard takes a directory fdl can write; {text!r} {problem}",
                          hint="fdl run train.py --tensorboard (in the run directory), or "
-                              "--tensorboard=DIR")
+                              "--tensorboard=DIR with a directory you can write")
     return text
 
 
 def parse_nproc(value: Any) -> int | str:
-    text = str(value).strip().lower()
+    """A count of workers in :data:`WORKERS_PER_NODE`, or ``auto``, ``gpu``, ``cpu``."""
+    text = value.strip().lower() if isinstance(value, str) else None
     if text in ("auto", "gpu", "cpu"):
         return text
-    if text.lstrip("-").isdigit():
-        return parse_positive_int("--nproc-per-node")(value)
-    raise UsageError(f"--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', "
-                     f"got {value!r}", hint="e.g. --nproc-per-node 2, or auto for one worker "
-                                            "per GPU")
+    if _whole(value) is not None:
+        return parse_whole("nproc_per_node", WORKERS_PER_NODE,
+                           hint="e.g. --nproc-per-node 2, or auto for one worker per GPU")(value)
+    raise UsageError(f"nproc_per_node must be a whole number in {WORKERS_PER_NODE}, 'auto', "
+                     f"'gpu' or 'cpu', got {shown(value)}",
+                     hint="e.g. --nproc-per-node 2, or auto for one worker per GPU")
 
 
 def parse_run_dir(value: Any) -> str:
@@ -324,20 +419,6 @@ def parse_run_dir(value: Any) -> str:
         raise UsageError(f"run_dir must be a non-empty path, got {value!r}",
                          hint="e.g. --run-dir runs/first")
     return str(value)
-
-
-def parse_fraction(name: str, *, positive: bool) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        try:
-            number = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError):
-            number = math.nan
-        if not (number > 0 if positive else number >= 0) or number == math.inf:
-            raise UsageError(f"{name} must be a finite number {'>' if positive else '>='} 0, "
-                             f"got {value!r}")
-        return number
-
-    return parse
 
 
 # ---- the tables -------------------------------------------------------------------------------
@@ -401,11 +482,12 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("policy", "cadence", parse_policy,
             "sync | cadence | async, or auto (chosen after calibration).", script=True),
     _engine("backend", "auto", parse_backend, "auto | nccl | cpu.", script=True),
-    _engine("epochs", 5, parse_positive_int("epochs"), "Epochs.", script=True),
-    _engine("batch_size", 64, parse_positive_int("batch_size"),
+    _engine("epochs", 5, parse_whole("epochs", EPOCHS), "Epochs.", script=True),
+    _engine("batch_size", 64, parse_whole("batch_size", BATCH_SIZES),
             "Batch size per worker per step.", script=True),
-    _engine("seed", 42, parse_non_negative_int("seed"), "Seed for init and data order.",
-            script=True),
+    _engine("seed", 42, parse_whole("seed", SEEDS, hint="a seed from 0 to 2**63 - 1: the engine "
+                                   "seeds torch with it plus the epoch and a rank offset"),
+            "Seed for init and data order.", script=True),
     _engine("simulate_slowdown", None, parse_slowdown,
             "Per-worker slowdown factors, e.g. 1,2.5.", env="FDL_SLOWDOWN"),
     _engine("checkpoint_every", None, parse_checkpoint_every,
@@ -417,18 +499,19 @@ SETTINGS: tuple[SettingSpec, ...] = (
             "worker (16,64), or auto (the largest that fits on each GPU); off: the batch.",
             env="FDL_MICRO_BATCH", script=True, flag_text="--micro-batch"),
     # Training budgets: training stops at the first one reached (the epochs are one).
-    _engine("max_steps", None, parse_budget(parse_positive_int("max_steps")),
+    _engine("max_steps", None, parse_budget(parse_whole("max_steps", STEPS)),
             "Stop after N training steps; off: no limit.", script=True),
-    _engine("max_samples", None, parse_budget(parse_positive_int("max_samples")),
+    _engine("max_samples", None, parse_budget(parse_whole("max_samples", SAMPLES)),
             "Stop after N training samples; off: no limit.", script=True),
     _engine("max_time", None, parse_budget(parse_time("max_time")),
             "Stop after this much training time: 90s, 10m, 1.5h or seconds; off: no limit.",
             script=True),
     # Tuning knobs of the engine, read from the environment only.
-    _engine("divergence_threshold", 16.0, parse_fraction("divergence_threshold", positive=True),
+    _engine("divergence_threshold", 16.0,
+            parse_real("divergence_threshold", DIVERGENCE_THRESHOLDS),
             "How many times its usual level the replicas' drift (per LR and step) may reach "
             "before a round counts as diverging.", flag=False, file=False),
-    _engine("overhead_target", 0.02, parse_fraction("overhead_target", positive=True),
+    _engine("overhead_target", 0.02, parse_real("overhead_target", OVERHEAD_TARGETS),
             "Wanted sync time / compute time per round.", flag=False, file=False),
     _engine("tensorboard", None, parse_tensorboard,
             "Write TensorBoard scalars: on (RUN_DIR/tensorboard), off, or a directory.",
@@ -439,7 +522,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
     _engine("outer_optimizer", "none", parse_outer_optimizer,
             "none | nesterov: step each average's displacement with Nesterov momentum "
             "(DiLoCo/SlowMo) instead of taking the average as it is; cadence and async."),
-    _engine("outer_lr", 0.7, parse_fraction("outer_lr", positive=True),
+    _engine("outer_lr", 0.7, parse_real("outer_lr", OUTER_LRS),
             "The outer optimizer's learning rate (1 with momentum 0: plain averaging)."),
     _engine("outer_momentum", 0.9, parse_momentum,
             "The outer optimizer's Nesterov momentum, from 0 to below 1."),
@@ -451,7 +534,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
     SettingSpec("nproc_per_node", "auto", parse_nproc,
                 "Workers per node: N, 'auto' (one per GPU, else 2 CPU workers) or 'cpu'.",
                 "FDL_NPROC_PER_NODE", panel=TORCHRUN_PANEL),
-    SettingSpec("max_restarts", 0, parse_non_negative_int("max_restarts"),
+    SettingSpec("max_restarts", 0, parse_whole("max_restarts", RESTARTS),
                 "Restart the worker group up to N times.", "FDL_MAX_RESTARTS",
                 panel=TORCHRUN_PANEL),
 )
@@ -588,7 +671,8 @@ def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str],
     resolved = {}
     for spec in SETTINGS:
         if spec.flag and flags.get(spec.name) is not None:
-            resolved[spec.name] = Setting(spec.parse(flags[spec.name]), "flag")
+            value = parse_from(spec, flags[spec.name], origin=spec.flag_name)
+            resolved[spec.name] = Setting(value, "flag")
         elif env.get(spec.env):
             value = _from_env(spec, env[spec.env])
             resolved[spec.name] = Setting(value, "env")

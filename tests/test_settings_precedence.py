@@ -23,7 +23,7 @@ from fdl.launch.config_file import load_config_file
 from fdl.launch.request import RunRequest
 from fdl.launch.spec import build_launch_spec
 from fdl.settings import SETTINGS, SettingSpec, resolve_run_settings
-from fdl.system.gpus import GpuSurvey
+from fdl.system.gpus import GpuInfo, GpuSurvey
 
 # name -> {source: example}; flag and env values are text, file values TOML, script values
 # Python. Every example differs from the default (a script value equal to it counts as default).
@@ -54,6 +54,11 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "max_restarts": {"flag": "1", "env": "2", "file": 3},
 }
 ORDER = ("flag", "env", "file", "script")
+# The settings whose examples only a GPU worker takes (backend nccl, precision fp16): planned on
+# two Ampere GPUs, since fdl run refuses them for CPU workers as the workers would.
+ON_GPUS = ("backend", "precision")
+TWO_GPUS = GpuSurvey("fixture", tuple(GpuInfo(i, "NVIDIA A100", (8, 0), uuid=f"GPU-{i}")
+                                      for i in range(2)), "550.0", "12.4")
 
 
 def _sources(spec: SettingSpec) -> tuple[str, ...]:
@@ -102,7 +107,8 @@ def _run(spec: SettingSpec, given: tuple[str, ...], tmp: Path) -> tuple[Any, str
                                     file_path=file_path)
     launch = build_launch_spec(
         RunRequest("train.py", (), flags), settings=settings,
-        survey=GpuSurvey("none", (), None, None), env=env, cwd=project,
+        survey=TWO_GPUS if spec.name in ON_GPUS else GpuSurvey("none", (), None, None),
+        env=env, cwd=project,
         now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=8,
         taken=lambda path: False)
     if not spec.engine:

@@ -41,7 +41,13 @@ from fdl.errors import FdlError, UsageError
 from fdl.launch.child import run_from_scratch
 from fdl.rundir.summary import has_summary
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
-from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
+from fdl.settings import (
+    POLICIES,
+    WORKERS_PER_NODE,
+    as_flags,
+    parse_from,
+    without_run_settings,
+)
 from fdl.system.facts import machine_facts
 
 __all__ = ["Cell", "Mode"]  # re-exported: callers plan cells here
@@ -64,9 +70,10 @@ def parse_slowdown(text: str) -> tuple[float, ...]:
     """``"1,2.5"`` -> ``(1.0, 2.5)``: the settings' factor list (fdl.settings.parse_slowdown),
     with two or more factors: a sweep compares El Che across two or more workers."""
     factors = parse_from(SETTINGS_BY_NAME["simulate_slowdown"], text, origin="--simulate-slowdown")
-    if len(factors) < 2:
-        raise UsageError(f"--simulate-slowdown: {text!r} has one factor; a sweep needs two or more",
-                         hint="one number > 0 per worker, e.g. 1,2.5")
+    if not 2 <= len(factors) <= WORKERS_PER_NODE.high:  # one worker per factor, on this host
+        raise UsageError(f"--simulate-slowdown has {len(factors)} factor(s); a sweep needs from 2 "
+                         f"to {WORKERS_PER_NODE.high}, one per worker",
+                         hint="one factor per worker, e.g. 1,2.5")
     return factors
 
 
@@ -225,6 +232,7 @@ def run_sweep(cells: Sequence[Cell], *, out_dir: Path, data_dir: Path, args: dic
     """Run the cells not yet in results.jsonl, in order; ``on_cell(i, cell)`` before each."""
     out_dir.mkdir(parents=True, exist_ok=True)
     todo, skipped = split_done(cells, out_dir=out_dir)
+    check_no_links(todo, out_dir=out_dir)
     write_sweep_json(out_dir, machine=machine_facts() if machine is None else machine, args=args,
                      num_cells=len(cells), num_skipped=len(skipped))
     results, failures = [], []
@@ -246,8 +254,7 @@ def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict
     from fdl.bench.datasets import default_data_dir
 
     out_dir = out_dir.resolve()
-    run_dir = out_dir / "runs" / cell.key  # one left by an interrupted sweep is started anew
-    log = out_dir / "runs" / f"{cell.key}.log"
+    run_dir, log = cell_paths(cell, out_dir=out_dir)  # one left by an interruption: anew
     argv = cell_argv(cell, run_dir=run_dir, data_dir=(data_dir or default_data_dir()).resolve())
     started = time.time()
     # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
@@ -260,6 +267,23 @@ def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict
     append_record(out_dir / "failures.jsonl", failure_record(
         cell, exit_code=code, started=started, log=log, out_dir=out_dir))
     raise failure
+
+
+def cell_paths(cell: Cell, *, out_dir: Path) -> tuple[Path, Path]:
+    """A cell's run directory and log: ``<out>/runs/<key>`` and ``<out>/runs/<key>.log``."""
+    return out_dir / "runs" / cell.key, out_dir / "runs" / f"{cell.key}.log"
+
+
+def check_no_links(cells: Iterable[Cell], *, out_dir: Path) -> None:
+    """A UsageError, before anything is written, when ``<out>/runs`` or a cell's run directory
+    or log is a symbolic link: a cell's directory is removed and its log rewritten, and neither
+    may reach through a link to what it points at."""
+    runs = out_dir.resolve() / "runs"
+    paths = [runs, *(p for cell in cells for p in cell_paths(cell, out_dir=out_dir.resolve()))]
+    for path in paths:
+        if path.is_symlink():
+            raise UsageError(f"{path} is a symbolic link; fdl bench does not write or remove a "
+                             "run through a link", hint="remove the link, or pass another --out")
 
 
 def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:

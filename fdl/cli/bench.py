@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from fdl.errors import FdlError, UsageError
+from fdl.settings import EPOCHS, NUM_SEEDS
 
 if TYPE_CHECKING:
     from fdl.bench.sweep import Cell
@@ -45,8 +46,10 @@ def bench(
     dataset: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Train every model on this dataset (default: its first usable one).")] = None,
     epochs: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        min=1, help="Epochs per cell (default: the model's; --quick: its quick epochs).")] = None,
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds per cell: 0..N-1.")] = 1,
+        min=EPOCHS.low, max=EPOCHS.high,
+        help="Epochs per cell (default: the model's; --quick: its quick epochs).")] = None,
+    seeds: Annotated[int, typer.Option(min=NUM_SEEDS.low, max=NUM_SEEDS.high,
+                                       help="Seeds per cell: 0..N-1.")] = 1,
     simulate_slowdown: Annotated[str, typer.Option(
         help="Emulated speed factors, one per worker (CPU hosts and single-GPU hosts).")] = "1,2.5",
     quick: Annotated[bool, typer.Option(
@@ -72,6 +75,7 @@ def bench(
                        data_dir=data_dir, download=not no_download)
     cells, notes = request.plan()
     if dry_run:
+        _refuse_out_dir(request.out)
         _print_plan(cells, notes, request, as_json=json_output)
         return
     raise typer.Exit(_execute(cells, notes, request))
@@ -164,6 +168,7 @@ def _check_out_dir(out: Path) -> None:
     dataset is fetched or cell started."""
     import os
 
+    _refuse_out_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -172,6 +177,17 @@ def _check_out_dir(out: Path) -> None:
                          hint="pass --out DIR with a directory you can write") from exc
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out}: the sweep directory is not writable",
+                         hint="pass --out DIR with a directory you can write")
+
+
+def _refuse_out_dir(out: Path) -> None:
+    """A usage error when ``out`` could not be a sweep directory (a file, under one, in /proc,
+    not writable: fdl.files.output_dir_problem). Reads only, so --dry-run refuses it too."""
+    from fdl.files import output_dir_problem
+
+    problem = output_dir_problem(out)
+    if problem is not None:
+        raise UsageError(f"--out {out} {problem}",
                          hint="pass --out DIR with a directory you can write")
 
 

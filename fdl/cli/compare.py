@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from fdl.errors import UsageError
-from fdl.settings import POLICIES
+from fdl.settings import EPOCHS, NUM_SEEDS, POLICIES
 
 if TYPE_CHECKING:
     from fdl.compare.plan import ComparePlan
@@ -76,8 +76,9 @@ def compare(
         help="fdl run options for every run, then the script's arguments.")] = None,
     policies: Annotated[str, typer.Option(help="Policies, comma-separated.")] = ",".join(POLICIES),
     epochs: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        min=1, help="Epochs of every run (default: fdl run's).")] = None,
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds per policy: --seed, --seed + 1, ...")] = 1,
+        min=EPOCHS.low, max=EPOCHS.high, help="Epochs of every run (default: fdl run's).")] = None,
+    seeds: Annotated[int, typer.Option(min=NUM_SEEDS.low, max=NUM_SEEDS.high,
+                                       help="Seeds per policy: --seed, --seed + 1, ...")] = 1,
     out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="Compare directory (default runs/compare-<UTC time>-<stem>); reuse it to resume.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the runs; start nothing.")] = False,
@@ -91,7 +92,7 @@ def compare(
     Example: fdl compare train.py --epochs 3 --seeds 3 --simulate-slowdown 1,2.5
     """
     from fdl.compare.plan import CompareRequest, parse_policies, prepare_compare
-    from fdl.compare.run import check_out_dir
+    from fdl.compare.run import check_cells, check_out_dir
     from fdl.launch.request import split_script_args
 
     given = {"policies": policies, "epochs": epochs, "seeds": seeds, "out": out,
@@ -106,6 +107,7 @@ def compare(
                              num_seeds=given["seeds"], out=given["out"])
     plan = prepare_compare(request)
     check_out_dir(plan)
+    check_cells(plan)
     if given["dry_run"]:
         _print_plan(plan, as_json=given["json_output"])
         return
@@ -135,7 +137,8 @@ def _own_options(ctx: typer.Context, args: list[str]) -> tuple[dict[str, Any], l
         try:
             found[param.name] = True if param.is_flag else param.type_cast_value(ctx, value)
         except typer.BadParameter as exc:
-            raise UsageError(f"{flag}: {exc.format_message()}",
+            message = exc.format_message()  # names the option when the value is out of range
+            raise UsageError(message if flag in message else f"{flag}: {message}",
                              hint="see `fdl compare --help`") from exc
     return found, rest
 

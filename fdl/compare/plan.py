@@ -32,10 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fdl.errors import UsageError
+from fdl.errors import UsageError, os_failure
 from fdl.launch.request import flags_argv
 from fdl.rundir.config import launch_identity
-from fdl.settings import BY_NAME, OPTIONS_BY_NAME, POLICIES, parse_from
+from fdl.settings import BY_NAME, NUM_SEEDS, OPTIONS_BY_NAME, POLICIES, SEEDS, parse_from, shown
 
 # fdl run options that fdl compare sets per cell itself, or that have no meaning per cell.
 _OWNED = {"policy": "--policies", "run_dir": "--out DIR", "resume": "the same --out (fdl "
@@ -120,11 +120,27 @@ def default_out(script: Path, *, now: datetime) -> Path:
     return Path("runs") / f"compare-{now.strftime('%Y%m%dT%H%M%SZ')}-{script.stem}"
 
 
+def check_seeds(num_seeds: int, base_seed: int) -> None:
+    """``--seeds`` in :data:`~fdl.settings.NUM_SEEDS`, and the last cell's seed (``base_seed +
+    num_seeds - 1``) one that fdl run takes (:data:`~fdl.settings.SEEDS`): refused before any
+    cell is planned."""
+    if isinstance(num_seeds, bool) or not isinstance(num_seeds, int) or \
+            num_seeds not in NUM_SEEDS:
+        raise UsageError(f"--seeds must be a whole number in {NUM_SEEDS}, got {shown(num_seeds)}",
+                         hint="e.g. --seeds 3 (each policy trained with 3 seeds)")
+    last = base_seed + num_seeds - 1
+    if last not in SEEDS:
+        raise UsageError(f"--seeds {num_seeds} from seed {base_seed} reaches seed {last}, past "
+                         f"the seeds fdl run takes ({SEEDS})",
+                         hint="a smaller --seed or fewer --seeds")
+
+
 def plan_compare(request: CompareRequest, *, cwd: Path, now: datetime, base_seed: int,
                  script_sha256: str | None = None) -> ComparePlan:
     """The cells, seed by seed and within a seed policy by policy (an interrupted compare has
     every policy of its first seeds). Pure: ``base_seed`` and the script's digest (part of the
     compare's identity: an edited script is another compare) come from the caller."""
+    check_seeds(request.num_seeds, base_seed)
     options = canonical_flags(request.flags)
     script = (cwd / request.script).resolve()
     out = (cwd / (request.out or default_out(script, now=now))).resolve()
@@ -158,8 +174,12 @@ def prepare_compare(request: CompareRequest, *, cwd: Path | None = None,
     shared = {name: value for name, value in options.items() if name != "seed"}
     first = plan_run(RunRequest(request.script, request.script_args, shared), env=env, cwd=cwd)
     base_seed = int(options.get("seed", first.settings["seed"].value))
+    try:  # the first read of the script: one that cannot be read is refused before any cell
+        digest = sha256_file(first.script)
+    except OSError as exc:
+        raise os_failure(exc, doing="fdl compare cannot read the script", exit_code=2) from exc
     plan = plan_compare(request, cwd=cwd, now=datetime.now(timezone.utc), base_seed=base_seed,
-                        script_sha256=sha256_file(first.script))
+                        script_sha256=digest)
     cells = tuple(replace(cell, expected=launch_identity(plan_run(
         RunRequest(request.script, request.script_args, cell.flags), env=env, cwd=cwd).to_dict()))
         for cell in plan.cells)

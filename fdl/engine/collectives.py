@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fdl.engine.device_rules import check_backend
 from fdl.engine.p2p import P2P_ENV, P2PChoice, missing_pairs, node_devices, p2p_choice, peer_pairs
-from fdl.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,7 @@ def pick_device(local_rank: int, backend: str) -> torch.device:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device
-    if backend == "nccl":
-        raise UsageError("backend 'nccl' needs a CUDA GPU, and this worker has none",
-                         hint="use --backend cpu (or auto)")
+    check_backend(backend, has_cuda=False)  # fdl run checks it before anything starts
     return torch.device("cpu")
 
 

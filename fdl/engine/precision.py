@@ -27,12 +27,11 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from fdl.errors import UsageError
+from fdl.engine.device_rules import precision_on
 from fdl.settings import choice_for_rank
 
 # What autocast runs the forward pass in; fp32 runs without autocast.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BF16_CAPABILITY = (8, 0)  # the first CUDA compute capability with bf16 tensor cores (Ampere)
 
 
 def precision_for_rank(spec: tuple[str, ...], rank: int, world_size: int) -> str:
@@ -47,25 +46,11 @@ def resolve_precision(choice: str, device: torch.device, *,
     """``fp32``, ``bf16`` or ``fp16`` for ``choice`` (``auto`` or one of those) on ``device``
     (see the module docstring for the rules). ``capability`` is the CUDA device's compute
     capability, read from the device when not given. A choice the device cannot train in is a
-    UsageError saying what it can."""
-    if choice not in ("auto", "fp32", *DTYPES):
-        raise UsageError(f"unknown precision {choice!r}", hint="use one of: auto, fp32, bf16, fp16")
-    if device.type != "cuda":
-        if device.type == "cpu" and choice == "fp16":
-            raise UsageError("precision fp16 is not supported on the CPU (few CPUs compute "
-                             "fp16 faster than fp32)", hint="use bf16 or fp32 on the CPU")
-        return "fp32" if choice == "auto" else choice
-    if capability is None:
+    UsageError saying what it can (fdl.engine.device_rules: fdl run checks the same before it
+    starts anything)."""
+    if device.type == "cuda" and capability is None:
         capability = torch.cuda.get_device_capability(device)
-    has_bf16 = tuple(capability) >= BF16_CAPABILITY
-    if choice == "auto":
-        return "bf16" if has_bf16 else "fp32"
-    if choice == "bf16" and not has_bf16:
-        major, minor = capability
-        raise UsageError(f"precision bf16 needs a GPU of compute capability 8.0 or newer; "
-                         f"{device} has {major}.{minor}",
-                         hint="use fp16 or fp32 on this GPU (auto picks fp32 there)")
-    return choice
+    return precision_on(choice, device_type=device.type, capability=capability, device=str(device))
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from fdl.engine.device_rules import check_backend, precision_on
 from fdl.errors import UsageError
 from fdl.system.gpus import GpuInfo, GpuSurvey
 
@@ -62,6 +63,23 @@ def plan_devices(*, survey: GpuSurvey, devices: str | None, nproc: int | str | N
     return DevicePlan("cuda", len(chosen), chosen, max(1, logical_cores // len(chosen)),
                       ",".join(_visible_token(gpu, env) for gpu in chosen),
                       f"{len(chosen)} GPU worker(s)")
+
+
+def check_devices(devices: DevicePlan, *, backend: str, precision: tuple[str, ...],
+                  one_node: bool) -> None:
+    """What each local worker's engine would refuse on the device planned for it, refused now
+    with the engine's own rules (fdl.engine.device_rules): ``nccl`` without a GPU, a precision
+    its device cannot train in. ``precision`` is the setting (one choice, or one per rank); a
+    choice per rank is checked on ``one_node`` only, where the rank is the local rank."""
+    check_backend(backend, has_cuda=devices.kind == "cuda")
+    if len(precision) > 1 and not one_node:
+        return
+    for local_rank in range(devices.nproc):
+        choice = precision[0] if len(precision) == 1 else precision[local_rank]
+        capability = devices.gpus[local_rank].compute_capability if devices.kind == "cuda" \
+            else None
+        precision_on(choice, device_type=devices.kind, capability=capability,
+                     device=devices.describe(local_rank))
 
 
 def _chosen_gpus(survey: GpuSurvey, devices: str | None) -> tuple[GpuInfo, ...]:

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import UsageError
-from fdl.launch.devices import DevicePlan, plan_devices
+from fdl.files import named_path
+from fdl.launch.devices import DevicePlan, check_devices, plan_devices
 from fdl.launch.interpreters import Interpreter
 from fdl.launch.network import NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
 from fdl.launch.worker_env import build_worker_env
-from fdl.settings import PER_WORKER, Setting, check_per_worker
+from fdl.settings import BY_NAME, PER_WORKER, RESUME_ENV, Setting, check_per_worker, shown
 from fdl.system.gpus import GpuSurvey
 
 
@@ -102,11 +103,11 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
                            nproc=settings["nproc_per_node"].value, logical_cores=logical_cores,
                            env=env)
     rendezvous = plan_rendezvous(request, env=env, run_id=run_id)
-    _check_slowdown(settings, devices.nproc * rendezvous.max_nodes)
-    for name in PER_WORKER:  # one value for every worker, or one per worker
-        values = settings[name].value
-        if values is not None:
-            check_per_worker(name, values, devices.nproc * rendezvous.max_nodes, as_flag=True)
+    _check_caller_env(env, resuming=request.get("resume") is not None)
+    _check_per_worker(settings, devices.nproc, rendezvous)
+    check_devices(devices, backend=settings["backend"].value,
+                  precision=settings["precision"].value, one_node=rendezvous.max_nodes == 1)
+    _check_sample_budget(settings, devices.nproc * rendezvous.max_nodes)
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
     return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
@@ -135,19 +136,64 @@ def _script_path(request: RunRequest, cwd: Path) -> Path:
     return (cwd / request.script).resolve()
 
 
-def _check_slowdown(settings: Mapping[str, Setting], world_size: int) -> None:
-    factors = settings["simulate_slowdown"].value
-    if factors is not None and len(factors) != world_size:
-        raise UsageError(
-            f"--simulate-slowdown has {len(factors)} factor(s) for {world_size} worker(s)",
-            hint="give one factor per worker, e.g. --simulate-slowdown 1,2.5 for 2 workers")
+def _check_caller_env(env: Mapping[str, str], *, resuming: bool) -> None:
+    """``FDL_RESUME`` is fdl run's to give its workers (with ``--resume``): one left in the
+    caller's environment would make every worker of a new run look for a checkpoint and fail,
+    after the run directory exists."""
+    if env.get(RESUME_ENV) and not resuming:
+        raise UsageError(f"{RESUME_ENV} is set in your environment ({shown(env[RESUME_ENV])}); "
+                         "fdl run sets it for its workers only with --resume",
+                         hint=f"unset {RESUME_ENV}; fdl run --resume RUN_DIR continues a run")
+
+
+def _check_per_worker(settings: Mapping[str, Setting], nproc: int,
+                      rendezvous: Rendezvous) -> None:
+    """One slowdown factor per worker, and a :data:`PER_WORKER` setting once or once per worker
+    (each worker checks its count against the group's world size): the count must match, and
+    with an elastic ``--nnodes MIN:MAX`` a list per worker cannot, whatever number joins."""
+    low, high = nproc * rendezvous.min_nodes, nproc * rendezvous.max_nodes
+    for name in ("simulate_slowdown", *PER_WORKER):
+        values = settings[name].value
+        if values is None or (name in PER_WORKER and len(values) <= 1):
+            continue
+        flag = BY_NAME[name].flag_name
+        if low != high:
+            raise UsageError(f"{flag} gives one value per worker, and --nnodes "
+                             f"{rendezvous.min_nodes}:{rendezvous.max_nodes} leaves the number "
+                             f"of workers open ({low} to {high})",
+                             hint="use a fixed --nnodes N" + (
+                                 "" if name == "simulate_slowdown" else
+                                 f", or one value for every worker ({flag} "
+                                 f"{PER_WORKER[name][0]})"))
+        if name in PER_WORKER:
+            check_per_worker(name, values, high, as_flag=True)
+        elif len(values) != high:
+            raise UsageError(
+                f"--simulate-slowdown has {len(values)} factor(s) for {high} worker(s)",
+                hint="give one factor per worker, e.g. --simulate-slowdown 1,2.5 for 2 workers")
+
+
+def _check_sample_budget(settings: Mapping[str, Setting], world_size: int) -> None:
+    """A sample budget below one batch per worker (``world_size x batch_size``), which the
+    engine's plan refuses (fdl.engine.plan.PlanConfig); only with a batch size given here, since
+    the script may set its own."""
+    budget, batch = settings["max_samples"], settings["batch_size"]
+    if budget.value is None or batch.source == "default":
+        return
+    least = world_size * batch.value
+    if budget.value < least:
+        where = BY_NAME["max_samples"].source_name(budget.source)
+        raise UsageError(f"max_samples {budget.value} ({where}) is less than one batch per "
+                         f"worker ({world_size} x batch_size {batch.value} = {least})",
+                         hint=f"give max_samples {least} or more, a smaller batch_size, or "
+                              "max_steps instead")
 
 
 def _run_dir(settings: Mapping[str, Setting], *, cwd: Path, now: datetime, stem: str,
              policy: str, taken: Callable[[Path], bool]) -> Path:
     explicit = settings["run_dir"].value
-    if explicit:
-        return (cwd / explicit).resolve()
+    if explicit:  # as named: a link there is refused (fdl.rundir.layout), not followed
+        return named_path(cwd / explicit)
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     name = f"{stamp}-{stem.replace('.', '_')}-{policy}"
     path, count = (cwd / "runs" / name).resolve(), 1

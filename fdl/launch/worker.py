@@ -37,7 +37,7 @@ import sys
 from typing import Any
 
 from fdl.launch.interpreters import exec_if_named
-from fdl.settings import LAUNCHER_PID_ENV
+from fdl.settings import LAUNCHER_PID_ENV, debugging
 
 WATCHDOG_INTERVAL_S = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -77,7 +77,7 @@ def _exit_on_fdl_error(exc: Exception) -> None:
     Any other exception propagates unchanged (``FDL_DEBUG=1``: fdl's too)."""
     from fdl.errors import FdlError
 
-    if not isinstance(exc, FdlError) or os.environ.get("FDL_DEBUG"):
+    if not isinstance(exc, FdlError) or debugging():
         return
     sys.stderr.write(f"error: {exc.message}\n" + (f"hint: {exc.hint}\n" if exc.hint else ""))
     sys.stderr.flush()
@@ -94,7 +94,7 @@ def _exit_on_lost_peer(exc: Exception, argv: list[str]) -> None:
     error (fdl.engine.peers), and exit 1, instead of gloo's message and a traceback through
     the training loop. ``FDL_DEBUG=1`` keeps the traceback."""
     peers = sys.modules.get("fdl.engine.peers")
-    if os.environ.get("FDL_DEBUG") or peers is None:
+    if debugging() or peers is None:
         return
     line = peers.stopped_by_peer(exc)
     if line is None:

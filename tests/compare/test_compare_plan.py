@@ -60,7 +60,8 @@ def test_a_given_seed_is_the_base_and_out_is_taken_as_given(tmp_path):
     ({"run_dir": "x"}, "--run-dir is fdl compare's to set", "use --out DIR"),
     ({"resume": "x"}, "--resume is fdl compare's to set", "use the same --out"),
     ({"overwrite_run_dir": True}, "--overwrite-run-dir is fdl compare's to set", "a new --out"),
-    ({"epochs": "0"}, "--epochs: epochs must be a positive integer, got '0'", "whole number"),
+    ({"epochs": "0"}, "--epochs: epochs must be a whole number in [1, 1000000], got '0'",
+     "whole number"),
 ])
 def test_options_fdl_compare_owns_or_that_are_bad_are_usage_errors(flags, message, hint):
     with pytest.raises(UsageError) as caught:

@@ -129,7 +129,7 @@ def test_another_compare_in_the_same_directory_is_refused(compared):
 @pytest.mark.parametrize(("extra", "needle"), [
     (["--policy", "async"], "--policy is fdl compare's to set"),
     (["--run-dir", "x"], "--run-dir is fdl compare's to set"),
-    (["--simulate-slowdown", "1,0"], "malformed simulate_slowdown"),
+    (["--simulate-slowdown", "1,0"], "simulate_slowdown must be one factor in [1, 1000]"),
     (["--seeds", "0"], "--seeds"),
 ])
 def test_bad_input_is_a_usage_error_and_starts_nothing(tmp_path, extra, needle):

@@ -104,10 +104,10 @@ def test_the_collective_timeout_is_auto_or_a_time_up_to_a_day(raw, seconds):
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    ("0", "collective_timeout must be a time > 0, got '0'"),
-    ("soon", "collective_timeout must be a time > 0, got 'soon'"),
-    ("1e300", "collective_timeout must be at most a day (24h), got '1e300'"),
-    ("25h", "collective_timeout must be at most a day (24h), got '25h'"),
+    ("0", "collective_timeout must be a time in (0s, 24h], got '0'"),
+    ("soon", "collective_timeout must be a time in (0s, 24h], got 'soon'"),
+    ("1e300", "collective_timeout must be a time in (0s, 24h], got '1e300'"),
+    ("25h", "collective_timeout must be a time in (0s, 24h], got '25h'"),
 ])
 def test_a_bad_collective_timeout_is_one_line(raw, message):
     with pytest.raises(UsageError) as caught:

@@ -43,7 +43,7 @@ def test_a_sweep_json_that_is_not_utf8_is_one_line(tmp_path):
     (tmp_path / "results.jsonl").write_text(json.dumps(GOOD) + "\n")
     (tmp_path / "sweep.json").write_bytes(b"\xff\xfe{}")
     result = run_fdl("bench", "report", str(tmp_path))
-    assert_one_error(result, 1, "sweep.json is not UTF-8")
+    assert_one_error(result, 2, "sweep.json is not UTF-8")  # as fdl report: not a sweep's
 
 
 @pytest.mark.parametrize(("meta", "problem"), [

@@ -13,16 +13,17 @@ from fdl.errors import ConfigError, UsageError
 from fdl.launch.config_file import load_config_file
 from fdl.settings import (
     BY_NAME,
+    EPOCHS,
+    SEEDS,
     SETTINGS,
     SOURCES_ENV,
     Setting,
     engine_env,
     parse_backend,
-    parse_non_negative_int,
     parse_nproc,
     parse_policy,
-    parse_positive_int,
     parse_slowdown,
+    parse_whole,
     resolve_run_settings,
 )
 
@@ -57,42 +58,45 @@ def test_parse_backend_names_the_value_and_the_backends() -> None:
 
 
 @pytest.mark.parametrize(("raw", "value"), [("3", 3), (" 12 ", 12), (7, 7)])
-def test_parse_positive_int_accepts_positive_whole_numbers(raw: Any, value: int) -> None:
-    assert parse_positive_int("epochs")(raw) == value
+def test_parse_whole_accepts_whole_numbers_in_range(raw: Any, value: int) -> None:
+    assert parse_whole("epochs", EPOCHS)(raw) == value
 
 
-@pytest.mark.parametrize("raw", ["0", "-2", "three", "2.5", 2.5, True, "", None])
-def test_parse_positive_int_rejects_the_rest_naming_field_and_value(raw: Any) -> None:
+@pytest.mark.parametrize("raw", ["0", "-2", "three", "2.5", 2.5, True, "", None, "1000001"])
+def test_parse_whole_rejects_the_rest_naming_field_value_and_range(raw: Any) -> None:
     with pytest.raises(UsageError) as caught:
-        parse_positive_int("epochs")(raw)
-    assert caught.value.message == f"epochs must be a positive integer, got {raw!r}"
+        parse_whole("epochs", EPOCHS)(raw)
+    assert caught.value.message == f"epochs must be a whole number in [1, 1000000], got {raw!r}"
 
 
 @pytest.mark.parametrize(("raw", "value"), [("0", 0), ("42", 42), (5, 5)])
-def test_parse_non_negative_int_accepts_zero_and_up(raw: Any, value: int) -> None:
-    assert parse_non_negative_int("seed")(raw) == value
+def test_parse_whole_accepts_zero_and_up_where_the_range_starts_there(raw: Any, value: int) -> None:
+    assert parse_whole("seed", SEEDS)(raw) == value
 
 
-@pytest.mark.parametrize("raw", ["-1", "x", False, 1.5])
-def test_parse_non_negative_int_rejects_the_rest_naming_field_and_value(raw: Any) -> None:
+@pytest.mark.parametrize("raw", ["-1", "x", False, 1.5, 2**63])
+def test_parse_whole_rejects_what_is_outside_a_range_from_zero(raw: Any) -> None:
     with pytest.raises(UsageError) as caught:
-        parse_non_negative_int("seed")(raw)
-    assert caught.value.message == f"seed must be an integer >= 0, got {raw!r}"
+        parse_whole("seed", SEEDS)(raw)
+    assert caught.value.message == \
+        f"seed must be a whole number in [0, 9223372036854775807], got {raw!r}"
 
 
 @pytest.mark.parametrize(
     ("raw", "factors"),
-    [("1,2.5", (1.0, 2.5)), (" 1 , 3 ", (1.0, 3.0)), ("0.5", (0.5,)), ([1, 2.5], (1.0, 2.5))],
+    [("1,2.5", (1.0, 2.5)), (" 1 , 3 ", (1.0, 3.0)), ("1000", (1000.0,)), ([1, 2.5], (1.0, 2.5))],
 )
 def test_parse_slowdown_reads_one_factor_per_worker(raw: Any, factors: tuple[float, ...]) -> None:
     assert parse_slowdown(raw) == factors
 
 
-@pytest.mark.parametrize("raw", ["", "1,,2", "1,0", "-1", "fast", "nan", "1,inf", [], 2])
+@pytest.mark.parametrize("raw", ["", "1,,2", "1,0", "-1", "fast", "nan", "1,inf", [], 2, "0.5",
+                                 "1,1001", [1, True]])
 def test_parse_slowdown_rejects_malformed_factors(raw: Any) -> None:
     with pytest.raises(UsageError) as caught:
         parse_slowdown(raw)
-    assert caught.value.message == f"malformed simulate_slowdown {raw!r}"
+    assert caught.value.message == \
+        f"simulate_slowdown must be one factor in [1, 1000] per worker, got {raw!r}"
     assert caught.value.hint and "1,2.5" in caught.value.hint
 
 
@@ -106,10 +110,13 @@ def test_parse_nproc_accepts_counts_and_keywords(raw: Any, value: int | str) -> 
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ("0", "--nproc-per-node must be a positive integer, got '0'"),
-        ("-3", "--nproc-per-node must be a positive integer, got '-3'"),
-        ("many", "--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', got 'many'"),
-        ("2.5", "--nproc-per-node must be a positive integer, 'auto', 'gpu' or 'cpu', got '2.5'"),
+        ("0", "nproc_per_node must be a whole number in [1, 1024], got '0'"),
+        ("-3", "nproc_per_node must be a whole number in [1, 1024], got '-3'"),
+        ("1025", "nproc_per_node must be a whole number in [1, 1024], got '1025'"),
+        ("many", "nproc_per_node must be a whole number in [1, 1024], 'auto', 'gpu' or 'cpu', "
+                 "got 'many'"),
+        ("2.5", "nproc_per_node must be a whole number in [1, 1024], 'auto', 'gpu' or 'cpu', "
+                "got '2.5'"),
     ],
 )
 def test_parse_nproc_rejects_the_rest(raw: str, message: str) -> None:
@@ -204,12 +211,13 @@ def test_unknown_key_is_a_config_error_naming_file_and_key(
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("fdl.toml", 'epochs = "many"\n', "epochs: epochs must be a positive integer, got 'many'"),
+        ("fdl.toml", 'epochs = "many"\n', "epochs: epochs must be a whole number in [1, 1000000], "
+                                          "got 'many'"),
         ("fdl.toml", "run_dir = 5\n", "run_dir: run_dir must be a non-empty path, got 5"),
         (
             "pyproject.toml",
             "[tool.fdl]\nseed = -1\n",
-            "tool.fdl.seed: seed must be an integer >= 0",
+            "tool.fdl.seed: seed must be a whole number in [0, 9223372036854775807]",
         ),
         (
             "pyproject.toml",
@@ -318,7 +326,7 @@ def test_resolve_ignores_a_flag_value_for_an_env_only_setting() -> None:
 
 
 def test_bad_flag_is_a_usage_error() -> None:
-    with pytest.raises(UsageError, match="epochs must be a positive integer, got '0'"):
+    with pytest.raises(UsageError, match=r"^--epochs: epochs must be a whole number in \[1, "):
         resolve_run_settings(flags={"epochs": "0"}, env={}, file_values={}, file_path=None)
 
 
@@ -326,8 +334,10 @@ def test_bad_flag_is_a_usage_error() -> None:
     ("env", "message"),
     [
         ({"FDL_POLICY": "fast"}, "FDL_POLICY: unknown policy 'fast'"),
-        ({"FDL_EPOCHS": "zero"}, "FDL_EPOCHS: epochs must be a positive integer, got 'zero'"),
-        ({"FDL_SLOWDOWN": "1;2"}, "FDL_SLOWDOWN: malformed simulate_slowdown '1;2'"),
+        ({"FDL_EPOCHS": "zero"},
+         "FDL_EPOCHS: epochs must be a whole number in [1, 1000000], got 'zero'"),
+        ({"FDL_SLOWDOWN": "1;2"},
+         "FDL_SLOWDOWN: simulate_slowdown must be one factor in [1, 1000] per worker, got '1;2'"),
     ],
 )
 def test_bad_env_value_is_a_config_error_naming_the_variable(
@@ -380,12 +390,12 @@ def test_engine_env_passes_only_non_default_engine_settings() -> None:
 
 def test_engine_env_round_trips_through_the_parsers() -> None:
     settings = {
-        "simulate_slowdown": Setting((1.0, 2.5, 0.75), "env"),
+        "simulate_slowdown": Setting((1.0, 2.5, 1.75), "env"),
         "batch_size": Setting(64, "flag"),
     }
     env = engine_env(settings)
-    assert env["FDL_SLOWDOWN"] == "1,2.5,0.75"
-    assert BY_NAME["simulate_slowdown"].parse(env["FDL_SLOWDOWN"]) == (1.0, 2.5, 0.75)
+    assert env["FDL_SLOWDOWN"] == "1,2.5,1.75"
+    assert BY_NAME["simulate_slowdown"].parse(env["FDL_SLOWDOWN"]) == (1.0, 2.5, 1.75)
     assert BY_NAME["batch_size"].parse(env["FDL_BATCH_SIZE"]) == 64
 
 
