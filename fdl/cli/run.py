@@ -49,9 +49,19 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
     spec = plan_run(RunRequest(script, script_args, given), live=live, launcher_pid=os.getpid(),
                     preview=dry_run)
     if dry_run:
+        _check_run_dir(spec)  # what the run would refuse, --dry-run refuses (it reads only)
         _print_spec(spec, as_json=json_output)
         return
     raise typer.Exit(_execute(spec, live=live))
+
+
+def _check_run_dir(spec: LaunchSpec) -> None:
+    """The run directory may be used as planned (fdl.rundir.layout.check_run_dir); on several
+    nodes it is checked when joined instead, since another node may have made it."""
+    from fdl.rundir.layout import check_run_dir
+
+    if spec.network is None or not spec.network.several_nodes:
+        check_run_dir(spec.run_dir, use=spec.run_dir_use)
 
 
 def _live_terminal() -> bool:
@@ -116,12 +126,11 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     from fdl import console
     from fdl.launch.elastic import launch, preflight
     from fdl.launch.live import live_progress
-    from fdl.rundir.layout import check_run_dir, join_or_prepare_run_dir
+    from fdl.rundir.layout import join_or_prepare_run_dir
     from fdl.version import __version__
 
     document = spec.to_dict()
-    if spec.network is None or not spec.network.several_nodes:  # several: it may be joined
-        check_run_dir(spec.run_dir, use=spec.run_dir_use)
+    _check_run_dir(spec)
     listener = preflight(spec)
     joined = join_or_prepare_run_dir(spec.run_dir, spec=document, fdl_version=__version__,
                                      use=spec.run_dir_use)

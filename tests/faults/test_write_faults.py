@@ -103,10 +103,11 @@ def earlier_run(run_dir: Path) -> dict[str, str]:
     return files
 
 
-@pytest.mark.parametrize("flags", [[], ["--overwrite-run-dir"]])
+@pytest.mark.parametrize("flags", [[], ["--overwrite-run-dir"], ["--dry-run"],
+                                   ["--dry-run", "--overwrite-run-dir"]])
 def test_a_run_dir_that_is_a_link_is_refused(project, flags):
     target = project / "elsewhere"
-    files = earlier_run(target) if flags else {}
+    files = earlier_run(target) if "--overwrite-run-dir" in flags else {}
     target.mkdir(exist_ok=True)
     link = project / "runs" / "one"
     plant(link, target)
@@ -117,6 +118,14 @@ def test_a_run_dir_that_is_a_link_is_refused(project, flags):
         == sorted(files)
     for name, text in files.items():
         assert (target / name).read_text() == text
+
+
+def test_dry_run_refuses_a_run_dir_that_holds_a_run_as_the_run_would(project):
+    run_dir = project / "runs" / "one"
+    files = earlier_run(run_dir)
+    proc = run_fdl("run", "--dry-run", "--run-dir", str(run_dir), "train.py", cwd=project)
+    assert_one_error(proc, 2, f"run directory {run_dir} holds an earlier run")
+    assert {name: (run_dir / name).read_text() for name in files} == files
 
 
 def test_overwrite_removes_a_planted_link_never_its_target(tmp_path, victim):
