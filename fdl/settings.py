@@ -27,7 +27,6 @@ and every environment scrub derive from these tables.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,29 @@ from pathlib import Path
 from typing import Any
 
 from fdl.errors import ConfigError, UsageError
+from fdl.ranges import (
+    BATCH_SIZES,
+    COLLECTIVE_TIMEOUTS_S,
+    DIVERGENCE_THRESHOLDS,
+    EPOCHS,
+    MICRO_BATCHES,
+    MOMENTUMS,
+    OUTER_LRS,
+    OVERHEAD_TARGETS,
+    RESTARTS,
+    SAMPLES,
+    SEEDS,
+    SLOWDOWNS,
+    STEPS,
+    TIMES_S,
+    WORKERS_PER_NODE,
+    Range,
+    number_text,
+    parse_whole,
+    real,
+    shown,
+    whole,
+)
 
 POLICIES = ("sync", "cadence", "async")
 # what --policy takes: a policy, or auto (chosen after calibration: fdl.engine.policies)
@@ -113,113 +135,18 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return text
 
 
-# ---- ranges: every number of the contract, allowed values stated once, beside its parser ------
-
-@dataclass(frozen=True)
-class Range:
-    """The numbers a setting allows, ``low`` to ``high``, each end included unless open: shown
-    as ``[1, 1000000]`` or ``(0, 1000]`` in the error that refuses a value outside it."""
-
-    low: float
-    high: float
-    open_low: bool = False
-    open_high: bool = False
-
-    def __contains__(self, number: float) -> bool:
-        above = number > self.low if self.open_low else number >= self.low
-        return above and (number < self.high if self.open_high else number <= self.high)
-
-    def __str__(self) -> str:
-        return (f"{'(' if self.open_low else '['}{_text(self.low)}, {_text(self.high)}"
-                f"{')' if self.open_high else ']'}")
-
-
-# The engine seeds torch with seed + epoch (fdl.engine.data) and seed + 1_000_003 * rank
-# (fdl.engine.loop); torch.manual_seed takes at most 2**64 - 1, so a seed stops at 2**63 - 1,
-# which leaves room for both (tests/faults/test_number_faults.py seeds torch so at the ends).
-SEEDS = Range(0, 2**63 - 1)
-NUM_SEEDS = Range(1, 1000)  # fdl bench --seeds (per cell), fdl compare --seeds (per policy)
-EPOCHS = Range(1, 1_000_000)
-BATCH_SIZES = Range(1, 2**24)
-MAX_MICRO_BATCH = 2**20
-MICRO_BATCHES = Range(1, MAX_MICRO_BATCH)
-STEPS = Range(1, 10**12)
-SAMPLES = Range(1, 10**15)  # below 2**53: a count of samples stays exact as a float
-WORKERS_PER_NODE = Range(1, 1024)  # --nproc-per-node N; "cpu" is this host's core count
-NODES = Range(1, 10_000)  # --nnodes N or MIN:MAX (fdl.launch.rendezvous)
-RESTARTS = Range(0, 1000)
-# The emulation sleeps (f - 1) x a rank's compute (fdl.engine.speed): below 1 it cannot make a
-# rank faster, and a factor of 1000 already turns a 1 ms step into a second.
-SLOWDOWNS = Range(1, 1000)
-TIMES_S = Range(0, 365 * 86400, open_low=True)  # budgets and checkpoint intervals: a year
-MAX_COLLECTIVE_TIMEOUT_S = 86400.0  # a day: beyond it a stuck peer is never noticed
-COLLECTIVE_TIMEOUTS_S = Range(0, MAX_COLLECTIVE_TIMEOUT_S, open_low=True)
-DIVERGENCE_THRESHOLDS = Range(0, 1_000_000, open_low=True)
-OVERHEAD_TARGETS = Range(0, 1000, open_low=True)  # 1000: the anchor stays at its minimum
-OUTER_LRS = Range(0, 10, open_low=True)
-MOMENTUMS = Range(0, 1, open_high=True)
-MAX_SHOWN = 40  # a value longer than this is shortened in an error
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` as an error shows it: shortened past :data:`MAX_SHOWN` characters, so a
-    400-digit number is never printed whole."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4300 digits
-        return "a number of more than 4300 digits"
-    if len(text) <= MAX_SHOWN:
-        return text
-    size = f"{len(text.lstrip('-'))} digits" if isinstance(value, int) else \
-        f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters"
-    return f"{text[:MAX_SHOWN - 16]}... ({size})"
-
-
-def parse_whole(name: str, allowed: Range, *, hint: str | None = None) -> Callable[[Any], int]:
-    """A whole number in ``allowed``: an int, or text that reads as one (never a bool or a
-    float)."""
-    def parse(value: Any) -> int:
-        number = _whole(value)
-        if number is None or number not in allowed:
-            raise UsageError(f"{name} must be a whole number in {allowed}, got {shown(value)}",
-                             hint=hint or f"give {name} a whole number from "
-                                          f"{_text(allowed.low)} to {_text(allowed.high)}")
-        return number
-
-    return parse
-
-
 def parse_real(name: str, allowed: Range, *, hint: str | None = None) -> Callable[[Any], float]:
     """A finite number in ``allowed``: an int, a float or text that reads as one (never a
     bool, nan or infinity)."""
     def parse(value: Any) -> float:
-        number = _real(value)
+        number = real(value)
         if number is None or number not in allowed:
             raise UsageError(f"{name} must be a number in {allowed}, got {shown(value)}",
                              hint=hint or f"give {name} a number in {allowed}, e.g. "
-                                          f"{_text(ENGINE_DEFAULTS.get(name, allowed.high))}")
+                                          f"{number_text(ENGINE_DEFAULTS.get(name, allowed.high))}")
         return number
 
     return parse
-
-
-def _whole(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:
-        return int(value.strip()) if isinstance(value, str) else None
-    except ValueError:  # not a whole number, or past Python's 4300 digits
-        return None
-
-
-def _real(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
-    try:
-        number = float(value)
-    except (ValueError, OverflowError):  # not a number, or an int too large for a float
-        return None
-    return number if math.isfinite(number) else None
 
 
 def parse_slowdown(value: Any) -> tuple[float, ...]:
@@ -227,7 +154,7 @@ def parse_slowdown(value: Any) -> tuple[float, ...]:
     :data:`SLOWDOWNS`."""
     items = value.split(",") if isinstance(value, str) else \
         value if isinstance(value, (list, tuple)) else ()
-    factors = tuple(_real(item) for item in items)
+    factors = tuple(real(item) for item in items)
     if not factors or any(f is None or f not in SLOWDOWNS for f in factors):
         raise UsageError(
             f"simulate_slowdown must be one factor in {SLOWDOWNS} per worker, got {shown(value)}",
@@ -241,13 +168,13 @@ def parse_checkpoint_every(value: Any) -> str:
     :data:`TIMES_S`), in canonical text: ``"3"`` or ``"600s"`` (what workers receive in
     ``FDL_CHECKPOINT_EVERY``)."""
     number, unit = _time_parts(value)
-    amount: float | int | None = _seconds(number, unit) if unit else _whole(number)
+    amount: float | int | None = _seconds(number, unit) if unit else whole(number)
     if amount is None or amount not in (TIMES_S if unit else EPOCHS):
         raise UsageError(f"checkpoint_every must be a number of epochs in {EPOCHS} or a time in "
                          f"{_time_range(TIMES_S)}, got {shown(value)}",
                          hint="e.g. --checkpoint-every 2 (epochs) or --checkpoint-every 10m "
                               "(units s, m, h)")
-    return f"{_text(amount)}s" if unit else str(amount)
+    return f"{number_text(amount)}s" if unit else str(amount)
 
 
 def _time_parts(value: Any) -> tuple[str, str]:
@@ -265,12 +192,12 @@ def _time_parts(value: Any) -> tuple[str, str]:
 def _seconds(number: str, unit: str) -> float | None:
     """``number`` of ``unit`` in seconds (``1e308h`` is infinite: outside every range); None
     unless ``number`` is a finite number."""
-    amount = _real(number)
+    amount = real(number)
     return None if amount is None else amount * TIME_UNITS[unit]
 
 
 def _time_range(allowed: Range) -> str:
-    return f"(0s, {_text(allowed.high / 3600)}h]"
+    return f"(0s, {number_text(allowed.high / 3600)}h]"
 
 
 def parse_precision(value: Any) -> tuple[str, ...]:
@@ -406,7 +333,7 @@ def parse_nproc(value: Any) -> int | str:
     text = value.strip().lower() if isinstance(value, str) else None
     if text in ("auto", "gpu", "cpu"):
         return text
-    if _whole(value) is not None:
+    if whole(value) is not None:
         return parse_whole("nproc_per_node", WORKERS_PER_NODE,
                            hint="e.g. --nproc-per-node 2, or auto for one worker per GPU")(value)
     raise UsageError(f"nproc_per_node must be a whole number in {WORKERS_PER_NODE}, 'auto', "
@@ -460,16 +387,8 @@ class SettingSpec:
         if value is None:  # a setting switched off where a parser can say so (tensorboard)
             return "off"
         if isinstance(value, (tuple, list)):  # one per rank (a list once read back from JSON)
-            return ",".join(_text(v) for v in value)
-        return _text(value)
-
-
-def _text(value: Any) -> str:
-    """A float as short as reads back exactly (``2.5``, ``16``, ``1234567.5``), else ``str``."""
-    if not isinstance(value, float):
-        return str(value)
-    short = f"{value:g}"
-    return short if float(short) == value else repr(value)
+            return ",".join(number_text(v) for v in value)
+        return number_text(value)
 
 
 def _engine(name: str, default: Any, parse: Callable[[Any], Any], help: str, env: str = "",

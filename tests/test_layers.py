@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("fdl.errors", "fdl.version", "fdl.paths", "fdl.files", "fdl.readback", "fdl.console",
-             "fdl.settings"),
+             "fdl.ranges", "fdl.settings"),
     "system": ("fdl.system",),
     "download": ("fdl.download",),
     "rundir": ("fdl.rundir",),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from fdl.errors import FdlError, UsageError
-from fdl.settings import EPOCHS, NUM_SEEDS
+from fdl.ranges import EPOCHS, NUM_SEEDS
 
 if TYPE_CHECKING:
     from fdl.bench.sweep import Cell

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from fdl.errors import UsageError
-from fdl.settings import EPOCHS, NUM_SEEDS, POLICIES
+from fdl.ranges import EPOCHS, NUM_SEEDS
+from fdl.settings import POLICIES
 
 if TYPE_CHECKING:
     from fdl.compare.plan import ComparePlan

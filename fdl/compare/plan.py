@@ -34,8 +34,9 @@ from typing import Any
 
 from fdl.errors import UsageError, os_failure
 from fdl.launch.request import flags_argv
+from fdl.ranges import NUM_SEEDS, SEEDS, shown
 from fdl.rundir.config import launch_identity
-from fdl.settings import BY_NAME, NUM_SEEDS, OPTIONS_BY_NAME, POLICIES, SEEDS, parse_from, shown
+from fdl.settings import BY_NAME, OPTIONS_BY_NAME, POLICIES, parse_from
 
 # fdl run options that fdl compare sets per cell itself, or that have no meaning per cell.
 _OWNED = {"policy": "--policies", "run_dir": "--out DIR", "resume": "the same --out (fdl "
@@ -121,8 +122,8 @@ def default_out(script: Path, *, now: datetime) -> Path:
 
 
 def check_seeds(num_seeds: int, base_seed: int) -> None:
-    """``--seeds`` in :data:`~fdl.settings.NUM_SEEDS`, and the last cell's seed (``base_seed +
-    num_seeds - 1``) one that fdl run takes (:data:`~fdl.settings.SEEDS`): refused before any
+    """``--seeds`` in :data:`~fdl.ranges.NUM_SEEDS`, and the last cell's seed (``base_seed +
+    num_seeds - 1``) one that fdl run takes (:data:`~fdl.ranges.SEEDS`): refused before any
     cell is planned."""
     if isinstance(num_seeds, bool) or not isinstance(num_seeds, int) or \
             num_seeds not in NUM_SEEDS:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from fdl.errors import UsageError
 from fdl.launch.slurm import RDZV_PORT, SlurmJob, slurm_job
-from fdl.settings import NODES, shown
+from fdl.ranges import NODES, shown
 
 if TYPE_CHECKING:
     from fdl.launch.request import RunRequest

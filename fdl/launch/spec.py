@@ -22,7 +22,8 @@ from fdl.launch.network import NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
 from fdl.launch.worker_env import build_worker_env
-from fdl.settings import BY_NAME, PER_WORKER, RESUME_ENV, Setting, check_per_worker, shown
+from fdl.ranges import shown
+from fdl.settings import BY_NAME, PER_WORKER, RESUME_ENV, Setting, check_per_worker
 from fdl.system.gpus import GpuSurvey
 
 

@@ -24,7 +24,8 @@ import fdl
 import fdl.engine.micro_batches as micro_module
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.errors import UsageError
-from fdl.settings import MAX_MICRO_BATCH, parse_micro_batch
+from fdl.ranges import MAX_MICRO_BATCH
+from fdl.settings import parse_micro_batch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -19,9 +19,8 @@ from helpers import GPU_FIXTURES, assert_one_error, free_port, run_fdl
 from fdl.engine.config import resolve_config
 from fdl.errors import ConfigError, UsageError
 from fdl.launch.devices import check_devices, plan_devices
-from fdl.settings import (
+from fdl.ranges import (
     BATCH_SIZES,
-    BY_NAME,
     DIVERGENCE_THRESHOLDS,
     EPOCHS,
     MICRO_BATCHES,
@@ -31,12 +30,11 @@ from fdl.settings import (
     RESTARTS,
     SAMPLES,
     SEEDS,
-    SETTINGS,
     SLOWDOWNS,
     STEPS,
     WORKERS_PER_NODE,
-    resolve_run_settings,
 )
+from fdl.settings import BY_NAME, SETTINGS, resolve_run_settings
 from fdl.system.gpus import GpuInfo, GpuSurvey
 
 WORKER = "open('MARKER', 'w').write('a worker ran')\n"
