@@ -3,7 +3,7 @@ small parsers that read a number into one.
 
 A :class:`Range` says which numbers a setting allows and prints itself as ``[1, 1000000]`` or
 ``(0, 1000]`` in the error that refuses one outside it. A number is never a bool, NaN or an
-infinity, and a huge one is shortened in an error (:func:`shown`), never printed whole. The
+infinity, and a huge one is shortened in an error (:func:`shortened`), never printed whole. The
 ranges are what a run can use with room to spare; each one's reason is beside it.
 """
 
@@ -63,7 +63,7 @@ MOMENTUMS = Range(0, 1, open_high=True)
 MAX_SHOWN = 40  # a value longer than this is shortened in an error
 
 
-def shown(value: Any) -> str:
+def shortened(value: Any) -> str:
     """``repr(value)`` as an error shows it: shortened past :data:`MAX_SHOWN` characters, so a
     400-digit number is never printed whole."""
     try:
@@ -83,7 +83,7 @@ def parse_whole(name: str, allowed: Range, *, hint: str | None = None) -> Callab
     def parse(value: Any) -> int:
         number = whole(value)
         if number is None or number not in allowed:
-            raise UsageError(f"{name} must be a whole number in {allowed}, got {shown(value)}",
+            raise UsageError(f"{name} must be a whole number in {allowed}, got {shortened(value)}",
                              hint=hint or f"give {name} a whole number from "
                                           f"{number_text(allowed.low)} to {number_text(allowed.high)}")
         return number

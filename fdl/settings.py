@@ -54,7 +54,7 @@ from fdl.ranges import (
     number_text,
     parse_whole,
     real,
-    shown,
+    shortened,
     whole,
 )
 
@@ -130,7 +130,7 @@ def parse_momentum(value: Any) -> float:
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     text = value.strip().lower() if isinstance(value, str) else None
     if text is None or text not in allowed:
-        raise UsageError(f"unknown {name} {shown(value)}",
+        raise UsageError(f"unknown {name} {shortened(value)}",
                          hint=f"use one of: {', '.join(allowed)}")
     return text
 
@@ -141,7 +141,7 @@ def parse_real(name: str, allowed: Range, *, hint: str | None = None) -> Callabl
     def parse(value: Any) -> float:
         number = real(value)
         if number is None or number not in allowed:
-            raise UsageError(f"{name} must be a number in {allowed}, got {shown(value)}",
+            raise UsageError(f"{name} must be a number in {allowed}, got {shortened(value)}",
                              hint=hint or f"give {name} a number in {allowed}, e.g. "
                                           f"{number_text(ENGINE_DEFAULTS.get(name, allowed.high))}")
         return number
@@ -157,7 +157,7 @@ def parse_slowdown(value: Any) -> tuple[float, ...]:
     factors = tuple(real(item) for item in items)
     if not factors or any(f is None or f not in SLOWDOWNS for f in factors):
         raise UsageError(
-            f"simulate_slowdown must be one factor in {SLOWDOWNS} per worker, got {shown(value)}",
+            f"simulate_slowdown must be one factor in {SLOWDOWNS} per worker, got {shortened(value)}",
             hint="e.g. --simulate-slowdown 1,2.5 (2 workers, the second 2.5x slower)",
         )
     return factors  # type: ignore[return-value]  # none is None
@@ -171,7 +171,7 @@ def parse_checkpoint_every(value: Any) -> str:
     amount: float | int | None = _seconds(number, unit) if unit else whole(number)
     if amount is None or amount not in (TIMES_S if unit else EPOCHS):
         raise UsageError(f"checkpoint_every must be a number of epochs in {EPOCHS} or a time in "
-                         f"{_time_range(TIMES_S)}, got {shown(value)}",
+                         f"{_time_range(TIMES_S)}, got {shortened(value)}",
                          hint="e.g. --checkpoint-every 2 (epochs) or --checkpoint-every 10m "
                               "(units s, m, h)")
     return f"{number_text(amount)}s" if unit else str(amount)
@@ -211,7 +211,7 @@ def parse_precision(value: Any) -> tuple[str, ...]:
         choices = ()
     if not choices or any(choice not in PRECISIONS for choice in choices):
         raise UsageError(f"precision must be one of {', '.join(PRECISIONS)} for every rank, or "
-                         f"one of them per rank, comma-separated; got {shown(value)}",
+                         f"one of them per rank, comma-separated; got {shortened(value)}",
                          hint="e.g. --precision bf16, or --precision bf16,fp32 for 2 workers")
     return choices
 
@@ -266,7 +266,7 @@ def parse_micro_batch(value: Any) -> tuple[int | str, ...] | None:
         choices = []
     if not choices:
         raise UsageError(f"micro_batch_size must be auto or a whole number in {MICRO_BATCHES} "
-                         f"for every rank, or one per rank, comma-separated; got {shown(value)}",
+                         f"for every rank, or one per rank, comma-separated; got {shortened(value)}",
                          hint="e.g. --micro-batch 16, --micro-batch 16,64 for 2 workers, "
                               "--micro-batch auto (the largest that fits on each GPU)")
     return tuple(choices)
@@ -291,7 +291,7 @@ def parse_time(name: str, allowed: Range = TIMES_S) -> Callable[[Any], float]:
         seconds = _seconds(number, unit or "s")
         if seconds is None or seconds not in allowed:
             raise UsageError(f"{name} must be a time in {_time_range(allowed)}, got "
-                             f"{shown(value)}",
+                             f"{shortened(value)}",
                              hint=f"e.g. --{name.replace('_', '-')} 90s, 10m or 1.5h (units s, "
                                   f"m, h), or plain seconds")
         return seconds
@@ -337,7 +337,7 @@ def parse_nproc(value: Any) -> int | str:
         return parse_whole("nproc_per_node", WORKERS_PER_NODE,
                            hint="e.g. --nproc-per-node 2, or auto for one worker per GPU")(value)
     raise UsageError(f"nproc_per_node must be a whole number in {WORKERS_PER_NODE}, 'auto', "
-                     f"'gpu' or 'cpu', got {shown(value)}",
+                     f"'gpu' or 'cpu', got {shortened(value)}",
                      hint="e.g. --nproc-per-node 2, or auto for one worker per GPU")
 
 

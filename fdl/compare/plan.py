@@ -34,7 +34,7 @@ from typing import Any
 
 from fdl.errors import UsageError, os_failure
 from fdl.launch.request import flags_argv
-from fdl.ranges import NUM_SEEDS, SEEDS, shown
+from fdl.ranges import NUM_SEEDS, SEEDS, shortened
 from fdl.rundir.config import launch_identity
 from fdl.settings import BY_NAME, OPTIONS_BY_NAME, POLICIES, parse_from
 
@@ -127,7 +127,7 @@ def check_seeds(num_seeds: int, base_seed: int) -> None:
     cell is planned."""
     if isinstance(num_seeds, bool) or not isinstance(num_seeds, int) or \
             num_seeds not in NUM_SEEDS:
-        raise UsageError(f"--seeds must be a whole number in {NUM_SEEDS}, got {shown(num_seeds)}",
+        raise UsageError(f"--seeds must be a whole number in {NUM_SEEDS}, got {shortened(num_seeds)}",
                          hint="e.g. --seeds 3 (each policy trained with 3 seeds)")
     last = base_seed + num_seeds - 1
     if last not in SEEDS:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from fdl.errors import UsageError
 from fdl.launch.slurm import RDZV_PORT, SlurmJob, slurm_job
-from fdl.ranges import NODES, shown
+from fdl.ranges import NODES, shortened
 
 if TYPE_CHECKING:
     from fdl.launch.request import RunRequest
@@ -218,7 +218,7 @@ def _parse_nnodes(text: str) -> tuple[int, int]:
         bounds = (0, 0)
     if bounds[0] < NODES.low or bounds[1] < bounds[0] or bounds[1] > NODES.high:
         raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX <= "
-                         f"{NODES.high}, got {shown(text)}",
+                         f"{NODES.high}, got {shortened(text)}",
                          hint="e.g. --nnodes 2, or --nnodes 1:4 for an elastic job")
     return bounds
 

@@ -22,7 +22,7 @@ from fdl.launch.network import NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
 from fdl.launch.worker_env import build_worker_env
-from fdl.ranges import shown
+from fdl.ranges import shortened
 from fdl.settings import BY_NAME, PER_WORKER, RESUME_ENV, Setting, check_per_worker
 from fdl.system.gpus import GpuSurvey
 
@@ -142,7 +142,7 @@ def _check_caller_env(env: Mapping[str, str], *, resuming: bool) -> None:
     caller's environment would make every worker of a new run look for a checkpoint and fail,
     after the run directory exists."""
     if env.get(RESUME_ENV) and not resuming:
-        raise UsageError(f"{RESUME_ENV} is set in your environment ({shown(env[RESUME_ENV])}); "
+        raise UsageError(f"{RESUME_ENV} is set in your environment ({shortened(env[RESUME_ENV])}); "
                          "fdl run sets it for its workers only with --resume",
                          hint=f"unset {RESUME_ENV}; fdl run --resume RUN_DIR continues a run")
 
