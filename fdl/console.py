@@ -19,7 +19,6 @@ its line breaks and escapes every other control character in the outside text it
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -105,20 +104,13 @@ def error(message: str, hint: str | None = None) -> None:
 def print_json(document: Any) -> None:
     """One JSON document on stdout, nothing else (no colour, stable key order as given). Strict
     JSON: a NaN or an infinity, which a strict parser refuses, is written as ``null``."""
-    sys.stdout.write(json.dumps(_finite(document), indent=2, default=str, allow_nan=False)
+    from fdl.files import finite_json
+
+    sys.stdout.write(json.dumps(finite_json(document), indent=2, default=str, allow_nan=False)
                      + "\n")
     sys.stdout.flush()
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with every float that is not finite replaced by None, in lists and dicts."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
 
 
 def print_table(

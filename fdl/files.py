@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import stat
 import tempfile
@@ -71,6 +72,19 @@ def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> Pat
             handle.flush()
             os.fsync(handle.fileno())
     return path
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, an infinity) replaced by None, in
+    lists and dicts: what strict JSON (``allow_nan=False``) can hold, ``null`` where a figure
+    could not be measured."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
 
 
 def write_json_atomic(path: Path, document: Any, *, durable: bool = False) -> Path:

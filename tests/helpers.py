@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -217,3 +218,24 @@ def bare_venv(root: Path) -> tuple[Path, Path]:
                               "print(sysconfig.get_paths()['purelib'])"], check=True,
                              capture_output=True, text=True, timeout=60).stdout.strip()
     return python, Path(purelib)
+
+
+def install_variant(store: Any, name: str, *, kind: str = "precompiled", **meta: Any) -> None:
+    """A variant installed in ``store`` (an fdl.libtorch.store.Store) as fdl installs one: an
+    empty libtorch tree and a variant.json of ``meta`` over a CPU 2.13.0 with no archs."""
+    tree = store.staging() / f"tree-{name}"
+    for part in ("lib", "include"):
+        (tree / "libtorch" / part).mkdir(parents=True)
+    store.install(kind=kind, name=name, tree=tree,
+                  meta={"version": "2.13.0", "cuda": None, "archs": [], **meta})
+
+
+def earlier_run(run_dir: Path) -> dict[str, str]:
+    """A run directory as `fdl run` leaves it (without workers); returns its files and their
+    contents."""
+    (run_dir / "logs").mkdir(parents=True)
+    files = {"config.json": json.dumps({"fdl_version": "0", "script": "train.py"}),
+             "logs/rank0.log": "the earlier run\n", "metrics.jsonl": '{"epoch": 1}\n'}
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    return files

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import html
 import json
-import math
 import re
 from importlib import resources
 from typing import Any
+
+from fdl.files import finite_json
 
 _TOKEN = re.compile(r"__FDL_(TITLE|DATA)__")
 _UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
@@ -58,14 +59,6 @@ def strict_json(value: Any) -> str:
     try:
         return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
     except ValueError:  # rare: pay for the walk only then
-        return json.dumps(_finite(value), separators=(",", ":"), default=str, allow_nan=False)
+        return json.dumps(finite_json(value), separators=(",", ":"), default=str, allow_nan=False)
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value

@@ -21,11 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error, clean_env, libtorch_list, run_fdl
+from helpers import assert_one_error, clean_env, install_variant, libtorch_list, run_fdl
 from typer.testing import CliRunner
 
 from fdl.cli.main import app
-from fdl.libtorch.store import Store
 
 LONG = "a" * 300  # longer than any common filesystem's 255 bytes per name
 
@@ -35,14 +34,6 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
             for p in sorted(root.rglob("*"))}
 
 
-def add_variant(store: Store, name: str) -> None:
-    tree = store.staging() / f"tree-{name}"
-    for part in ("lib", "include"):
-        (tree / "libtorch" / part).mkdir(parents=True)
-    store.install(kind="precompiled", name=name, tree=tree,
-                  meta={"version": "2.13.0", "cuda": None, "archs": []})
-
-
 # ---- a read-only libtorch store ---------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["activate", "2.12.0-cpu"], ["remove", "2.12.0-cpu"],
@@ -50,7 +41,7 @@ def add_variant(store: Store, name: str) -> None:
 def test_a_read_only_store_is_one_line_and_stays_as_it_was(flodl_home, store, read_only,
                                                             command):
     for name in ("2.13.0-cpu", "2.12.0-cpu"):
-        add_variant(store, name)
+        install_variant(store, name)
     store.activate("2.13.0-cpu")
     before = snapshot(store.root)
     read_only(store.root)

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, assert_one_error, run_fdl
+from helpers import GPU_FIXTURES, assert_one_error, install_variant, run_fdl
 
 from fdl import readback
 from fdl.libtorch.store import Store
@@ -280,12 +280,7 @@ def test_a_hostile_survey_file_is_one_error(tmp_path, make):
 
 def test_a_deep_variant_json_is_one_warning_and_the_variant_skipped(tmp_path):
     home = tmp_path / "home"
-    store = Store(home / "libtorch")
-    tree = store.staging() / "tree"
-    for part in ("lib", "include"):
-        (tree / "libtorch" / part).mkdir(parents=True)
-    store.install(kind="precompiled", name="deep", tree=tree,
-                  meta={"version": "2.13.0", "cuda": None, "archs": []})
+    install_variant(Store(home / "libtorch"), "deep")
     (home / "libtorch" / "precompiled" / "deep" / "variant.json").write_text(DEEP)
     proc = run_fdl("libtorch", "list", env={"FLODL_HOME": str(home),
                                             "FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json")})

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES
+from helpers import GPU_FIXTURES, install_variant
 from typer.testing import CliRunner
 
 from fdl import console
@@ -66,13 +66,8 @@ def hostile_run(folder: Path) -> Path:
 def hostile_store(folder: Path) -> Path:
     """FLODL_HOME with one variant whose variant.json holds the payloads (version, a key)."""
     home = folder / "home"
-    store = Store(home / "libtorch")
-    tree = store.staging() / "tree"
-    for part in ("lib", "include"):
-        (tree / "libtorch" / part).mkdir(parents=True)
-    store.install(kind="precompiled", name="2.13.0-cpu", tree=tree,
-                  meta={"version": f"2.13.0{HOSTILE}", "cuda": None, "archs": [],
-                        f"note{HOSTILE}": HOSTILE})
+    install_variant(Store(home / "libtorch"), "2.13.0-cpu",
+                    **{"version": f"2.13.0{HOSTILE}", f"note{HOSTILE}": HOSTILE})
     return home
 
 

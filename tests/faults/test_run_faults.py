@@ -7,12 +7,11 @@ nothing was started."""
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error, free_port, run_fdl
+from helpers import assert_one_error, earlier_run, free_port, run_fdl
 
 WORKER = "open('MARKER', 'w').write('a worker ran')\n"
 
@@ -136,16 +135,6 @@ def test_config_file_that_is_a_directory(project, name):
 
 
 # --- the run directory ---------------------------------------------------------------------------
-
-
-def earlier_run(run_dir: Path) -> dict[str, str]:
-    """A run directory as `fdl run` leaves it; returns its files and their contents."""
-    (run_dir / "logs").mkdir(parents=True)
-    files = {"config.json": json.dumps({"fdl_version": "0", "script": "train.py"}),
-             "logs/rank0.log": "the earlier run\n", "metrics.jsonl": '{"epoch": 1}\n'}
-    for name, text in files.items():
-        (run_dir / name).write_text(text)
-    return files
 
 
 def assert_unchanged(run_dir: Path, files: dict[str, str]) -> None:

@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import GPU_FIXTURES, assert_one_error, clean_env, run_fdl
+from helpers import GPU_FIXTURES, assert_one_error, clean_env, install_variant, run_fdl
 
 from fdl.errors import UsageError
-from fdl.libtorch.store import Store
 
 NAMES = ["../../../victim", "precompiled/../../victim", "/etc", "..", ".hidden", "a\\b"]
 
@@ -27,14 +26,6 @@ NAMES = ["../../../victim", "precompiled/../../victim", "/etc", "..", ".hidden",
 def fdl(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return run_fdl(*args, env={"FLODL_HOME": str(home),
                                "FDL_GPU_SURVEY": str(GPU_FIXTURES / "none.json"), **env})
-
-
-def add(store: Store, name: str, **meta) -> None:
-    tree = store.staging() / f"tree-{name}"
-    for part in ("lib", "include"):
-        (tree / "libtorch" / part).mkdir(parents=True)
-    store.install(kind="precompiled", name=name, tree=tree,
-                  meta={"version": "2.13.0", "cuda": None, "archs": [], **meta})
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
@@ -49,7 +40,7 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_path_like_names_are_refused_by_activate_remove_and_info(flodl_home, store, name):
-    add(store, "2.13.0-cpu")
+    install_variant(store, "2.13.0-cpu")
     store.activate("2.13.0-cpu")
     before = snapshot(flodl_home.parent)
     for command in (["activate", name], ["remove", name, "--force"], ["info", name]):
@@ -85,7 +76,7 @@ def _a_fifo(path: Path) -> None:
 @pytest.mark.parametrize("breaks", [_not_utf8, _a_directory, pytest.param(
     _a_fifo, marks=pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here"))])
 def test_a_broken_active_file_is_one_warning_and_nothing_active(flodl_home, store, breaks):
-    add(store, "good")
+    install_variant(store, "good")
     breaks(store.root / ".active")
     listed = fdl(flodl_home, "libtorch", "list", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -100,9 +91,9 @@ def test_a_broken_active_file_is_one_warning_and_nothing_active(flodl_home, stor
 
 
 def test_a_broken_variant_json_is_one_warning_and_skipped(flodl_home, store):
-    add(store, "good")
-    add(store, "stringy")
-    add(store, "garbled")
+    install_variant(store, "good")
+    install_variant(store, "stringy")
+    install_variant(store, "garbled")
     meta = store.root / "precompiled" / "stringy" / "variant.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "archs": "sm_86"}))
     (store.root / "precompiled" / "garbled" / "variant.json").write_bytes(b"\x00{not json")
@@ -124,7 +115,7 @@ def test_a_broken_variant_json_is_one_warning_and_skipped(flodl_home, store):
 def test_diagnose_never_fails_because_of_the_store(flodl_home, store, tmp_path, case):
     home = flodl_home
     if case == "broken-entries":
-        add(store, "stringy")
+        install_variant(store, "stringy")
         store.activate("stringy")
         meta = store.root / "precompiled" / "stringy" / "variant.json"
         meta.write_text(json.dumps({**json.loads(meta.read_text()), "archs": "sm_86"}))
@@ -152,8 +143,8 @@ def _tiny_file_size_limit() -> None:  # in the child, before exec
 
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
 def test_activate_on_a_full_disk_is_one_error_and_active_is_unchanged(flodl_home, store):
-    add(store, "a")
-    add(store, "b")
+    install_variant(store, "a")
+    install_variant(store, "b")
     store.activate("a")
     proc = subprocess.run([sys.executable, "-m", "fdl", "libtorch", "activate", "b"],
                           env=clean_env({"FLODL_HOME": str(flodl_home)}), capture_output=True,

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error, clean_env, run_fdl
+from helpers import assert_one_error, clean_env, earlier_run, run_fdl
 
 from fdl.errors import UsageError
 from fdl.files import JsonlAppender, append_jsonl, open_for_writing, write_atomic
@@ -91,16 +91,6 @@ def test_an_atomic_write_replaces_a_link_not_its_target(tmp_path, victim):
 def project(tmp_path: Path) -> Path:
     (tmp_path / "train.py").write_text(WORKER)
     return tmp_path
-
-
-def earlier_run(run_dir: Path) -> dict[str, str]:
-    """A run directory as `fdl run` leaves it (without workers): its files and contents."""
-    (run_dir / "logs").mkdir(parents=True)
-    files = {"config.json": json.dumps({"fdl_version": "0", "script": "train.py"}),
-             "logs/rank0.log": "the earlier run\n", "metrics.jsonl": '{"epoch": 1}\n'}
-    for name, text in files.items():
-        (run_dir / name).write_text(text)
-    return files
 
 
 @pytest.mark.parametrize("flags", [[], ["--overwrite-run-dir"], ["--dry-run"],

@@ -9,7 +9,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from helpers import clean_env, run_fdl, started
+from helpers import clean_env, install_variant, run_fdl, started
 
 from fdl.libtorch.store import Store
 
@@ -21,13 +21,9 @@ def fdl(home: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def add(store: Store, name: str, *, kind: str = "precompiled") -> None:
-    tree = store.staging() / f"tree-{name}"
-    for part in ("lib", "include"):
-        (tree / "libtorch" / part).mkdir(parents=True)
-    store.install(kind=kind, name=name, tree=tree,
-                  meta={"version": "2.13.0", "cuda": "13.0", "archs": ["sm_75", "sm_120"],
-                        "source": "download", "url": "https://example.invalid/a.zip",
-                        "sha256": "ab" * 32, "size": 3 * 2**20})
+    install_variant(store, name, kind=kind, cuda="13.0", archs=["sm_75", "sm_120"],
+                    source="download", url="https://example.invalid/a.zip", sha256="ab" * 32,
+                    size=3 * 2**20)
 
 
 def test_every_libtorch_command_is_registered():
