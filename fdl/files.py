@@ -138,6 +138,13 @@ def output_dir_problem(path: Path) -> str | None:
     nearest existing parent must be a writable directory, outside :data:`SYSTEM_DIRS`. The
     answer completes a sentence about ``path``: "is not a directory", "is under the file ..."."""
     target = Path(os.path.abspath(path))
+    try:
+        return _dir_problem(target)
+    except OSError as exc:  # a name too long, a parent that cannot be searched
+        return f"cannot be used: {exc.strerror or exc}"
+
+
+def _dir_problem(target: Path) -> str | None:
     real = Path(os.path.realpath(target))
     system = next((d for d in SYSTEM_DIRS if real == d or d in real.parents), None)
     if system is not None:

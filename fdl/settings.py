@@ -540,9 +540,16 @@ def takes_bare(flag: str, following: str | None) -> str | None:
     if spec is None:
         return None
     if following is None or following.startswith("-") or following.endswith(".py") or \
-            Path(following).is_file():
+            _names_a_file(following):
         return spec.bare
     return None
+
+
+def _names_a_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte: no file; the value says so
+        return False
 
 
 def fill_bare_flags(argv: list[str]) -> list[str]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fdl.bench.results import load_results
+from fdl.console import shown
 from fdl.errors import FdlError, UsageError, os_failure
 from fdl.files import write_atomic
 
@@ -228,7 +229,8 @@ def write_report(directory: Path) -> list[Path]:
             timespec="seconds")
     report = build_report(records, machine=machine)
     pngs = _render_plots(report, records)
-    markdown = render_markdown(report, title_note=_title_note(meta))
+    # the names in report.md are shown as a terminal shows them, so `cat report.md` is safe
+    markdown = shown(render_markdown(report, title_note=_title_note(meta)), lines=True)
     if pngs is None:
         markdown += "\nPlots skipped: matplotlib is not installed (pip install 'fdl[report]').\n"
     else:
@@ -273,8 +275,8 @@ def _render_plots(report: dict[str, Any], records: list[dict[str, Any]]) -> dict
             curve = loss_curve([r for r in records
                                 if r["model"] == model and r["mode"] == row["mode"]])
             if curve:
-                axes.plot(*zip(*curve, strict=True), marker="o", label=row["mode"])
-        axes.set(title=f"{model}: train loss", xlabel="epoch",
+                axes.plot(*zip(*curve, strict=True), marker="o", label=shown(row["mode"]))
+        axes.set(title=f"{shown(model)}: train loss", xlabel="epoch",
                  ylabel="train loss (mean over seeds)")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         if axes.lines:
@@ -300,7 +302,7 @@ def _throughput_figure(figure_class: Any, report: dict[str, Any]) -> Any:
     for index, model in enumerate(models, start=1):
         axes = figure.add_subplot(1, len(models), index)
         rows = [r for r in report["rows"] if r["model"] == model and r["samples_per_s"]]
-        labels = [r["mode"] + (" (measurement error)" if r.get("measurement_error") else "")
+        labels = [shown(r["mode"]) + (" (measurement error)" if r.get("measurement_error") else "")
                   for r in rows]
         heights = [r["samples_per_s"] for r in rows]
         ideals = sorted({round(r["samples_per_s"] / r["efficiency_vs_ideal"], 6)
@@ -314,7 +316,7 @@ def _throughput_figure(figure_class: Any, report: dict[str, Any]) -> Any:
             if row.get("measurement_error"):
                 bar.set_color("lightgrey")
                 bar.set_hatch("xx")
-        axes.set(title=model, ylabel="samples/s")
+        axes.set(title=shown(model), ylabel="samples/s")
         axes.tick_params(axis="x", labelrotation=45)
     figure.tight_layout()
     return figure

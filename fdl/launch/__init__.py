@@ -145,10 +145,16 @@ def _with_kernel_check(spec: LaunchSpec, survey: GpuSurvey, *, preview: bool) ->
 
 
 def _check_script(request: RunRequest, *, cwd: Path) -> None:
-    from fdl.errors import UsageError
+    from fdl.errors import UsageError, os_failure
 
     if request.script is None or request.get("module"):  # the spec says what is missing
         return
-    if not (cwd / request.script).is_file():
+    path = cwd / request.script
+    if not path.is_file():
         raise UsageError(f"script not found: {request.script}",
                          hint="fdl run SCRIPT [ARGS...], e.g. fdl run train.py --policy async")
+    try:  # every worker would fail on a script it cannot read, after the run began
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise os_failure(exc, doing="cannot read the script", exit_code=2) from exc

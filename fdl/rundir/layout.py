@@ -18,7 +18,7 @@ writing its own log and timeline and each joining node's agent its own
 
 Nothing is written through a symbolic link: a run directory that is one is refused (by every
 use), so are links planted among the files a resumed run writes again by name (its top-level
-entries, ``logs/``, ``timeline/``: :func:`planted_link`), and ``--overwrite-run-dir`` removes a
+entries, ``logs/``, ``timeline/``: :func:`planted_entry`), and ``--overwrite-run-dir`` removes a
 link, never what it points at. fdl.files.open_for_writing refuses them again where the files are
 opened.
 """
@@ -80,28 +80,42 @@ LINK_CHECKED = (LOGS, timeline.DIRNAME)
 
 def _refuse_links(run_dir: Path, *, use: str) -> None:
     """A usage error when ``run_dir`` is a symbolic link, or (``use`` ``"resume"``) holds one
-    where a resumed run writes (:func:`planted_link`)."""
+    where a resumed run writes, or something else than fdl wrote there (:func:`planted_entry`)."""
     if run_dir.is_symlink():
         raise UsageError(f"run directory {run_dir} is a symbolic link; fdl does not write a run "
                          "through a link",
                          hint=f"name the directory itself ({os.path.realpath(run_dir)})")
-    link = planted_link(run_dir) if use == "resume" else None
-    if link is not None:
-        raise UsageError(f"run directory {run_dir} holds a symbolic link, "
-                         f"{link.relative_to(run_dir)}; fdl does not write its files through "
-                         "a link", hint="remove the link (fdl writes its file anew), then "
-                                        "resume again")
+    planted = planted_entry(run_dir) if use == "resume" else None
+    if planted is not None:
+        path, what = planted
+        raise UsageError(f"run directory {run_dir} holds {path.relative_to(run_dir)}, {what}; "
+                         "fdl writes its own files there",
+                         hint="remove it (fdl writes its file anew), then resume again")
 
 
-def planted_link(run_dir: Path) -> Path | None:
-    """The first symbolic link among ``run_dir``'s own entries (:data:`RUN_ENTRIES`) and the
-    files of :data:`LINK_CHECKED`, or None. fdl never makes a link there: one is planted."""
-    candidates = [run_dir / name for name in sorted(RUN_ENTRIES)]
+RUN_FOLDERS = frozenset({LOGS, checkpoints.DIRNAME, timeline.DIRNAME, TENSORBOARD})
+
+
+def planted_entry(run_dir: Path) -> tuple[Path, str] | None:
+    """The first of ``run_dir``'s own entries (:data:`RUN_ENTRIES`) and the files of
+    :data:`LINK_CHECKED` that fdl did not make as it is, with what it is instead: a symbolic
+    link (fdl never makes one: it is planted), a folder where fdl writes a file, or a file or
+    FIFO where it keeps a folder or a file. None when there is none."""
+    candidates = [(run_dir / name, name in RUN_FOLDERS) for name in sorted(RUN_ENTRIES)]
     for name in LINK_CHECKED:
         folder = run_dir / name
         if folder.is_dir() and not folder.is_symlink():
-            candidates += [folder / entry for entry in sorted(_entries(folder))]
-    return next((path for path in candidates if path.is_symlink()), None)
+            candidates += [(folder / entry, False) for entry in sorted(_entries(folder))]
+    for path, is_folder in candidates:
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            return path, "a symbolic link"
+        if is_folder != stat.S_ISDIR(mode) or not (is_folder or stat.S_ISREG(mode)):
+            return path, "not a folder" if is_folder else "not a regular file"
+    return None
 
 
 # A node of a multi-node run joins a run directory another node of the same run made (a shared

@@ -72,7 +72,9 @@ def test_a_read_only_bench_report_directory_is_one_line(tmp_path, read_only):
 
 # ---- a script fdl compare may not read --------------------------------------------------------
 
-def test_a_script_fdl_compare_cannot_read_is_refused_before_anything_starts(tmp_path):
+@pytest.mark.parametrize("command", [["compare", "--out", "cmp"], ["run"]])
+def test_a_script_fdl_cannot_read_is_refused_before_anything_starts(tmp_path, command):
+    """fdl run's workers failed on it one by one, after the run directory was made."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv (util-linux) is needed to run fdl without root's read-anything "
@@ -81,10 +83,10 @@ def test_a_script_fdl_compare_cannot_read_is_refused_before_anything_starts(tmp_
     script.write_text("print('hello')\n")
     script.chmod(0)
     argv = [setpriv, "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
-            "fdl", "compare", str(script), "--out", "cmp"]
+            "fdl", command[0], str(script), *command[1:]]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120,
                           env=clean_env({"FLODL_HOME": str(tmp_path / "home")}))
-    assert_one_error(proc, 2, "fdl compare cannot read the script", f"{script}: Permission denied",
+    assert_one_error(proc, 2, "cannot read the script", f"{script}: Permission denied",
                      "check the ownership and permissions")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]  # no cmp/, no runs/
 

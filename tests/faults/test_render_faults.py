@@ -220,3 +220,22 @@ def test_every_console_function_escapes_what_it_is_given(capsys, monkeypatch):
     # out, rule, table title, header and cell, key and value; info, warn, error, hint, progress
     assert out.count(console.shown(HOSTILE)) == 7 and err.count(console.shown(HOSTILE)) == 5
     assert "two\nlines " in out  # a message keeps fdl's own line breaks
+
+
+def test_bench_report_shows_a_hostile_model_and_mode_escaped(tmp_path):
+    """fdl bench report on a results.jsonl whose model and mode hold the payloads: neither the
+    terminal (matplotlib's missing-glyph warnings quoted the labels raw) nor report.md may
+    hold a control character."""
+    from helpers import run_fdl
+
+    record = {"model": f"mlp{HOSTILE}", "mode": f"solo@1x{HOSTILE}", "policy": "solo",
+              "backend": "cpu", "seed": 0, "world_size": 1, "slowdown": [1.0], "eval": 0.9,
+              "wall_s": 1.0, "samples_per_s": 10.0,
+              "history": [{"epoch": 1, "train_loss": 0.5, "eval": 0.9}]}
+    (tmp_path / "results.jsonl").write_text(json.dumps(record) + "\n")
+    proc = run_fdl("bench", "report", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "report.md").read_text()
+    for text in (proc.stdout + proc.stderr, report):
+        assert not DANGEROUS.search(text), repr(text)
+    assert console.shown(HOSTILE) in report

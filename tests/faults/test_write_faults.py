@@ -155,8 +155,26 @@ def test_resume_refuses_a_link_planted_where_it_writes(trained_run, tmp_path, vi
     run_dir = Path(shutil.copytree(trained_run, tmp_path / "run"))
     plant(run_dir / name, victim)
     proc = run_fdl("run", "--resume", str(run_dir), "--epochs", "3", cwd=tmp_path, timeout=240)
-    assert_one_error(proc, 2, f"holds a symbolic link, {name}")
+    assert_one_error(proc, 2, f"holds {name}, a symbolic link")
     assert victim.read_bytes() == VICTIM
+    assert "epoch 3/3" not in proc.stdout, "the run went on"
+
+
+@pytest.mark.parametrize(("name", "make", "what"), [
+    ("metrics.jsonl", Path.mkdir, "not a regular file"),
+    ("logs/rank0.log", os.mkfifo, "not a regular file"),
+    ("timeline", Path.touch, "not a folder"),
+], ids=["metrics-a-folder", "log-a-fifo", "timeline-a-file"])
+def test_resume_refuses_what_fdl_did_not_write_where_it_writes(trained_run, tmp_path, name,
+                                                               make, what):
+    """A folder where fdl replaces a file failed inside the workers (IsADirectoryError), after
+    training had started; a FIFO where it appends would block the writer."""
+    run_dir = Path(shutil.copytree(trained_run, tmp_path / "run"))
+    path = run_dir / name
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    make(path)
+    proc = run_fdl("run", "--resume", str(run_dir), "--epochs", "3", cwd=tmp_path, timeout=240)
+    assert_one_error(proc, 2, f"holds {name}, {what}")
     assert "epoch 3/3" not in proc.stdout, "the run went on"
 
 
@@ -167,7 +185,8 @@ def test_resume_refuses_a_link_planted_where_it_writes(trained_run, tmp_path, vi
     ("/dev/null", "is not a directory"),
     ("{file}/tb", "is under the file {file}"),
     ("/proc/tb", "is in /proc"),
-], ids=["dev-null", "under-a-file", "proc"])
+    ("t" * 300, "cannot be used: File name too long"),
+], ids=["dev-null", "under-a-file", "proc", "name-too-long"])
 @pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "run"])
 def test_a_tensorboard_dir_fdl_cannot_write_is_refused_before_any_worker(project, directory,
                                                                         problem, dry_run):
