@@ -16,7 +16,8 @@ someone else, so every read goes through here:
   meets an ``OverflowError`` from them. Each field's own range (finite, at most so much) is its
   reader's business: ``NaN`` is what fdl writes for a diverged loss.
 
-Every refusal is a :class:`ReadBackError` that names the file and what was wrong. It is a
+Every refusal is a :class:`ReadBackError` that names the file and what was wrong (its
+``problem`` always reads after the file's name: "is a FIFO, not a regular file"). It is a
 ``ValueError`` so a reader that already skips a malformed file skips these too; a reader that
 must stop turns it into a ``UsageError`` with its own hint. A missing file is the usual
 ``FileNotFoundError``.
@@ -76,11 +77,11 @@ def read_bytes(path: Path, *, limit: int, follow: bool = False) -> bytes:
     with open_regular(path, follow=follow) as handle:
         size = os.fstat(handle.fileno()).st_size
         if size > limit:
-            raise ReadBackError(path, f"holds {size} bytes, more than the {_size(limit)} fdl "
+            raise ReadBackError(path, f"is {size} bytes long, more than the {_size(limit)} fdl "
                                       f"reads from such a file")
         data = handle.read(limit + 1)
     if len(data) > limit:  # grew while it was read
-        raise ReadBackError(path, f"holds more than the {_size(limit)} fdl reads from such a file")
+        raise ReadBackError(path, f"is longer than the {_size(limit)} fdl reads from such a file")
     return data
 
 

@@ -16,6 +16,7 @@ aggregation (lines parsed by fdl.files).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -137,7 +138,7 @@ def load_results(directory: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]
                            hint="fdl bench writes these lines; remove or fix the edited one")
         records.append(record)
     sweep_path = Path(directory) / "sweep.json"
-    meta = _load_sweep_meta(sweep_path) if sweep_path.is_file() else {}
+    meta = _load_sweep_meta(sweep_path) if os.path.lexists(sweep_path) else {}
     return records, meta
 
 

@@ -17,6 +17,7 @@ except anchor changes before the last five (counted)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -43,11 +44,14 @@ def report(
 
 
 def warn_incomplete(doc: dict[str, Any]) -> None:
-    """One ``warning:`` line on stderr per rank whose timeline does not cover its run."""
+    """One ``warning:`` line on stderr per rank whose timeline does not cover its run, and per
+    file of a run that did not finish whose figures are left out (``left_out``)."""
     from fdl import console
 
     for item in doc["incomplete"]:
         console.warn(item["message"])
+    for note in doc.get("left_out", []):
+        console.warn(note)
 
 
 def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
@@ -107,7 +111,7 @@ def _figures(doc: dict[str, Any]) -> list[tuple[str, Any]]:
           for index, line in enumerate(anchors or ["unchanged"])],
         ("emulated", ",".join(f"{f:g}" for f in doc["emulated_slowdown"])
          if doc["emulated_slowdown"] else None),
-        ("eval", "  ".join(f"{k} {v:.4f}" for k, v in doc["eval"].items()) or None),
+        ("eval", "  ".join(f"{k} {_num(v, '.4f')}" for k, v in doc["eval"].items()) or None),
         ("final loss", _num(doc["final_loss"], ".4f")),
     ]
 
@@ -140,4 +144,10 @@ def _pct(x: float | None) -> str:
 
 
 def _num(x: float | None, fmt: str = ".0f") -> str:
-    return "-" if x is None else format(x, fmt)
+    """``x`` in ``fmt``; ``-`` for no figure, and NaN or an infinity named as what it is (a
+    diverged loss), not printed as if it were a figure."""
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return "NaN (diverged)" if math.isnan(x) else "infinite (diverged)"
+    return format(x, fmt)

@@ -50,8 +50,8 @@ def read_small_text(path: Path) -> str:
     be read. A FIFO is never read (it would block)."""
     try:
         return readback.read_text(path, limit=readback.SMALL_BYTES, follow=True)
-    except readback.ReadBackError as exc:
-        raise ValueError(exc.problem) from None
+    except readback.ReadBackError as exc:  # "is a FIFO, ...": the callers say "NAME is ..."
+        raise ValueError(exc.problem.removeprefix("is ")) from None
 
 
 def read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:

@@ -111,6 +111,7 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
+        "left_out": list(summary.get("left_out", [])),
     }
 
 

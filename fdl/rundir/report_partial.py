@@ -22,7 +22,7 @@ from fdl.rundir import metrics, timeline
 from fdl.rundir.fields import MOST_RATE, is_figure, is_finite, is_int, is_number
 from fdl.rundir.layout import logs_dir
 from fdl.rundir.stop_point import stop_point
-from fdl.rundir.summary import HINT
+from fdl.rundir.summary import HINT, is_anchor_change
 
 WHY = ("the run did not finish (no summary.json): it stopped {where}, interrupted, crashed or "
        "still running; the figures cover what its timelines hold")
@@ -63,26 +63,45 @@ def rebuilt_summary(config: dict[str, Any], timelines: list[timeline.RankTimelin
                    for t in timelines), default=0.0)
     spans = [e["end"] - e["start"] for e in (timelines[0].events if timelines else [])
              if e["kind"] == "sync" and is_number(e.get("start")) and is_number(e.get("end"))]
-    last_epoch = (metrics.read_epochs(run_dir) or [{}])[-1]
+    epochs, left_out = _epochs(run_dir)
+    last_epoch = (epochs or [{}])[-1]
+    slowdown = _slowdown(config)
+    if slowdown is None and _setting(config, "simulate_slowdown") is not None:
+        left_out.append("config.json's simulate_slowdown is not a list of factors fdl can show: "
+                        "the emulated slowdown is left out")
     return {
         "policy": str(_setting(config, "policy") or "unknown"),
         "backend": str(_setting(config, "resolved_backend") or _setting(config, "backend")
                        or "unknown"),
         "world_size": len(timelines), "wall_s": wall,
-        "emulated_slowdown": _slowdown(config),
+        "emulated_slowdown": slowdown,
         "throughput": {
             "samples_per_s": sum(samples) / wall if wall > 0 else None,
             "per_rank_samples_per_s": [s / wall if wall > 0 else None for s in samples]},
         "sync": {"rounds": len(spans),
                  "mean_ms": 1000 * sum(spans) / len(spans) if spans else None,
                  "overhead": sum(spans) / compute if spans and compute > 0 else None},
-        "anchor_history": [[e.get("round"), e.get("anchor"), e.get("reason")]
-                           for e in (timelines[0].events if timelines else [])
-                           if e["kind"] == "anchor"],
+        "anchor_history": [change for e in (timelines[0].events if timelines else [])
+                           if e["kind"] == "anchor" and is_anchor_change(
+                               change := [e.get("round"), e.get("anchor"), e.get("reason")])],
         "eval": {k: v for k, v in (last_epoch.get("eval") or {}).items() if is_number(v)},
         "final_loss": last_epoch.get("train_loss") if is_number(
             last_epoch.get("train_loss")) else None,
+        "left_out": left_out,
     }
+
+
+def _epochs(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """metrics.jsonl's records, and what of it the report leaves out and why (a file fdl will
+    not read, lines that are not records): the eval figures and final loss come from it."""
+    found = metrics.scan_epochs(run_dir)
+    if found.error is not None and found.error != "missing":
+        return [], [f"{metrics.FILE} is {found.error}: the eval figures and final loss are "
+                    "left out"]
+    if found.bad_lines:
+        return found.records, [f"{metrics.FILE} has {len(found.bad_lines)} line(s) that are "
+                               f"not records (first: line {found.bad_lines[0]}), left out"]
+    return found.records, []
 
 
 def _slowdown(config: dict[str, Any]) -> list[float] | None:

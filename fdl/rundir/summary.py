@@ -9,6 +9,7 @@ readers show such a field as unknown.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +78,16 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def has_summary(run_dir: Path) -> bool:
-    """Whether the run finished with a summary (the script trained with fdl's engine)."""
-    return (run_dir / FILE).is_file()
+    """Whether the run finished with a summary (the script trained with fdl's engine): there
+    is an entry of that name, whatever it is (:func:`load_summary` says what is wrong with one
+    that is not a summary fdl wrote)."""
+    return os.path.lexists(run_dir / FILE)
 
 
 def load_summary(run_dir: Path) -> dict[str, Any]:
     """summary.json, checked (see the module docstring)."""
     path = run_dir / FILE
-    if not path.is_file():
+    if not has_summary(run_dir):
         raise UsageError(f"{run_dir} has no {FILE} (not a finished fdl run)",
                          hint="pass a run directory, e.g. runs/<time>-train-async")
     summary = read_json(path, hint=HINT, limit=readback.DOCUMENT_BYTES)
@@ -127,8 +130,9 @@ _FIELDS: dict[str, tuple[Any, str]] = {
         is_figure(x, most=MOST_RATE) for x in v)), "a list of numbers >= 0 or null"),
 }
 _OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
-    "anchor_history": (lambda v: isinstance(v, list) and all(
-        isinstance(x, list) and len(x) == 3 for x in v), "a list of [round, anchor, reason]"),
+    "anchor_history": (lambda v: isinstance(v, list) and all(is_anchor_change(x) for x in v),
+                       "a list of [round, anchor, reason]: a round >= 0, an anchor in "
+                       f"[0, {MOST_RATE:g}], a reason"),
     "eval": (lambda v: isinstance(v, dict), "an object of numbers"),
     "final_loss": (lambda v: v is None or is_metric(v),
                    f"a number at most {MOST_METRIC:g} in size, or null"),
@@ -138,6 +142,12 @@ _OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
                                           and all(isinstance(x, str) for x in v)),
                   "a list of strings, one per rank, or null"),
 }
+
+
+def is_anchor_change(entry: Any) -> bool:
+    """One entry of ``anchor_history``: ``[round, anchor, reason]``."""
+    return isinstance(entry, list) and len(entry) == 3 and is_int(entry[0]) and entry[0] >= 0 \
+        and is_figure(entry[1], most=MOST_RATE) and isinstance(entry[2], str)
 
 
 def _check_summary(summary: Any, path: Path) -> None:

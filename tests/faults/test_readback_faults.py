@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -135,12 +136,7 @@ def test_report_of_a_hostile_run_file_is_one_error(tmp_path, name, make):
     run = make_run(tmp_path)
     maker, problem = HOSTILE[make]
     maker(run / name)
-    proc = run_fdl("report", str(run))
-    if name == "summary.json" and make != "deep":
-        # not a regular file: no finished run's summary, and the report says so
-        assert_one_error(proc, 2, "has no summary.json")
-    else:
-        assert_one_error(proc, 2, f"{name} ", problem)
+    assert_one_error(run_fdl("report", str(run)), 2, f"{name} ", problem)
 
 
 @pytest.mark.parametrize(("field", "value", "why"), [
@@ -201,6 +197,42 @@ def test_slowdown_strings_in_an_old_config_are_left_out_of_a_partial_report(tmp_
     assert document["complete"] is False and document["emulated_slowdown"] is None
     shown = run_fdl("report", str(run))
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert "warning: config.json's simulate_slowdown is not a list of factors" in shown.stderr
+
+
+@pytest.mark.parametrize("make", [fifo, zero, lambda p: p.write_text(f'{{"epoch": {BIG}}}\n')],
+                         ids=["fifo", "dev-zero", "400-digits"])
+def test_a_partial_report_says_what_of_a_hostile_metrics_file_it_leaves_out(tmp_path, make):
+    run = make_run(tmp_path, config=json.dumps({"fdl_version": "0.1.0"}))
+    (run / "summary.json").unlink()
+    make(run / "metrics.jsonl")
+    proc = run_fdl("report", str(run))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "warning: metrics.jsonl " in proc.stderr and "left out" in proc.stderr, proc.stderr
+    assert "throughput" in proc.stdout
+
+
+def test_a_diverged_loss_is_named_not_printed_as_a_figure(tmp_path):
+    text = json.dumps({**SUMMARY, "eval": {"accuracy": 0.5, "loss": 1.0}})
+    text = text.replace('"final_loss": 0.25', '"final_loss": NaN').replace('"loss": 1.0',
+                                                                          '"loss": Infinity')
+    proc = run_fdl("report", str(make_run(tmp_path, summary=text)))
+    assert proc.returncode == 0, proc.stderr
+    assert "final loss  NaN (diverged)" in proc.stdout and "loss infinite (diverged)" in \
+        proc.stdout, proc.stdout
+    assert not re.search(r"\bnan\b|\binf\b", proc.stdout), proc.stdout
+
+
+def test_summary_json_that_is_a_directory_is_named(tmp_path):
+    run = make_run(tmp_path)
+    (run / "summary.json").unlink()
+    (run / "summary.json").mkdir()
+    assert_one_error(run_fdl("report", str(run)), 2, "summary.json is a directory")
+
+
+def test_an_anchor_change_that_is_not_one_is_named(tmp_path):
+    run = make_run(tmp_path, summary=json.dumps({**SUMMARY, "anchor_history": [[1, "x", "r"]]}))
+    assert_one_error(run_fdl("report", str(run)), 2, "anchor_history is list")
 
 
 # ---- fdl run --resume / --overwrite-run-dir, fdl compare, fdl bench report ---------------------
@@ -236,6 +268,13 @@ def test_compare_into_an_out_whose_plan_is_hostile_is_one_error(tmp_path, make):
 
 
 RESULT = {"model": "mlp", "mode": "solo", "wall_s": 1.0, "samples_per_s": 100.0}
+
+
+def test_bench_report_with_a_sweep_json_that_is_a_fifo_is_one_error(tmp_path):
+    (tmp_path / "results.jsonl").write_text(json.dumps(RESULT) + "\n")
+    fifo(tmp_path / "sweep.json")
+    proc = run_fdl("bench", "report", str(tmp_path))
+    assert_one_error(proc, 2, "sweep.json is a FIFO, not a regular file")
 
 
 @pytest.mark.parametrize(("lines", "why"), [
