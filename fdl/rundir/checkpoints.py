@@ -155,7 +155,9 @@ def write_checkpoint(run_dir: Path, *, round_index: int, rank: int, world_size: 
                     "epoch": engine_state.get("epoch"),
                     "files": {k: v for part in every for k, v in part.items()}}
         write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1), durable=True)
-        if final.exists():  # a crashed attempt got this far before: replace it
+        if final.is_symlink():  # planted: fdl makes no link; remove it, never its target
+            final.unlink()
+        elif final.exists():  # a crashed attempt got this far before: replace it
             shutil.rmtree(final)
         os.replace(staging, final)
         _prune(root, keep=KEEP)

@@ -82,6 +82,20 @@ def test_only_the_newest_two_are_kept(tmp_path):
     assert names == ["ckpt-r00000003", "ckpt-r00000004"]
 
 
+def test_a_link_planted_where_a_checkpoint_goes_is_replaced_never_its_target(tmp_path):
+    """A link named like the next checkpoint (planted, or a pruned one's name) is removed
+    itself; the folder it points at keeps what it holds, and the checkpoint lands."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("mine")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-r00000003").symlink_to(victim)
+    path = write_solo_checkpoint(tmp_path, round_index=3, value=1.5)
+    assert not path.is_symlink() and (path / "manifest.json").is_file()
+    assert (victim / "thesis.tex").read_text() == "mine"
+    assert sorted(p.name for p in victim.iterdir()) == ["thesis.tex"]
+
+
 def test_a_different_world_size_maps_rank_states_modulo(tmp_path):
     path = tmp_path / "checkpoints" / "ckpt-r00000001"
     path.mkdir(parents=True)
