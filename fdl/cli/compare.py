@@ -157,8 +157,9 @@ def _execute(plan: ComparePlan, *, as_json: bool) -> int:
     total = len(plan.cells)
     console.info(f"fdl compare: {total} run(s) in {plan.out}")
 
-    def on_cell(index: int, cell: Any, reused: bool) -> None:
-        state = "finished earlier: kept" if reused else "..."
+    def on_cell(index: int, cell: Any, reused: bool, why: str | None) -> None:
+        state = "finished earlier: kept" if reused else \
+            f"... (run again: {why})" if why else "..."
         console.info(f"[{index + 1}/{total}] {cell.policy} seed {cell.seed} {state}")
 
     try:
@@ -192,9 +193,10 @@ def _print_plan(plan: ComparePlan, *, as_json: bool) -> None:
     import shlex
 
     from fdl import console
-    from fdl.compare.run import SCHEMA, finished_result
+    from fdl.compare.run import SCHEMA, earlier_result
 
-    done = {cell.name: finished_result(cell) is not None for cell in plan.cells}
+    earlier = {cell.name: earlier_result(cell) for cell in plan.cells}
+    done = {name: result is not None for name, (result, _) in earlier.items()}
     if as_json:
         document = plan.to_dict()
         for cell in document["cells_planned"]:
@@ -205,6 +207,8 @@ def _print_plan(plan: ComparePlan, *, as_json: bool) -> None:
     console.out(f"compare directory {plan.out}: {len(plan.cells)} run(s), "
                 f"{list(done.values()).count(False)} to run")
     for index, cell in enumerate(plan.cells, start=1):
-        state = "finished: kept" if done[cell.name] else "to run"
+        why = earlier[cell.name][1]
+        state = "finished: kept" if done[cell.name] else f"to run again: {why}" if why \
+            else "to run"
         console.out(f"[{index}/{len(plan.cells)}] {cell.policy} seed {cell.seed} ({state}): "
                     f"{shlex.join(cell.argv)}")

@@ -83,17 +83,23 @@ def check_cells(plan: ComparePlan) -> None:
 
 def finished_result(cell: CompareCell) -> RunResult | None:
     """The cell's result when its run directory holds a usable run of this very cell."""
+    return earlier_result(cell)[0]
+
+
+def earlier_result(cell: CompareCell) -> tuple[RunResult | None, str | None]:
+    """:func:`finished_result`, and when there is none, why the run directory an earlier
+    attempt left cannot be kept (None when there is none): said before the cell runs again."""
     try:
-        return load_run_result(cell.run_dir, expected=cell.expected)
-    except RunUnusable:
-        return None
+        return load_run_result(cell.run_dir, expected=cell.expected), None
+    except RunUnusable as exc:
+        return None, exc.message if os.path.lexists(cell.run_dir) else None
 
 
 def run_compare(plan: ComparePlan, *, env: Mapping[str, str] | None = None,
-                on_cell: Callable[[int, CompareCell, bool], None] | None = None,
+                on_cell: Callable[[int, CompareCell, bool, str | None], None] | None = None,
                 echo: Callable[[str], None] | None = None) -> list[CellOutcome]:
-    """Every cell's outcome, running those not finished; ``on_cell(index, cell, reused)``
-    before each. Call :func:`check_out_dir` first; :func:`check_cells` is called here, before
+    """Every cell's outcome, running those not finished; ``on_cell(index, cell, reused,
+    why)`` before each (``why``: why an earlier attempt's run directory is not kept). Call :func:`check_out_dir` first; :func:`check_cells` is called here, before
     anything is written."""
     check_cells(plan)
     try:
@@ -104,9 +110,9 @@ def run_compare(plan: ComparePlan, *, env: Mapping[str, str] | None = None,
                          f"({exc.strerror or exc})", hint="pass --out DIR you can write") from exc
     outcomes = []
     for index, cell in enumerate(plan.cells):
-        result = finished_result(cell)
+        result, why = earlier_result(cell)
         if on_cell is not None:
-            on_cell(index, cell, result is not None)
+            on_cell(index, cell, result is not None, why)
         if result is not None:
             outcomes.append(_outcome(cell, result=result, skipped=True))
         else:

@@ -113,7 +113,8 @@ def test_a_damaged_run_is_planned_again(compared):
         metrics.write_text(kept)
     assert proc.returncode == 0, proc.stderr
     assert "[1/2] sync seed 42 (finished: kept)" in proc.stdout
-    assert "[2/2] cadence seed 42 (to run)" in proc.stdout
+    assert "[2/2] cadence seed 42 (to run again: " in proc.stdout
+    assert "metrics.jsonl" in proc.stdout.split("[2/2] cadence seed 42 (to run again: ")[1]
 
 
 def test_another_compare_in_the_same_directory_is_refused(compared):
