@@ -39,15 +39,10 @@ from fdl.bench.results import (
 )
 from fdl.errors import FdlError, UsageError
 from fdl.launch.child import run_from_scratch
+from fdl.ranges import WORKERS_PER_NODE
 from fdl.rundir.summary import has_summary
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
-from fdl.settings import (
-    POLICIES,
-    WORKERS_PER_NODE,
-    as_flags,
-    parse_from,
-    without_run_settings,
-)
+from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
 from fdl.system.facts import machine_facts
 
 __all__ = ["Cell", "Mode"]  # re-exported: callers plan cells here
