@@ -38,7 +38,7 @@ from fdl.bench.results import (
     write_sweep_json,
 )
 from fdl.errors import FdlError, UsageError
-from fdl.launch.child import run_from_scratch
+from fdl.launch.child import check_out, run_from_scratch
 from fdl.ranges import WORKERS_PER_NODE
 from fdl.rundir.summary import has_summary
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
@@ -273,12 +273,9 @@ def check_no_links(cells: Iterable[Cell], *, out_dir: Path) -> None:
     """A UsageError, before anything is written, when ``<out>/runs`` or a cell's run directory
     or log is a symbolic link: a cell's directory is removed and its log rewritten, and neither
     may reach through a link to what it points at."""
-    runs = out_dir.resolve() / "runs"
-    paths = [runs, *(p for cell in cells for p in cell_paths(cell, out_dir=out_dir.resolve()))]
-    for path in paths:
-        if path.is_symlink():
-            raise UsageError(f"{path} is a symbolic link; fdl bench does not write or remove a "
-                             "run through a link", hint="remove the link, or pass another --out")
+    out = out_dir.resolve()
+    check_out(out, command="fdl bench", paths=[
+        out / "runs", *(path for cell in cells for path in cell_paths(cell, out_dir=out))])
 
 
 def cell_argv(cell: Cell, *, run_dir: Path, data_dir: Path) -> list[str]:

@@ -75,7 +75,9 @@ def bench(
                        data_dir=data_dir, download=not no_download)
     cells, notes = request.plan()
     if dry_run:
-        _refuse_out_dir(request.out)
+        from fdl.launch.child import check_out
+
+        check_out(request.out, command="fdl bench")
         _print_plan(cells, notes, request, as_json=json_output)
         return
     raise typer.Exit(_execute(cells, notes, request))
@@ -166,29 +168,14 @@ def _execute(cells: list[Cell], notes: list[str], request: _Request) -> int:
 def _check_out_dir(out: Path) -> None:
     """The sweep directory must be a directory fdl can write (made if absent), before any
     dataset is fetched or cell started."""
-    import os
+    from fdl.launch.child import OUT_HINT, check_out
 
-    _refuse_out_dir(out)
+    check_out(out, command="fdl bench")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create the sweep directory "
-                         f"({exc.strerror or exc})",
-                         hint="pass --out DIR with a directory you can write") from exc
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: the sweep directory is not writable",
-                         hint="pass --out DIR with a directory you can write")
-
-
-def _refuse_out_dir(out: Path) -> None:
-    """A usage error when ``out`` could not be a sweep directory (a file, under one, in /proc,
-    not writable: fdl.files.output_dir_problem). Reads only, so --dry-run refuses it too."""
-    from fdl.files import output_dir_problem
-
-    problem = output_dir_problem(out)
-    if problem is not None:
-        raise UsageError(f"--out {out} {problem}",
-                         hint="pass --out DIR with a directory you can write")
+                         f"({exc.strerror or exc})", hint=OUT_HINT) from exc
 
 
 def _prepare(todo: list[Cell], request: _Request) -> None:

@@ -22,8 +22,8 @@ from fdl.compare.recommend import recommend
 from fdl.compare.render import PLOT_FILE, render_markdown, render_png
 from fdl.compare.results import CellOutcome, RunResult, RunUnusable, load_run_result
 from fdl.errors import UsageError
-from fdl.files import output_dir_problem, write_atomic, write_json_atomic
-from fdl.launch.child import run_from_scratch
+from fdl.files import write_atomic, write_json_atomic
+from fdl.launch.child import check_out, run_from_scratch
 
 PLAN_FILE = "plan.json"
 SCHEMA = 1
@@ -71,14 +71,9 @@ def check_cells(plan: ComparePlan) -> None:
     """A UsageError unless fdl can write into ``plan.out`` (fdl.files.output_dir_problem) and no
     cell's run directory or log there is a symbolic link: fdl compare removes an unfinished
     cell's directory and rewrites its log, and neither may reach through a link to what it
-    points at. Reads only."""
-    problem = output_dir_problem(plan.out)
-    if problem is not None:
-        raise UsageError(f"--out {plan.out} {problem}", hint="pass --out DIR you can write")
-    for path in (p for cell in plan.cells for p in (cell.run_dir, cell.log)):
-        if path.is_symlink():
-            raise UsageError(f"{path} is a symbolic link; fdl compare does not write or remove "
-                             "a run through a link", hint="remove the link, or pass another --out")
+    points at. Reads only (fdl.launch.child.check_out)."""
+    check_out(plan.out, command="fdl compare",
+              paths=[path for cell in plan.cells for path in (cell.run_dir, cell.log)])
 
 
 def finished_result(cell: CompareCell) -> RunResult | None:
@@ -99,8 +94,9 @@ def run_compare(plan: ComparePlan, *, env: Mapping[str, str] | None = None,
                 on_cell: Callable[[int, CompareCell, bool, str | None], None] | None = None,
                 echo: Callable[[str], None] | None = None) -> list[CellOutcome]:
     """Every cell's outcome, running those not finished; ``on_cell(index, cell, reused,
-    why)`` before each (``why``: why an earlier attempt's run directory is not kept). Call :func:`check_out_dir` first; :func:`check_cells` is called here, before
-    anything is written."""
+    why)`` before each (``why``: why an earlier attempt's run directory is not kept). Call
+    :func:`check_out_dir` first; :func:`check_cells` is called here, before anything is
+    written."""
     check_cells(plan)
     try:
         plan.out.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from fdl.errors import UsageError
-from fdl.files import open_for_writing
+from fdl.files import open_for_writing, output_dir_problem
 from fdl.rundir.layout import check_run_dir, tail_lines
 
 STOP_GRACE_S = 30  # how long fdl run gets to stop its workers after our SIGINT
@@ -44,6 +44,23 @@ def run_from_scratch(argv: Sequence[str], *, run_dir: Path, log: Path, cwd: Path
         _remove_attempt(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     return run_logged(argv, log=log, cwd=cwd, env=env, echo=echo)
+
+
+OUT_HINT = "pass --out DIR with a directory you can write"
+
+
+def check_out(out: Path, *, command: str, paths: Iterable[Path] = ()) -> None:
+    """A UsageError, reading only (so ``--dry-run`` asks too), unless ``out`` (fdl compare's or
+    fdl bench's ``--out``) is a directory fdl can write (fdl.files.output_dir_problem) and none
+    of ``paths`` (the cells' run directories and logs there) is a symbolic link: an unfinished
+    cell's directory is removed and its log rewritten, never through a link."""
+    problem = output_dir_problem(out)
+    if problem is not None:
+        raise UsageError(f"--out {out} {problem}", hint=OUT_HINT)
+    for path in paths:
+        if path.is_symlink():
+            raise UsageError(f"{path} is a symbolic link; {command} does not write or remove a "
+                             "run through a link", hint="remove the link, or pass another --out")
 
 
 def _remove_attempt(run_dir: Path) -> None:
