@@ -65,10 +65,7 @@ def rebuilt_summary(config: dict[str, Any], timelines: list[timeline.RankTimelin
              if e["kind"] == "sync" and is_number(e.get("start")) and is_number(e.get("end"))]
     epochs, left_out = _epochs(run_dir)
     last_epoch = (epochs or [{}])[-1]
-    slowdown = _slowdown(config)
-    if slowdown is None and _setting(config, "simulate_slowdown") is not None:
-        left_out.append("config.json's simulate_slowdown is not a list of factors fdl can show: "
-                        "the emulated slowdown is left out")
+    slowdown = _slowdown(config, left_out=left_out)
     return {
         "policy": str(_setting(config, "policy") or "unknown"),
         "backend": str(_setting(config, "resolved_backend") or _setting(config, "backend")
@@ -104,13 +101,16 @@ def _epochs(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return found.records, []
 
 
-def _slowdown(config: dict[str, Any]) -> list[float] | None:
-    """The run's --simulate-slowdown factors; None when config.json holds none fit to show
-    (an older or edited file: the report leaves the column out rather than fail on it)."""
+def _slowdown(config: dict[str, Any], *, left_out: list[str]) -> list[float] | None:
+    """The run's --simulate-slowdown factors (None: none given); config.json's value when it is
+    not a list of factors fit to show (an older or edited file) is left out, and ``left_out``
+    says so, rather than the report failing on it."""
     factors = _setting(config, "simulate_slowdown")
-    if isinstance(factors, list) and factors and all(
-            is_figure(f, most=MOST_RATE) for f in factors):
+    if factors is None or (isinstance(factors, list) and factors and all(
+            is_figure(f, most=MOST_RATE) for f in factors)):
         return factors
+    left_out.append("config.json's simulate_slowdown is not a list of factors fdl can show: "
+                    "the emulated slowdown is left out")
     return None
 
 
