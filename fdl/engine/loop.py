@@ -515,9 +515,11 @@ class Run:
                                    process_group=group.process_group)
         from torch.nn.parallel import DistributedDataParallel
 
+        # Gradients as views of DDP's buckets: no copy into the buckets and back each step, and
+        # no second copy of every gradient on the device (the 6 GB card's memory).
         step_model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=group.process_group)
+            process_group=group.process_group, gradient_as_bucket_view=True)
         if config.simulate_slowdown is not None and \
                 any(factor != 1 for factor in config.simulate_slowdown):
             # The emulation must sleep on compute only: DDP's all-reduce is timed apart
