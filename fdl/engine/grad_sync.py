@@ -1,28 +1,40 @@
-"""``sync`` in the user's own loop: the gradients are averaged as the step's last backward ends.
+"""``sync`` in the user's own loop: the gradients are averaged as the step's last backward runs.
 
 fdl.Trainer calls the model through DDP, whose hooks all-reduce gradient buckets during
-backward. A loop script calls its own model, so there is no DDP forward to hook. Instead, each
-parameter's post-accumulate-grad hook (public autograd API) counts the gradients a backward has
-finished, and when the step's last batch's backward has finished every one of them, one flat
-all-reduce, divided by the ranks with data, replaces each gradient with the mean: DDP's
-arithmetic, once per optimizer step (an accumulating loop reduces after the k-th batch, as DDP
-under ``no_sync``), and before the script's code after ``backward()`` runs, so clipping and an
-fp16 GradScaler's inf check see the mean on every rank, as under DDP (the scalers, starting
-alike and seeing the same gradients, stay alike).
+backward. A loop script calls its own model, so there is no DDP forward to hook. Instead fdl
+does what DDP's reducer does, through public autograd API: the parameters are laid out, in
+reverse order (about the order backward finishes them), in buckets of flat buffers (the first
+:data:`FIRST_BUCKET_BYTES`, then :data:`BUCKET_BYTES` each, DDP's sizes). Each parameter's
+post-accumulate-grad hook copies its gradient into its bucket; a bucket whose gradients are all
+there is divided by the ranks with data and its all-reduce started (asynchronously, in bucket
+order on every rank), so it runs while backward still computes the earlier layers. When the
+backward has finished every gradient, the last hook waits for the all-reduces and points each
+gradient at its reduced part of the bucket (a view, as DDP's ``gradient_as_bucket_view``: no
+copy back, no second copy of the gradients). DDP's arithmetic, once per optimizer step (an
+accumulating loop reduces after the k-th batch, as DDP under ``no_sync``), and before the
+script's code after ``backward()`` runs, so clipping and an fp16 GradScaler's inf check see the
+mean on every rank, as under DDP (the scalers, starting alike and seeing the same gradients,
+stay alike).
 
 The engine arms the sync before it hands out a step's last batch (:meth:`GradSync.arm`). A
-parameter that gets no gradient in that backward keeps the count from finishing: then the
-optimizer's pre-step hook reduces (after the script's clipping: a model with unused parameters
-clips its own gradient, a documented difference from DDP's ``find_unused_parameters``).
+parameter that gets no gradient in that backward keeps its bucket from starting: then the
+optimizer's pre-step hook reduces what is left, an absent gradient as zeros (after the
+script's clipping: a model with unused parameters clips its own gradient, a documented
+difference from DDP's ``find_unused_parameters``).
 
-On CUDA with NCCL the buffer lives on the GPU and the all-reduce is queued on the stream:
-nothing waits for the device. Over gloo (``--backend cpu``) a GPU's gradients go through host
-memory. Each step's all-reduce is timed apart from compute (sync, not compute), as
-fdl.engine.ddp_comm does for DDP: :class:`GradSync` is the step timer's ``CommClock``.
+On CUDA with NCCL the buckets live on the GPU: a bucket's copies are queued on the compute
+stream, NCCL's stream waits for them, and the compute stream waits for NCCL's before the
+optimizer step (``Work.wait``): nothing waits for the device on the host. Over gloo
+(``--backend cpu``) a GPU's buckets are in host memory, so each copy waits for its gradient.
+Each step's all-reduce is timed as DDP's is (fdl.engine.ddp_comm): from the last bucket handed
+over to the all-reduces done, the part no compute hides, booked as sync, not compute:
+:class:`GradSync` is the step timer's ``CommClock``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +42,19 @@ import torch.distributed as dist
 from torch import nn
 
 from fdl.engine.speed import StepComm, mark
+
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so the first all-reduce starts early
+BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
+
+
+@dataclass
+class Bucket:
+    """Consecutive parameters (in backward's order) sharing one flat buffer."""
+
+    flat: torch.Tensor
+    params: list[int]  # indices into GradSync.params
+    waiting: int = 0  # gradients of the armed backward still to come
+    work: Any = field(default=None, repr=False)  # the all-reduce in flight
 
 
 class GradSync:
@@ -43,63 +68,99 @@ class GradSync:
         self.device = device
         self.via_host = via_host
         self._cuda = device.type == "cuda"
-        self._buffer_device = torch.device("cpu") if via_host else device
+        self.buckets, self._where = _layout(
+            self.params, torch.device("cpu") if via_host else device)
         self._comm: StepComm = None
+        self._armed = False
+        self._copied: list[bool] = []  # which gradients of the armed backward are in
         self._waiting = 0  # gradients the armed backward has still to finish
+        self._launched = 0  # buckets whose all-reduce has started, in order
+        self._handed: Any = None  # when the last bucket was handed over
         self._reduced = False  # this step's gradients are the mean already
-        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated)
-                         for p in self.params]
+        self._handles = [p.register_post_accumulate_grad_hook(partial(self._accumulated, i))
+                         for i, p in enumerate(self.params)]
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
 
     def arm(self) -> None:
-        """The next backward is the step's last: reduce as soon as it has finished."""
-        self._waiting, self._reduced = len(self.params), False
+        """The next backward is the step's last: reduce as soon as its gradients are there."""
+        self._armed, self._waiting, self._launched, self._reduced = \
+            True, len(self.params), 0, False
+        self._copied = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.waiting, bucket.work = len(bucket.params), None
 
-    def _accumulated(self, _: torch.Tensor) -> None:
-        if self._waiting:
-            self._waiting -= 1
-            if not self._waiting:
-                self._reduce_grads()
+    def _accumulated(self, index: int, _: torch.Tensor) -> None:
+        if not self._armed or self._copied[index]:
+            return
+        self._copy_in(index)
+        bucket = self.buckets[self._where[index][0]]
+        bucket.waiting -= 1
+        if not bucket.waiting:
+            self._launch_ready()
+        self._waiting -= 1
+        if not self._waiting:
+            self._finish()
 
     def _before_step(self, *_: Any) -> None:
-        if not self._reduced:  # a parameter without a gradient kept the count from finishing
-            self._reduce_grads()
-        self._waiting, self._reduced = 0, False
+        if self._armed and not self._reduced:  # a parameter without a gradient held a bucket
+            for index in range(len(self.params)):
+                if not self._copied[index]:
+                    self._copy_in(index)
+            for bucket in self.buckets:
+                bucket.waiting = 0
+            self._launch_ready()
+            self._finish()
+        self._armed, self._reduced = False, False
 
-    def _reduce_grads(self) -> None:
-        started = mark(self.device)
-        flat = torch.cat([self._grad(p).reshape(-1) for p in self.params]).to(
-            self._buffer_device, self._dtype())
-        self._reduce(flat)
-        offset = 0
-        for param in self.params:
-            count = param.numel()
-            reduced = flat[offset:offset + count].view_as(param).to(param.device, param.dtype)
-            if param.grad is None:
+    def _copy_in(self, index: int) -> None:
+        """Parameter ``index``'s gradient into its part of its bucket (zeros: none)."""
+        param, part = self.params[index], self._part(index)
+        grad = param.grad
+        if grad is None:
+            part.zero_()
+        elif not _same_memory(grad, part):  # the gradient is last step's view, accumulated
+            part.copy_(grad.reshape(-1))
+        self._copied[index] = True
+
+    def _launch_ready(self) -> None:
+        """Start the all-reduce of each bucket that is ready, in bucket order (the same
+        collectives in the same order on every rank, whatever order backward ran in)."""
+        while self._launched < len(self.buckets) and not self.buckets[self._launched].waiting:
+            bucket = self.buckets[self._launched]
+            bucket.flat.div_(self.ranks_with_data)
+            self._handed = mark(self.device)
+            bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+            self._launched += 1
+
+    def _finish(self) -> None:
+        """Wait for the all-reduces (on CUDA: the compute stream waits for NCCL's) and point
+        each gradient at its mean."""
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
+        for index, param in enumerate(self.params):
+            reduced = self._part(index).view_as(param)
+            if reduced.dtype == param.dtype and reduced.device == param.device and \
+                    param.is_contiguous():
                 param.grad = reduced
-            else:
+            elif param.grad is not None and not _same_memory(param.grad, reduced):
                 param.grad.copy_(reduced)
-            offset += count
-        self._comm = self._span(started, mark(self.device))
+            else:
+                param.grad = reduced.to(param.device, param.dtype)
+        self._comm = self._span(self._handed, mark(self.device))
         self._reduced = True
 
     def shadow(self, *, ranks_with_data: int) -> None:
-        """Join one all-reduce of the ranks that still step, with zeros (this rank has no data
-        left in the round)."""
+        """Join the all-reduces of a step of the ranks that still step, with zeros (this rank
+        has no data left in the round): bucket by bucket, as theirs."""
         self.ranks_with_data = ranks_with_data
-        numel = sum(p.numel() for p in self.params)
-        self._reduce(torch.zeros(numel, dtype=self._dtype(), device=self._buffer_device))
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            dist.all_reduce(bucket.flat, group=self.process_group)
 
-    def _reduce(self, flat: torch.Tensor) -> None:
-        flat.div_(self.ranks_with_data)
-        dist.all_reduce(flat, group=self.process_group)
-
-    def _grad(self, param: nn.Parameter) -> torch.Tensor:
-        return param.grad if param.grad is not None else torch.zeros_like(param)
-
-    def _dtype(self) -> torch.dtype:
-        return torch.float64 if any(p.dtype == torch.float64 for p in self.params) \
-            else torch.float32
+    def _part(self, index: int) -> torch.Tensor:
+        bucket, offset = self._where[index]
+        return self.buckets[bucket].flat[offset:offset + self.params[index].numel()]
 
     def begin_step(self) -> None:
         self._comm = None
@@ -114,3 +175,33 @@ class GradSync:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _layout(params: list[nn.Parameter],
+            device: torch.device) -> tuple[list[Bucket], list[tuple[int, int]]]:
+    """The buckets of ``params`` in reverse order, and where each parameter is (bucket,
+    offset). A bucket holds one reduction dtype (float64 for float64 parameters, else
+    float32: parameters in half precision are averaged in float32, as the averages are)."""
+    groups: list[tuple[torch.dtype, list[int]]] = []
+    size = cap = 0
+    for index in reversed(range(len(params))):
+        dtype = torch.float64 if params[index].dtype == torch.float64 else torch.float32
+        nbytes = params[index].numel() * (8 if dtype == torch.float64 else 4)
+        if not groups or groups[-1][0] != dtype or (size and size + nbytes > cap):
+            groups.append((dtype, []))
+            size, cap = 0, FIRST_BUCKET_BYTES if len(groups) == 1 else BUCKET_BYTES
+        groups[-1][1].append(index)
+        size += nbytes
+    where: list[tuple[int, int]] = [(0, 0)] * len(params)
+    buckets = []
+    for number, (dtype, members) in enumerate(groups):
+        offset = 0
+        for index in members:
+            where[index] = (number, offset)
+            offset += params[index].numel()
+        buckets.append(Bucket(torch.zeros(offset, dtype=dtype, device=device), members))
+    return buckets, where
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
