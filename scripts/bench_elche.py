@@ -39,12 +39,14 @@ def main() -> None:
     cells = [("solo fast", 1, None, "cadence"), (f"solo slow ({slow}x)", 1, slow, "cadence"),
              ("sync", 2, pair, "sync"), ("cadence", 2, pair, "cadence"),
              ("async", 2, pair, "async"), (f"torch DDP, {pair} slept on compute", 2, pair, None),
+             # DDP between fdl's two syncs on equal workers: each is paired with the DDP run
+             # beside it (paired_ratios), which a slow spell of the host hits alike
              ("sync, equal workers", 2, None, "sync"),
              ("torch DDP, equal workers", 2, None, None),
+             ("loop: sync, equal workers", 2, None, "sync --loop"),
              (f"solo fast + solo slow ({slow}x) at once", 2, slow, "concurrent"),
              ("loop: sync", 2, pair, "sync --loop"), ("loop: cadence", 2, pair, "cadence --loop"),
              ("loop: async", 2, pair, "async --loop"),
-             ("loop: sync, equal workers", 2, None, "sync --loop"),
              ("auto", 2, pair, "auto"), ("auto, equal workers", 2, None, "auto")]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cells}
     for repeat in range(args.repeat):  # round-robin: a slow spell of the host hits every cell
@@ -178,7 +180,8 @@ def render(rows: dict[str, dict], args: argparse.Namespace,
     ddp_slowed = rows[f"torch DDP, 1,{args.slow:g} slept on compute"]["samples_per_s"]
     at_once = rows[f"solo fast + solo slow ({args.slow:g}x) at once"]["samples_per_s"]
     lines += ["", f"ideal = solo fast + solo slow = {ideal:.0f} samples/s; "
-                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f}, at 1,{args.slow:g} "
+                  f"fdl sync / torch DDP on equal workers = {sync_eq / ddp:.3f} "
+                  f"({paired_ratios(runs, 'sync, equal workers')}), at 1,{args.slow:g} "
                   f"(both slept on compute only) = {sync_slowed / ddp_slowed:.3f}; the two solo "
                   f"runs at once: {at_once / ideal:.2f} of ideal (this host's ceiling for two "
                   "workers)"]
@@ -188,7 +191,8 @@ def render(rows: dict[str, dict], args: argparse.Namespace,
                  f"{rows['loop: async']['samples_per_s'] / ideal:.1%} of ideal (the Trainer: "
                  f"{rows['cadence']['samples_per_s'] / ideal:.1%}, "
                  f"{rows['async']['samples_per_s'] / ideal:.1%}); loop sync / torch DDP on "
-                 f"equal workers = {loop_eq / ddp:.3f}")
+                 f"equal workers = {loop_eq / ddp:.3f} "
+                 f"({paired_ratios(runs, 'loop: sync, equal workers')})")
     for name, fixed in (("auto", ("sync", "cadence", "async")),
                         ("auto, equal workers", ("sync, equal workers",))):
         picks = sorted({str(result["policy"]) for result in runs[name]})
@@ -204,6 +208,16 @@ def render(rows: dict[str, dict], args: argparse.Namespace,
                      f"{row['final_anchor']}; {row['samples_per_s'] / at_once:.1%} of the two "
                      "solo runs at once")
     return "\n".join(lines)
+
+
+def paired_ratios(runs: dict[str, list[dict]], name: str) -> str:
+    """Run ``name``'s throughput over the torch DDP run of the same repeat (run next to it),
+    each repeat, and their median: a slow spell of this host hits both runs of a pair."""
+    ratios = sorted(mine["samples_per_s"] / theirs["samples_per_s"]
+                    for mine, theirs in zip(runs[name], runs["torch DDP, equal workers"],
+                                            strict=True))
+    return f"run by run {', '.join(f'{r:.3f}' for r in ratios)}: median " \
+           f"{ratios[len(ratios) // 2]:.3f}"
 
 
 if __name__ == "__main__":
