@@ -8,8 +8,10 @@ left as last step's view, and a rank without data (shadowing) all reduce alike o
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_averaging import run_ranks, scenario
@@ -182,3 +184,56 @@ def test_buckets_reduce_to_the_mean_and_start_while_backward_runs(tmp_path):
             close(step["grads"], step["reference"])
     zero, _ = scenario(ranks, "without_data")
     close(zero["grads"], zero["reference"])
+
+
+def one_rank_step(tmp_path: Path, device: torch.device, backend: str) -> None:
+    """A group of one on ``device``: the armed backward reduces inside backward (the mean of
+    one rank is its gradient), each gradient is a view of a bucket on the device, and a
+    second step needs no wait for the device on the host (CUDA: torch's sync debug mode
+    raises on any synchronizing call; the first step made NCCL's communicator)."""
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/rdzv", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(7)
+        model = Used().to(device)
+        reference = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = GradSync(model, optimizer, device=device, via_host=backend == "gloo"
+                        and device.type == "cuda", process_group=None)
+        data = tuple(t.to(device) for t in batch(0, 0))
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            loss(reference, data).backward()
+            sync.arm()
+            watch = torch.cuda.set_sync_debug_mode if device.type == "cuda" and step else None
+            if watch is not None:
+                watch("error")
+            try:
+                loss(model, data).backward()
+            finally:
+                if watch is not None:
+                    watch("default")
+            assert sync._reduced
+            for param, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+                assert param.grad.device == device
+                assert any(inside(param.grad, b.flat) for b in sync.buckets)
+                assert torch.allclose(param.grad, theirs.grad, atol=1e-6, rtol=0)
+            optimizer.step()
+            with torch.no_grad():
+                for param, theirs in zip(model.parameters(), reference.parameters(),
+                                         strict=True):
+                    theirs.copy_(param)
+        sync.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_reduces_in_backward_into_views_of_its_buckets(tmp_path):
+    one_rank_step(tmp_path, torch.device("cpu"), "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_rank_reduces_over_nccl_without_waiting_for_the_device(tmp_path):
+    one_rank_step(tmp_path, torch.device("cuda", 0), "nccl")
