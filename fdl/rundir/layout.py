@@ -149,6 +149,21 @@ def joinable(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
             and all(document.get(k) == spec.get(k) for k in ("nnodes", "script", "args")))
 
 
+def _made_by_another_node(run_dir: Path, spec: dict[str, Any]) -> bool:
+    """Whether the config.json of the run being resumed is another node's: a shared directory
+    that node made (its network section names its own address). That node rewrites it on
+    resume; this one joins, as it did when the run began, so one config stays, the maker's,
+    whichever node starts first. Unreadable or missing: this node writes it (the resume's own
+    checks have read it already)."""
+    try:
+        document = config.read_config(run_dir, hint="", missing_ok=False)
+    except (OSError, UsageError):
+        return False
+    theirs, mine = document.get("network"), spec.get("network")
+    return isinstance(theirs, dict) and isinstance(mine, dict) and \
+        theirs.get("local_addr") != mine.get("local_addr")
+
+
 def _workers_wrote(run_dir: Path) -> bool:
     """Whether the run in ``run_dir`` has begun training: a timeline or a summary.json."""
     return summary.has_summary(run_dir) or (run_dir / timeline.DIRNAME).exists()
@@ -167,8 +182,17 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
     :data:`CONFIG_WAIT_S` for the winner's config.json and joins. With
     ``--overwrite-run-dir`` one node replaces the earlier run (it claims the replacement:
     :data:`OVERWRITING`); the others wait for it and join, so none deletes what another
-    has just made."""
+    has just made. On ``--resume`` a node whose shared directory another node made joins it
+    (:func:`_made_by_another_node`): only the maker rewrites config.json."""
     if use != "resume" and joinable(run_dir, spec=spec, fdl_version=fdl_version):
+        return True
+    if use == "resume" and _several_nodes(spec) and _made_by_another_node(run_dir, spec):
+        check_run_dir(run_dir, use=use)  # a shared directory: its maker rewrites config.json
+        try:
+            logs_dir(run_dir).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
+                             hint="pass --run-dir DIR with a writable directory") from exc
         return True
     if use == "overwrite" and _several_nodes(spec) and run_dir.is_dir() \
             and not run_dir.is_symlink():  # a link: check_run_dir refuses it below

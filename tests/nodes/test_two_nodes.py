@@ -351,3 +351,37 @@ def test_two_nodes_share_one_run_directory(tmp_path):
                           tmp_path, deadline_s=60)
     assert [code for code, _ in again] == [2, 2], shown(again)
     assert all(f"run directory {shared} holds an earlier run" in text for _, text in again)
+    resume_the_shared_directory(tmp_path, shared, maker=1 - joined[0])
+
+
+def resume_the_shared_directory(tmp_path: Path, shared: Path, *, maker: int) -> None:
+    """`--resume` of the shared directory on both nodes: the node that did not make it starts
+    first and joins it, leaving config.json as it was; the maker rewrites it (the resume's
+    --epochs), so one config stays, the maker's, whichever node starts first."""
+    config_path = shared / "config.json"
+    before = config_path.read_bytes()
+    with two_nodes() as nodes, ExitStack() as stack:
+        endpoint = f"{nodes[0].address}:{PORT}"
+        logs = [tmp_path / f"resume-node{n}.log" for n in (0, 1)]
+        order = [1 - maker, maker]
+        procs = {}
+        for n in order:
+            out = stack.enter_context(logs[n].open("w"))
+            procs[n] = stack.enter_context(started(nodes[n].command([
+                sys.executable, "-m", "fdl", "run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-endpoint", endpoint, "--quiet", "--resume", str(shared), "--epochs",
+                "3"]), stdout=out, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                env=clean_env({"OMP_NUM_THREADS": "1"})))
+            if n != maker:  # it has prepared the run directory once it waits for the others
+                wait_until(lambda n=n: "waiting for 2 nodes" in logs[n].read_text(),
+                           "the joining node's waiting line", proc=procs[n], timeout=DEADLINE_S)
+                assert config_path.read_bytes() == before
+                assert f"joins run directory {shared}" in logs[n].read_text()
+        wait_all([procs[n] for n in order], deadline=time.monotonic() + DEADLINE_S)
+        codes = [procs[n].returncode for n in (0, 1)]
+    outputs = [(code, log.read_text()) for code, log in zip(codes, logs, strict=True)]
+    assert codes == [0, 0], shown(outputs)
+    document = json.loads(config_path.read_text())
+    assert document["network"]["local_addr"] == nodes[maker].address
+    assert document["settings"]["epochs"]["value"] == 3
+    assert json.loads((shared / "summary.json").read_text())["epochs"] == 3
