@@ -8,8 +8,11 @@ it does), claims a slot (``add`` on a counter) and ticks its slot's key every se
 whose value moved within the last ``ALIVE_S`` on this node's clock is a node that is there, so
 a node that gave up (Ctrl-C, a crash) stops counting without any clock shared between
 machines. A line is written when the count changes, and every ``REMIND_S`` while it does not;
-the watch ends once every node is there (one last line) or when the launch returns. The keys
-live under ``fdl/joined/<run id>/``, apart from torch's.
+once every node is there the watch says so (one last line) and goes on ticking, silently, for
+``LINGER_S``: a node that counts later (its own ticks delayed by a busy host) must still see
+this one's slot move, or it would count it gone and wait on at "1/2 joined" for the whole run.
+It ends then, or when the launch returns. The keys live under ``fdl/joined/<run id>/``, apart
+from torch's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ TICK_S = 1.0  # how often a node ticks its slot and counts the others
 ALIVE_S = 3.5  # a slot that has not moved for this long is a node that left
 REMIND_S = 30.0  # the line again while the count stands still
 CONNECT_S = 2.0  # one try to reach the store (node 0's may not serve yet)
+LINGER_S = 60.0  # the ticks go on this long after every node is there, for the others' counts
 
 
 class JoinWatch:
@@ -54,7 +58,10 @@ class JoinWatch:
         started = time.monotonic()
         store = slot = None
         shown, said = -1, 0.0
+        full: float | None = None  # when every node was there (this node said so)
         while not self._stop.is_set():
+            if full is not None and time.monotonic() - full >= LINGER_S:
+                return
             try:
                 if store is None:
                     store = self._connect()
@@ -66,13 +73,14 @@ class JoinWatch:
                     slot = int(store.add(self.prefix + "slots", 1))
                 if store is not None and slot is not None:
                     store.add(f"{self.prefix}{slot}", 1)
+                if store is not None and slot is not None and full is None:  # said: ticks only
                     count = self._count(store, slot)
                     now = time.monotonic()
                     if count >= self.nodes:
                         self.say(f"fdl run: {count}/{self.nodes} nodes joined at "
                                  f"{self.endpoint}")
-                        return
-                    if count != shown or now - said >= REMIND_S:
+                        full = now
+                    elif count != shown or now - said >= REMIND_S:
                         self.say(f"fdl run: waiting for nodes: {count}/{self.nodes} joined at "
                                  f"{self.endpoint} ({now - started:.0f} s)")
                         shown, said = count, now

@@ -98,6 +98,31 @@ def test_a_slot_claimed_but_never_ticked_does_not_stall_the_count(store):
     assert first.watch.errors == [] and second.watch.errors == []
 
 
+def test_a_node_that_counted_everyone_ticks_on_for_a_node_that_counts_later(store):
+    """Node 1 sees node 0 and says 2/2 while node 0 has not counted node 1 yet (its ticks
+    delayed by a busy host: here it stops, and a node that begins counting only now stands in
+    for it). That node must still see node 1's slot move: a watch that has said 2/2 goes on
+    ticking, or the other would count it gone and say 1/2 for the whole run."""
+    _, port = store
+    first, second, late = Lines(), Lines(), Lines()
+    node0 = watch(port, first)
+    try:
+        first.wait_for(f"waiting for nodes: 1/2 joined at 127.0.0.1:{port}")
+        node1 = watch(port, second)
+        try:
+            second.wait_for(f"2/2 nodes joined at 127.0.0.1:{port}")
+            node0.stop()
+            node2 = watch(port, late)
+            try:
+                late.wait_for(f"2/2 nodes joined at 127.0.0.1:{port}")
+            finally:
+                node2.stop()
+        finally:
+            node1.stop()
+    finally:
+        node0.stop()
+
+
 def test_a_store_that_never_answers_only_stops_the_watch_when_asked():
     lines = Lines()
     quiet = JoinWatch("127.0.0.1", free_port(), run_id="run", nodes=2, say=lines.say).start()
