@@ -186,14 +186,14 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
     (:func:`_made_by_another_node`): only the maker rewrites config.json."""
     if use != "resume" and joinable(run_dir, spec=spec, fdl_version=fdl_version):
         return True
-    if use == "resume" and _several_nodes(spec) and _made_by_another_node(run_dir, spec):
-        check_run_dir(run_dir, use=use)  # a shared directory: its maker rewrites config.json
-        try:
-            logs_dir(run_dir).mkdir(exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
-                             hint="pass --run-dir DIR with a writable directory") from exc
-        return True
+    if use == "resume" and _several_nodes(spec):
+        check_run_dir(run_dir, use=use)
+        if _made_by_another_node(run_dir, spec):  # shared: its maker rewrites config.json
+            try:
+                logs_dir(run_dir).mkdir(exist_ok=True)
+            except OSError as exc:
+                raise _unusable(run_dir, exc) from exc
+            return True
     if use == "overwrite" and _several_nodes(spec) and run_dir.is_dir() \
             and not run_dir.is_symlink():  # a link: check_run_dir refuses it below
         if not _claim_overwrite(run_dir, spec):
@@ -245,8 +245,7 @@ def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
                                  "run", hint="pass another --run-dir") from None
             return False
         except OSError as exc:
-            raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
-                             hint="pass --run-dir DIR with a writable directory") from exc
+            raise _unusable(run_dir, exc) from exc
         with os.fdopen(handle, "w") as out:
             out.write(run_id)
         return True
@@ -317,17 +316,20 @@ def prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version: str,
         raise UsageError(f"run directory {run_dir} is being used by another fdl run",
                          hint="pass another --run-dir") from exc
     except OSError as exc:
-        raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
-                         hint="pass --run-dir DIR with a writable directory") from exc
+        raise _unusable(run_dir, exc) from exc
     return run_dir
+
+
+def _unusable(run_dir: Path, exc: OSError) -> UsageError:
+    return UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
+                      hint="pass --run-dir DIR with a writable directory")
 
 
 def _entries(run_dir: Path) -> list[str]:
     try:
         return os.listdir(run_dir)
     except OSError as exc:
-        raise UsageError(f"cannot use run directory {run_dir}: {exc.strerror or exc}",
-                         hint="pass --run-dir DIR with a writable directory") from exc
+        raise _unusable(run_dir, exc) from exc
 
 
 def _is_run_entry(name: str) -> bool:
