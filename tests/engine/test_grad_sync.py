@@ -23,9 +23,9 @@ WORLD_SIZE = 2
 
 
 class Net(nn.Module):
-    """An unused layer registered first (so its bucket is the last one reduced), then a float32
-    body of about 2 MB and a float64 head: three buckets (the head's, by its dtype, the body's,
-    and none left over since the first cap applies once)."""
+    """An unused layer registered first (so it sits in the last bucket reduced), then a float32
+    body of about 2 MB and a float64 head: two buckets, the head's first (backward's order; a
+    bucket of its own by its dtype), then one of float32 for the rest (under 25 MiB)."""
 
     def __init__(self):
         super().__init__()
