@@ -56,6 +56,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from fdl import readback
 from fdl.engine.data import epoch_permutation
 from fdl.engine.round_messages import group_store, restart_attempt
 from fdl.errors import UsageError
@@ -263,7 +264,9 @@ class ShardStream:
         key = f"{self._key()}resume/"
         store = self._resolve_store()
         store.set(f"{key}{self.rank}", json.dumps(mine))
-        return [json.loads(store.get(f"{key}{rank}")) for rank in range(world_size)]
+        # read as every file fdl reads back (depth and number limits): the store is open to
+        # whoever reaches its port (docs/security.md)
+        return [readback.parse_json(store.get(f"{key}{rank}")) for rank in range(world_size)]
 
 
 class IterableStream:
