@@ -118,7 +118,7 @@ class GradSync:
         grad = param.grad
         if grad is None:
             part.zero_()
-        elif not _same_memory(grad, part):  # the gradient is last step's view, accumulated
+        elif not _same_memory(grad, part):  # the same: last step's view, accumulated into
             part.copy_(grad.reshape(-1))
         self._copied[index] = True
 
