@@ -80,12 +80,21 @@ def shortened(value: Any) -> str:
 def parse_whole(name: str, allowed: Range, *, hint: str | None = None) -> Callable[[Any], int]:
     """A whole number in ``allowed``: an int, or text that reads as one (never a bool or a
     float)."""
-    def parse(value: Any) -> int:
-        number = whole(value)
+    return parse_in(name, allowed, whole, "a whole number", hint=lambda: hint or (
+        f"give {name} a whole number from {number_text(allowed.low)} to "
+        f"{number_text(allowed.high)}"))
+
+
+def parse_in(name: str, allowed: Range, read: Callable[[Any], Any], what: str, *,
+             hint: Callable[[], str]) -> Callable[[Any], Any]:
+    """A parser of ``name``: ``read(value)`` (None: it does not read as ``what``) inside
+    ``allowed``, else one usage error naming the range and the value, with ``hint()`` (made
+    when it is needed: a caller's hint may name what is defined after its parsers)."""
+    def parse(value: Any) -> Any:
+        number = read(value)
         if number is None or number not in allowed:
-            raise UsageError(f"{name} must be a whole number in {allowed}, got {shortened(value)}",
-                             hint=hint or f"give {name} a whole number from "
-                                          f"{number_text(allowed.low)} to {number_text(allowed.high)}")
+            raise UsageError(f"{name} must be {what} in {allowed}, got {shortened(value)}",
+                             hint=hint())
         return number
 
     return parse

@@ -52,6 +52,7 @@ from fdl.ranges import (
     WORKERS_PER_NODE,
     Range,
     number_text,
+    parse_in,
     parse_whole,
     real,
     shortened,
@@ -138,15 +139,9 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 def parse_real(name: str, allowed: Range, *, hint: str | None = None) -> Callable[[Any], float]:
     """A finite number in ``allowed``: an int, a float or text that reads as one (never a
     bool, nan or infinity)."""
-    def parse(value: Any) -> float:
-        number = real(value)
-        if number is None or number not in allowed:
-            raise UsageError(f"{name} must be a number in {allowed}, got {shortened(value)}",
-                             hint=hint or f"give {name} a number in {allowed}, e.g. "
-                                          f"{number_text(ENGINE_DEFAULTS.get(name, allowed.high))}")
-        return number
-
-    return parse
+    return parse_in(name, allowed, real, "a number", hint=lambda: hint or (
+        f"give {name} a number in {allowed}, e.g. "
+        f"{number_text(ENGINE_DEFAULTS.get(name, allowed.high))}"))
 
 
 def parse_slowdown(value: Any) -> tuple[float, ...]:
