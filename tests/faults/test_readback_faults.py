@@ -237,21 +237,25 @@ def test_an_anchor_change_that_is_not_one_is_named(tmp_path):
 
 # ---- fdl run --resume / --overwrite-run-dir, fdl compare, fdl bench report ---------------------
 
+def planted(folder: Path, name: str, make: str) -> tuple[Path, str]:
+    """``folder`` made, with a hostile ``name`` in it (``HOSTILE[make]``); the folder and the
+    problem the refusal must name."""
+    folder.mkdir()
+    maker, problem = HOSTILE[make]
+    maker(folder / name)
+    return folder, problem
+
+
 @pytest.mark.parametrize("make", ["fifo", "dev-zero", "deep"])
 def test_resume_of_a_run_whose_config_is_hostile_is_one_error(tmp_path, make):
-    run = tmp_path / "run"
-    run.mkdir()
-    maker, problem = HOSTILE[make]
-    maker(run / "config.json")
+    run, problem = planted(tmp_path / "run", "config.json", make)
     proc = run_fdl("run", "--resume", str(run), str(SCRIPT))
     assert_one_error(proc, 2, "config.json", problem)
 
 
 @pytest.mark.parametrize("make", ["fifo", "dev-zero"])
 def test_overwrite_of_a_directory_whose_config_is_hostile_is_refused_not_read(tmp_path, make):
-    run = tmp_path / "run"
-    run.mkdir()
-    HOSTILE[make][0](run / "config.json")
+    run, _ = planted(tmp_path / "run", "config.json", make)
     proc = run_fdl("run", "--run-dir", str(run), "--overwrite-run-dir", str(SCRIPT))
     assert_one_error(proc, 2, "holds no fdl run")
     assert (run / "config.json").is_symlink() or (run / "config.json").exists()
@@ -259,10 +263,7 @@ def test_overwrite_of_a_directory_whose_config_is_hostile_is_refused_not_read(tm
 
 @pytest.mark.parametrize("make", ["fifo", "dev-zero", "deep"])
 def test_compare_into_an_out_whose_plan_is_hostile_is_one_error(tmp_path, make):
-    out = tmp_path / "out"
-    out.mkdir()
-    maker, problem = HOSTILE[make]
-    maker(out / "plan.json")
+    out, problem = planted(tmp_path / "out", "plan.json", make)
     proc = run_fdl("compare", str(SCRIPT), "--out", str(out), "--dry-run")
     assert_one_error(proc, 2, "plan.json cannot be read as fdl compare's plan", problem)
 
