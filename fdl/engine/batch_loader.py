@@ -11,6 +11,14 @@ persistent workers whose ``batch_sampler`` is an :class:`IndexFeed`: each slice 
 feed's index lists and starts a new pass of the same workers (``iter`` on a persistent
 DataLoader resets them, and drops the batches an abandoned pass had in flight). Without workers, or for a TensorDataset under the default
 collate (indexed at once, faster than workers), batches are made in this process.
+
+**The next round's first batches come while the average runs.** The round loop hands the
+loader the slice it foresees for the next round (:meth:`BatchLoader.fetch_ahead`) before the
+boundary's average, and the workers fetch its first batches (``prefetch_factor`` x workers of
+them) meanwhile. The real slice is known only after the average; when it begins with the lists
+the workers were given, the pass goes on with the real slice's rest (:meth:`IndexFeed.go_on`):
+nothing is fetched twice. When it does not (the average moved the split), the pass is dropped
+and a new one starts, as without the foresight.
 """
 
 from __future__ import annotations
@@ -31,15 +39,35 @@ class IndexFeed:
 
     def __init__(self) -> None:
         self._lists: deque[list[int]] = deque()
+        self._handed: list[list[int]] = []  # what this pass handed out so far
+        self._ended = False  # this pass found no list left: it has ended
 
     def replace(self, batches: Sequence[torch.Tensor | Sequence[int]]) -> None:
         """The index lists of the next pass; what an abandoned pass left is dropped."""
-        self._lists = deque(index_lists(batches))
+        self._lists, self._handed, self._ended = deque(index_lists(batches)), [], False
+
+    def go_on(self, batches: Sequence[torch.Tensor | Sequence[int]]) -> bool:
+        """The pass under way goes on as ``batches``' pass would, if what it handed out so far
+        is where they begin (or they end within it): the lists it has not handed out become the
+        rest of ``batches``'. False, changing nothing, when they begin elsewhere, or when they
+        go on beyond a pass that has ended."""
+        wanted = index_lists(batches)
+        handed = self._handed
+        common = min(len(handed), len(wanted))
+        rest = wanted[len(handed):]
+        if handed[:common] != wanted[:common] or (rest and self._ended):
+            return False
+        self._lists.clear()  # the same deque: the pass's generator reads it
+        self._lists.extend(rest)
+        return True
 
     def __iter__(self) -> Iterator[list[int]]:
-        lists = self._lists  # this pass's lists: a later replace() starts another pass
+        lists, handed = self._lists, self._handed  # a later replace() starts another pass
         while lists:
-            yield lists.popleft()
+            handed.append(lists.popleft())
+            yield handed[-1]
+        if lists is self._lists:
+            self._ended = True
 
     def __len__(self) -> int:
         return len(self._lists)
@@ -58,6 +86,8 @@ class BatchLoader:
         self.data = data
         self._feed = IndexFeed()
         self._loader: DataLoader | None = None
+        self._ahead: Iterator[Any] | None = None  # the pass fetch_ahead started
+        self.went_on = False  # the last batches() call went on with the pass started ahead
 
     def __len__(self) -> int:
         return len(self.data)
@@ -75,13 +105,26 @@ class BatchLoader:
         return self.batches(index_batches(order, start=start, stop=stop, batch_size=batch_size))
 
     def batches(self, batches: Sequence[torch.Tensor | Sequence[int]]) -> Iterator[Any]:
-        """The batches of the samples each of ``batches`` lists, in order."""
+        """The batches of the samples each of ``batches`` lists, in order: from the pass
+        :meth:`fetch_ahead` started where it foresaw them, else from a new pass."""
         if not self.data.uses_workers:
             return fetch_batches(self.data, batches)
+        ahead, self._ahead = self._ahead, None
+        self.went_on = ahead is not None and self._feed.go_on(batches)
+        if self.went_on:
+            assert ahead is not None
+            return ahead
         if self._loader is None:
             self._loader = self.data.loader(self._feed, persistent_workers=True)
         self._feed.replace(batches)
         return iter(self._loader)  # the same workers (started by the first), a new pass
+
+    def fetch_ahead(self, batches: Sequence[torch.Tensor | Sequence[int]]) -> None:
+        """Start fetching ``batches``, the next slice as foreseen, before it is asked for: the
+        next :meth:`batches` goes on with this pass where it begins as they do. Nothing
+        without workers (batches made in this process are made when asked for)."""
+        if self.data.uses_workers and len(batches):
+            self._ahead = self.batches(batches)
 
     def collate(self, indices: torch.Tensor | Sequence[int]) -> Any:
         """One batch of the samples ``indices``, made in this process."""
@@ -90,4 +133,4 @@ class BatchLoader:
     def close(self) -> None:
         """Stop the workers (a later slice starts new ones): the DataLoader's iterator shuts
         them down when the last reference to it goes."""
-        self._loader = None
+        self._loader = self._ahead = None

@@ -195,6 +195,7 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
         policy = replica.policy  # auto's choice changes it once
         plan = next_round(state)
         done = yield from run_slice(replica, plan, state)
+        _fetch_ahead(replica, plan, state, done)
         reports: list[RoundReport] | None = None
         consensus = replica.averager is None
         evaluation_due = _evaluation_due(replica, plan, state)
@@ -272,6 +273,7 @@ class RoundTally:
     timed_samples: int = 0
     data_s: float = 0.0
     pool_samples: int = 0  # positions taken from the round's shared pool
+    went_on: bool = False  # the slice's batches came from the pass started at the last boundary
 
     @classmethod
     def open(cls, replica: Replica) -> RoundTally:
@@ -301,6 +303,7 @@ def _own_steps(replica: Replica, plan: RoundPlan, state: PlanState,
     steps = [_samples(replica, order, low, min(low + step_size, mine.stop))
              for low in range(mine.start, mine.stop, step_size)]
     fetch = _ahead(replica, _slice_fetch(replica, steps), steps)
+    tally.went_on = replica.stream is None and replica.dataset.went_on
     warm_first = plan.calibration and state.samples_seen == 0
     sliced = plan.pool_start - state.position  # the slices' positions: a pool's come after
     signal = ElasticSignal.open(plan, rank=replica.rank)
@@ -413,6 +416,29 @@ def _ahead(replica: Replica, fetch: Callable[[], Any],
     return replica.copies.ahead(fetch, sum(len(s) for s in steps if not isinstance(s, int)))
 
 
+def _fetch_ahead(replica: Replica, plan: RoundPlan, state: PlanState,
+                 done: SliceResult) -> None:
+    """Hand the loader's workers this rank's slice of the next round as the plan foresees it
+    now, before the boundary (its average, an epoch's end), so they fetch its first batches
+    meanwhile (fdl.engine.batch_loader). What the round used is known on every rank by now,
+    so the next round's first position is exact; the ranks' shares are foreseen from the
+    speeds before this round's (``RoundStats.unknown``): a rank whose slice comes first always
+    foresees right, the others as long as the average leaves the split alone. A wrong
+    foresight costs the batches fetched meanwhile, never a wrong batch: the loader checks."""
+    if replica.stream is not None or not replica.dataset.data.uses_workers:
+        return
+    foreseen = advance(state, plan, RoundStats.unknown(replica.world_size),
+                       elastic_used=done.elastic_used, pool_used=done.pool_used)
+    if foreseen.finished:
+        return
+    next_plan = next_round(foreseen)
+    mine, step_size = next_plan.slices[replica.rank], replica.step_size
+    order = replica.order(next_plan.epoch)
+    replica.dataset.fetch_ahead([batch for low in range(mine.start, mine.stop, step_size)
+                                 for batch in _samples(replica, order, low,
+                                                       min(low + step_size, mine.stop))])
+
+
 def _one_fetch(replica: Replica, samples: list[torch.Tensor] | int) -> Callable[[], Any]:
     """A pool's step, made in this process (the calibration pool's batches come one at a
     time; a drained pool's, without loader workers)."""
@@ -520,7 +546,7 @@ def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally,
                            busy_s=timer.busy_s + warmup.busy_s, step_ms=timer.step_ms,
                            sleep_s=timer.sleep_s + warmup.sleep_s,
                            comm_s=timer.comm_s + warmup.comm_s, anchor=plan.anchor,
-                           lr_scale=replica.lr_scale)
+                           lr_scale=replica.lr_scale, fetched_ahead=tally.went_on)
 
 
 def _lr_scale(replica: Replica) -> float:

@@ -12,8 +12,9 @@ Events (``t`` is seconds since the epoch, ``rank`` the global rank):
   less DDP's communication), ``data_s``
   (fetching batches, inside both), ``step_ms`` (``busy_s`` per step), ``sleep_s`` (emulated
   slowdown, inside both), ``comm_s`` (sync: DDP's gradient all-reduce and the wait for the
-  peers in it, inside ``compute_s``, not ``busy_s``), ``anchor``, ``lr_scale``; written when
-  the round's compute ends
+  peers in it, inside ``compute_s``, not ``busy_s``), ``anchor``, ``lr_scale``,
+  ``fetched_ahead`` (the slice's batches came from the loader's workers' pass started while
+  the last boundary ran: fdl.engine.batch_loader); written when the round's compute ends
 * ``sync``   — ``round``, ``start``, ``end``, ``wait_s`` (time blocked), ``blocking``,
   ``bytes``, ``checksum`` (when FDL_VERIFY_REPLICAS=1)
 * ``anchor`` — ``round``, ``anchor``, ``previous``, ``reason`` (tuning and divergence-guard
@@ -62,7 +63,7 @@ SAMPLES_FILE = re.compile(r"samples-node(\d+)\.jsonl")
 EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("attempt", "world_size", "resumed_from", "epoch", "round", "skipped"),
     "round": ("round", "epoch", "steps", "samples", "planned", "compute_s", "data_s", "busy_s",
-              "step_ms", "sleep_s", "comm_s", "anchor", "lr_scale"),
+              "step_ms", "sleep_s", "comm_s", "anchor", "lr_scale", "fetched_ahead"),
     "sync": ("round", "start", "end", "wait_s", "blocking", "bytes"),
     "anchor": ("round", "anchor", "previous", "reason"),
     "policy": ("round", "chosen", "reason", "speed_spread", "average_ms",

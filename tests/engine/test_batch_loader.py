@@ -125,3 +125,98 @@ def test_the_feed_hands_out_one_pass_and_a_replace_starts_another():
     feed.replace([[9]])
     assert list(old) == [[3]]  # the old pass keeps its own lists
     assert list(feed) == [[9]] and list(feed) == []
+
+
+class Reads(Dataset):
+    """Sample i is i; every read is a line in ``log`` and an index on ``read`` (the workers'
+    reads, in any process)."""
+
+    def __init__(self, log):
+        self.log, self.read = log, multiprocessing.get_context("fork").Queue()
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        with open(self.log, "a") as log:
+            log.write(f"{index}\n")
+        self.read.put(index)
+        return torch.tensor(index)
+
+
+def reads(log) -> list[int]:
+    return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+def read_ahead(batches: BatchLoader, dataset: Reads, foreseen: list[list[int]]) -> None:
+    """fetch_ahead(foreseen), then wait until the workers have read the batches handed to them
+    (prefetch_factor 2 x 2 workers: the first four), as they do while an average runs."""
+    batches.fetch_ahead(foreseen)
+    first = sorted(i for batch in foreseen[:4] for i in batch)
+    assert sorted(dataset.read.get(timeout=60) for _ in first) == first  # a guard only
+
+
+def test_a_pass_fetched_ahead_goes_on_where_it_foresaw_right(tmp_path):
+    """The slice foreseen while the average ran and the slice planned after it begin alike: the
+    pass goes on, and the batches the workers fetched meanwhile are not fetched again."""
+    log = tmp_path / "reads"
+    with loader(dataset=(dataset := Reads(log))) as batches:
+        read_ahead(batches, dataset, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
+        got = list(batches.batches([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12]]))
+        went_on = batches.went_on
+    assert [b.tolist() for b in got] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12]]
+    assert went_on
+    assert sorted(reads(log)) == list(range(13))  # each once
+
+
+def test_a_pass_fetched_ahead_ends_where_a_shorter_slice_does(tmp_path):
+    log = tmp_path / "reads"
+    with loader(dataset=(dataset := Reads(log))) as batches:
+        read_ahead(batches, dataset, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
+        short = batches.batches([[0, 1], [2, 3]])
+        got = [next(short).tolist(), next(short).tolist()]
+        assert batches.went_on
+        after = list(batches.batches([[20, 21], [22]]))
+    assert got == [[0, 1], [2, 3]] and [b.tolist() for b in after] == [[20, 21], [22]]
+
+
+def test_a_slice_foreseen_wrong_is_fetched_anew(tmp_path):
+    """The average moved the split: the pass started ahead is dropped, the slice is right."""
+    log = tmp_path / "reads"
+    with loader(dataset=(dataset := Reads(log))) as batches:
+        read_ahead(batches, dataset, [[30, 31], [32, 33], [34, 35], [36, 37], [38]])
+        got = list(batches.batches([[32, 33], [34, 35], [36, 37], [38, 39]]))
+        assert not batches.went_on
+    assert [b.tolist() for b in got] == [[32, 33], [34, 35], [36, 37], [38, 39]]
+
+
+def test_a_pass_that_ended_is_not_asked_to_go_on(tmp_path):
+    """Foreseen shorter than the workers' reach: that pass ended, so a longer slice that
+    begins alike gets a pass of its own, whole."""
+    log = tmp_path / "reads"
+    with loader(dataset=(dataset := Reads(log))) as batches:
+        read_ahead(batches, dataset, [[0, 1], [2, 3]])
+        got = list(batches.batches([[0, 1], [2, 3], [4, 5], [6]]))
+        assert not batches.went_on
+    assert [b.tolist() for b in got] == [[0, 1], [2, 3], [4, 5], [6]]
+
+
+def test_without_workers_nothing_is_fetched_ahead(tmp_path):
+    log = tmp_path / "reads"
+    batches = loader(num_workers=0, dataset=Reads(log))
+    batches.fetch_ahead([[0, 1]])
+    assert reads(log) == []
+    assert [b.tolist() for b in batches.batches([[0, 1]])] == [[0, 1]]
+    assert not batches.went_on
+
+
+def test_the_feed_goes_on_only_from_what_it_handed_out():
+    feed = IndexFeed()
+    feed.replace([[1], [2], [3]])
+    handing = iter(feed)
+    assert next(handing) == [1]
+    assert not feed.go_on([[2], [3]])  # begins elsewhere
+    assert feed.go_on([[1], [5], [6]])
+    assert list(handing) == [[5], [6]]
+    assert not feed.go_on([[1], [5], [6], [7]])  # the pass has ended
+    assert feed.go_on([[1], [5]])  # ends within what it handed out

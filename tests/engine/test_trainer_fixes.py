@@ -244,7 +244,9 @@ def test_with_loader_workers_only_the_calibration_pool_is_fetched_in_process(tmp
     """A DataLoader with a worker under cadence at 1,8: every sample once per epoch, and the
     training process fetches only the calibration pool's single batches itself; the epoch's
     tail pools come through the workers, a pass per take (a slow dataset's decoding would
-    otherwise land on the training thread in every epoch's last round)."""
+    otherwise land on the training thread in every epoch's last round). The workers fetch a
+    round's first batches while the boundary before it runs, where the rank foresaw its slice
+    right (the rank whose slice comes first always does: its start is known)."""
     num_samples = 603
     out, run_dir = fdl_run(tmp_path, "sample_ledger.py", str(num_samples), "workers",
                            flags=("--policy", "cadence", "--simulate-slowdown", "1,8"))
@@ -256,6 +258,9 @@ def test_with_loader_workers_only_the_calibration_pool_is_fetched_in_process(tmp
     calibration_pool = CALIBRATION_POOL * 2 * 4  # batches x calibration steps x batch size
     assert len(in_process[0]) + len(in_process[1]) <= calibration_pool
     assert len(plans) >= 3  # a calibration round and at least one epoch's last round each
+    went_on = [e["round"] for r in (0, 1) for e in read_events(run_dir, r)
+               if e["kind"] == "round" and e["fetched_ahead"]]
+    assert went_on and 0 not in went_on  # nothing is foreseen before the first round
 
 
 def test_the_calibration_pool_serves_ranks_until_every_rank_is_done():
