@@ -27,6 +27,8 @@ from fdl.engine.simulator import (  # noqa: E402
     profiles,
     simulate,
 )
+from fdl.engine.wire import WIRE_BLOCK  # noqa: E402
+from fdl.settings import AVERAGE_DTYPES  # noqa: E402
 
 POLICIES = ("sync", "cadence", "async")
 RATE_GBS = {"gbit": 1e9 / 8 / 1e9, "mbit": 1e6 / 8 / 1e9}  # GB/s per unit of a tc rate
@@ -45,7 +47,7 @@ def main() -> None:
                         help="seeds per cell (1..N), interleaved; the table shows medians")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="the policies run on two nodes, comma-separated")
-    parser.add_argument("--average-dtype", default="fp32", choices=("fp32", "bf16"),
+    parser.add_argument("--average-dtype", default="fp32", choices=AVERAGE_DTYPES,
                         help="what an average sends on two nodes (fdl run --average-dtype)")
     parser.add_argument("--outer-optimizer", default="none", choices=("none", "nesterov"),
                         help="the outer optimizer on two nodes (fdl run --outer-optimizer, "
@@ -160,6 +162,11 @@ def _rate_gbs(rate: str) -> float:
     return float(rate[:-len(unit)]) * RATE_GBS[unit]
 
 
+def value_bytes(average_dtype: str) -> float:
+    """What an average sends per value in ``average_dtype`` (the simulator's value_bytes)."""
+    return {"fp32": 4, "bf16": 2, "int8": 1 + 4 / WIRE_BLOCK}[average_dtype]
+
+
 def outer_step_ms(numel: int, *, repeat: int = 5) -> float:
     """The outer optimizer's step on ``numel`` float32 parameters in host memory (the cpu
     backend's buffer), one thread as the workers have: median of ``repeat``, in ms."""
@@ -193,7 +200,7 @@ def simulated(rate: str, policy: str, args: argparse.Namespace) -> float:
                       GIGABIT_GBS else 3.0, overlap="thread", contention=0.1,
                       dataset_size=args.train_samples, epochs=args.epochs,
                       batch_size=args.batch_size,
-                      value_bytes=2 if args.average_dtype == "bf16" else 4,
+                      value_bytes=value_bytes(args.average_dtype),
                       outer_ms=args.outer_ms)
     return statistics.median(simulate(profile, policy, seed=seed).efficiency
                              for seed in range(args.repeat))

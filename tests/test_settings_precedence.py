@@ -45,7 +45,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "divergence_threshold": {"env": "0.25"},
     "overhead_target": {"env": "0.1"},
     "collective_timeout": {"flag": "90s", "env": "10m", "file": "2m"},
-    "average_dtype": {"flag": "bf16", "env": "bf16", "file": "bf16"},
+    "average_dtype": {"flag": "int8", "env": "bf16", "file": "int8"},
     "outer_optimizer": {"flag": "nesterov", "env": "nesterov", "file": "nesterov"},
     "outer_lr": {"flag": "1", "env": "0.5", "file": 0.9},
     "outer_momentum": {"flag": "0", "env": "0.5", "file": 0.8},

@@ -29,20 +29,27 @@ computes ``exact = theta + delta + residual``, stores ``theta = exact`` rounded 
 way (identical on every rank). Whoever overwrites theta from outside (a checkpoint restore)
 leaves a stale residual of at most half an ulp.
 
-**bf16 on the wire** (``--average-dtype bf16``, for a slow link): the parameters travel as
-bf16 displacements from the last average, half the bytes (with 2 ranks: a gather of bf16
-sends ``n / 4`` of a float32 ring all-reduce's bytes per rank, so none are saved from 4 ranks).
+**bf16 or int8 on the wire** (``--average-dtype bf16|int8``, for a slow link): the parameters
+travel as displacements from the last average, in bf16 (half the bytes) or int8 (a quarter,
+plus a float32 scale per ``WIRE_BLOCK`` values: fdl.engine.wire). A gather sends ``(k - 1) x`` the buffer
+per rank, a float32 ring all-reduce ``2 (k - 1) / k x 4`` bytes a value: with 2 ranks bf16
+sends half of it and int8 a quarter; none are saved from 4 ranks (bf16) or 8 (int8).
 Every rank keeps that average, the *reference* R (float32, identical everywhere: the same
-bits), and sends ``q_r = bf16(w_r (theta_r - R) + e_r)``, keeping ``e_r`` (float32), what the
-rounding dropped, for its next average (error feedback: nothing is lost, it arrives one average
-late). The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every add, an
-error no rank could carry. Their float32 sum (in rank order: the same bits everywhere) plus R is
-the average (the weights sum to 1), landed in the float32 buffer, so what
-follows (loading it, async's delta, the divergence guard) is unchanged, and R becomes it. A
-displacement is small beside the parameters, so bf16's 8 bits of mantissa cost little of it;
-the parameters themselves in bf16 would lose the small updates. The integer and stats rows go in
-a float32 collective of their own, beside. The reference is the model as built (after rank 0's
-broadcast) and is taken again from the model where it was overwritten whole (a resume:
+bits), and sends ``q_r = encode(w_r (theta_r - R) + e_r)``, keeping ``e_r`` (float32), what the
+encoding dropped, for its next average (error feedback: nothing is lost, it arrives one average
+late). bf16 rounds each value; int8 scales each block by ``s = absmax / 127`` and sends
+``round(x / s)`` (a block of zeros: scale 0, codes 0), its codes and scales packed in one uint8
+buffer. The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every add, an
+error no rank could carry (and int8 codes with different scales do not add). Their decoded
+float32 sum (in rank order: the same bits everywhere) plus R is the average (the weights sum to
+1), landed in the float32 buffer, so what follows (loading it, async's delta, the divergence
+guard) is unchanged, and R becomes it. A non-finite displacement (a replica blew up) lands
+non-finite: bf16 carries inf and NaN, int8 makes its block's scale inf or NaN, so the landed
+block is NaN and the divergence guard sees it. A displacement is small beside the parameters,
+so bf16's 8 bits of mantissa, or int8's 127 steps of a block's largest value, cost little of
+it; the parameters themselves in bf16 would lose the small updates. The integer and stats rows
+go in a float32 collective of their own, beside. The reference is the model as built (after
+rank 0's broadcast) and is taken again from the model where it was overwritten whole (a resume:
 :meth:`Averager.rebase`).
 
 **The outer optimizer** (``--outer-optimizer nesterov``, fdl.engine.outer) steps the
@@ -72,6 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fdl.engine.outer import OuterOptimizer
+from fdl.engine.wire import WIRE_ENCODINGS
 from fdl.errors import FdlError
 
 #: dtypes whose updates keep a float32 residual (their ulp swallows small deltas)
@@ -91,10 +99,11 @@ class Averager:
         """``params=False`` averages buffers only (``sync``: DDP keeps parameters identical,
         and re-averaging identical values could change their last bits). ``snapshot=False``
         (every policy but async, which applies ``average - snapshot`` a round late) keeps no
-        copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"``
-        sends the parameters as bf16 displacements (the module docstring); ``outer`` (its
-        learning rate and momentum) steps the parameters' average with the outer optimizer
-        (fdl.engine.outer). With either, the replicas must be identical when it is built."""
+        copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"`` or
+        ``"int8"`` sends the parameters as encoded displacements (the module docstring);
+        ``outer`` (its learning rate and momentum) steps the parameters' average with the
+        outer optimizer (fdl.engine.outer). With either, the replicas must be identical when
+        it is built."""
         self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
@@ -119,17 +128,20 @@ class Averager:
                                     pin_memory=pinned) if snapshot else None
         self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                           if t.dtype in LOW_PRECISION else None for t in self.tensors]
-        # bf16 on the wire: the reference (the last average), the bf16 buffer, the error fed back
-        self.reference = self.wire = self.wire_error = None
+        # bf16/int8 on the wire: the encoding, the reference (the last average), the buffer sent,
+        # the error fed back (padded to the encoding's whole blocks)
+        assert wire == "fp32" or wire in WIRE_ENCODINGS, wire
+        self.encoding = self.reference = self.wire = self.wire_error = None
         self.gathered: list[torch.Tensor] = []
-        if wire == "bf16" and params and self.numel and dtype == torch.float32:
+        if wire in WIRE_ENCODINGS and params and self.numel and dtype == torch.float32:
+            self.encoding = WIRE_ENCODINGS[wire](self.numel)
             self.reference = torch.zeros(self.numel, dtype=dtype, device=buffer_device,
                                          pin_memory=pinned)
-            self.wire = torch.zeros(self.numel, dtype=torch.bfloat16, device=buffer_device,
-                                    pin_memory=pinned)
-            self.wire_error = torch.zeros(self.numel, dtype=dtype, device=buffer_device)
-            # every rank's bf16 displacements, summed here in float32 (gloo would round a bf16
-            # sum to bf16 at every add: an error no rank could carry)
+            self.wire = self.encoding.empty(device=buffer_device, pinned=pinned)
+            self.wire_error = torch.zeros(self.encoding.padded_numel, dtype=dtype,
+                                          device=buffer_device)
+            # every rank's encoded displacements, decoded and summed here in float32 (gloo
+            # would round a bf16 sum to bf16 at every add: an error no rank could carry)
             self.gathered = [torch.zeros_like(self.wire) for _ in range(world_size)]
         self.outer = OuterOptimizer(self.param_numel, lr=outer[0], momentum=outer[1],
                                     device=buffer_device, dtype=dtype, pinned=pinned) \
@@ -144,7 +156,7 @@ class Averager:
     @torch.no_grad()
     def rebase(self) -> None:
         """The replica as it is (identical on every rank: as built, or as a checkpoint loaded
-        it) is the last average: bf16 on the wire's reference (nothing owed), the outer
+        it) is the last average: the wire's reference (nothing owed), the outer
         optimizer's consensus (its momentum kept)."""
         if self.reference is not None and self.wire_error is not None:
             self._copy_replica(self.reference)
@@ -156,7 +168,7 @@ class Averager:
     def step_outer(self) -> None:
         """The outer optimizer's step on the landed average's parameters (nothing without
         one): call after the divergence guard measured the plain average, before anything
-        loads it. bf16 on the wire's reference follows the consensus."""
+        loads it. The wire's reference follows the consensus."""
         if self.outer is None:
             return
         body = self.flat[:self.param_numel]
@@ -179,31 +191,36 @@ class Averager:
 
     @torch.no_grad()
     def pack(self, *, weight: float, stats: Sequence[float], keep_snapshot: bool) -> None:
-        """Fill the buffer with ``weight x theta``, this rank's integer row and stats row."""
+        """Fill the buffer with ``weight x theta`` (on the wire: its encoded displacement),
+        this rank's integer row and stats row."""
         self._copy_replica(self.flat)
         if keep_snapshot and self.snapshot is not None:
             self.snapshot.copy_(self.flat[:self.numel])
-        self.flat[:self.numel].mul_(weight)
+        if self.wire is None:
+            self.flat[:self.numel].mul_(weight)
+        else:
+            self._pack_wire(weight)
         self.flat[self.numel:].zero_()
         if self.int_tensors:
             self._pack_ints()
         row = self.stats_offset + self.rank * self.num_stats
         self.flat[row:row + self.num_stats] = torch.tensor(list(stats), dtype=self.flat.dtype)
-        if self.wire is not None:
-            self._pack_wire(weight)
 
     def _pack_wire(self, weight: float) -> None:
-        """bf16 on the wire: ``wire := bf16(w (theta - R) + e)``, ``e :=`` what it dropped."""
-        assert self.reference is not None and self.wire_error is not None
-        body = self.flat[:self.numel]  # w x theta, packed above
-        body.sub_(self.reference, alpha=weight).add_(self.wire_error)
-        self.wire.copy_(body)
-        torch.sub(body, self.wire.to(body.dtype), out=self.wire_error)
+        """On the wire: ``wire := encode(w (theta - R) + e)``, ``e :=`` what it dropped."""
+        assert self.encoding is not None and self.reference is not None
+        assert self.wire_error is not None
+        # w (theta - R), not w theta - w R: a replica that did not move sends exactly zero, and
+        # no rounding of w theta (beyond the error fed back) reaches the average
+        body = self.flat[:self.numel]  # theta, packed above
+        body.sub_(self.reference).mul_(weight)
+        self.wire_error[:self.numel].add_(body)
+        self.encoding.encode(self.wire_error, self.wire)
 
     def all_reduce(self, *, async_op: bool) -> dist.Work | _WireAverage | None:
-        """The average's collective: a SUM over ``group`` (bf16 on the wire: two, a gather of
-        the bf16 displacements and the SUM of the float32 rows, landed as the average when
-        waited for)."""
+        """The average's collective: a SUM over ``group`` (bf16/int8 on the wire: two, a gather
+        of the encoded displacements and the SUM of the float32 rows, landed as the average
+        when waited for)."""
         if self.wire is None:
             return dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group,
                                    async_op=async_op)
@@ -219,13 +236,13 @@ class Averager:
 
     @torch.no_grad()
     def _land_wire(self) -> None:
-        """R + every rank's bf16 displacement, summed in float32 in rank order (the same bits
-        on every rank) -> the average, in the float32 buffer; R := it."""
-        assert self.reference is not None
+        """R + every rank's decoded displacement, summed in float32 in rank order (the same
+        bits on every rank) -> the average, in the float32 buffer; R := it."""
+        assert self.encoding is not None and self.reference is not None
         body = self.flat[:self.numel]
         body.copy_(self.reference)
         for displacement in self.gathered:
-            body.add_(displacement.to(body.dtype))
+            self.encoding.add_decoded(body, displacement)
         self.reference.copy_(body)
 
     def stats(self) -> list[list[float]]:
@@ -311,8 +328,9 @@ class Averager:
 
     def memory_bytes(self) -> tuple[int, int]:
         """fdl's own memory for this replica, (on the model's device, in host memory): the
-        flat buffer, the snapshot, the bf16/fp16 residuals, bf16 on the wire's reference, bf16
-        buffer and error fed back, and the outer optimizer's consensus and momentum."""
+        flat buffer, the snapshot, the bf16/fp16 residuals, the wire's reference, encoded
+        buffer, error fed back and every rank's gathered buffer, and the outer optimizer's
+        consensus and momentum."""
         on_device = on_host = 0
         for tensor in (self.flat, self.snapshot, *self.residuals, self.reference, self.wire,
                        self.wire_error, *self.gathered):
@@ -368,8 +386,8 @@ class Averager:
 
 
 class _WireAverage:
-    """bf16 on the wire: the collectives of one average in flight; :meth:`wait` waits for them
-    and lands the average (a ``dist.Work`` to its callers)."""
+    """bf16/int8 on the wire: the collectives of one average in flight; :meth:`wait` waits for
+    them and lands the average (a ``dist.Work`` to its callers)."""
 
     def __init__(self, averager: Averager, works: list[dist.Work]):
         self.averager, self.works = averager, works

@@ -67,7 +67,9 @@ class Profile:
     dataset_size: int = 50_000
     epochs: int = 3
     max_samples: int | None = None  # the run's sample budget (PlanConfig.max_samples)
-    value_bytes: int = 4  # what an average sends per value: 4 (fp32), 2 (--average-dtype bf16)
+    # what an average sends per value: 4 (fp32), 2 (--average-dtype bf16), 1 + 4 / WIRE_BLOCK
+    # (int8: a code a value and a float32 scale per fdl.engine.wire.WIRE_BLOCK values)
+    value_bytes: float = 4
     outer_ms: float = 0.0  # the outer optimizer's step, on every rank as each average lands
 
     @property

@@ -45,6 +45,7 @@ from fdl.rundir.fields import is_finite
 from fdl.rundir.report_partial import load_partial_run
 from fdl.rundir.summary import HINT, has_summary, load_summary
 from fdl.rundir.timeline import RankTimeline, read_rank_timeline
+from fdl.settings import AVERAGE_DTYPES
 
 SCHEMA = 1
 
@@ -148,7 +149,7 @@ def link_figures(summary: dict[str, Any], events: list[dict[str, Any]], *,
     interface, rated = _rated_link(network)
     rate = sent / median_s / 1e6 if sent and median_s else None
     return {
-        "average_bytes": sent, "average_dtype": dtype if dtype in ("fp32", "bf16") else None,
+        "average_bytes": sent, "average_dtype": dtype if dtype in AVERAGE_DTYPES else None,
         "averages": len(syncs), "blocking_average_ms": median_s * 1000 if median_s else None,
         "blocking_mb_per_s": rate,
         "interface": interface, "interface_mbit": rated,

@@ -1,11 +1,17 @@
-"""bf16 on the wire (``--average-dtype bf16``): the parameters travel as bf16 displacements from
-the last average, each rank's rounding error carried to its next average. Two-rank scenarios
-on the gloo harness of ``test_averaging.py``: many blocking averages of a model whose replicas
+"""bf16 and int8 on the wire (``--average-dtype bf16|int8``): the parameters travel as
+displacements from the last average (bf16 values, or int8 codes with a float32 scale per block),
+each rank's rounding error carried to its next average. Two-rank scenarios on the gloo harness
+of ``test_averaging.py``, for each encoding: many blocking averages of a model whose replicas
 move apart by different small steps each round, beside the exact float32 average of the same
-replicas, and an async average with progress made while it was in flight."""
+replicas, then a few averages with no step (what is owed arrives); an async average with
+progress made while it was in flight; and for int8, a block of zeros and a replica that blew
+up."""
 
 from __future__ import annotations
 
+import hashlib
+import math
+from functools import partial
 from typing import Any
 
 import pytest
@@ -15,14 +21,22 @@ from test_averaging import WORLD_SIZE, run_ranks, scenario
 from torch import nn
 
 from fdl.engine.averaging import Averager, checksum
+from fdl.engine.wire import WIRE_BLOCK, WIRE_ENCODINGS
 
 WEIGHTS = (0.7, 0.3)
 ROUNDS = 40
+SETTLE = 4  # averages with no step after the ROUNDS: what the ranks owe arrives
 STEP = 1e-3  # a round's displacement, beside parameters of order 0.1
+WIRES = ("bf16", "int8")
+#: how far the model may trail the exact trajectory: what two ranks owe, each at most half a
+#: rounding step of a displacement of a few STEPs (bf16: 2**-9 of a value; int8: 1/254 of its
+#: block's largest value), a fraction of one round's displacement
+WORST_GAP = {"bf16": STEP / 20, "int8": STEP / 20}
 
 
 def build(rank: int) -> tuple[nn.Module, list[torch.Tensor]]:
-    """The same model on both ranks (seeded), and this rank's displacement for each round."""
+    """The same model on both ranks (seeded), and this rank's displacement for each round.
+    3,120 parameters: int8's last block is short."""
     model = nn.Linear(64, 48)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -56,33 +70,43 @@ def averager(model: nn.Module, rank: int, wire: str, *, snapshot: bool = False) 
                     device=torch.device("cpu"), num_stats=1, snapshot=snapshot, wire=wire)
 
 
-def blocking_rounds(rank: int) -> dict[str, Any]:
-    """Each round: every replica moves by its own displacement, then a blocking bf16-wire
-    average; the exact float32 average of the same replicas is computed beside it."""
+def average(wire: Averager, rank: int) -> None:
+    """A blocking average, loaded."""
+    wire.pack(weight=WEIGHTS[rank], stats=[1.0], keep_snapshot=False)
+    wire.all_reduce(async_op=False)
+    wire.load_average()
+
+
+def blocking_rounds(rank: int, wire_dtype: str) -> dict[str, Any]:
+    """Each round: every replica moves by its own displacement, then a blocking average on the
+    wire; the exact float32 average of the same replicas is computed beside it. Then SETTLE
+    averages with no step."""
     model, steps = build(rank)
-    wire = averager(model, rank, "bf16")
+    wire = averager(model, rank, wire_dtype)
     exact = flat(model).clone()  # the exact trajectory: float32 averages of the same moves
     worst_gap = 0.0
     for step in steps:
         replicas = gathered(step)
         exact = exact + sum(w * s for w, s in zip(WEIGHTS, replicas, strict=True))
         load(model, flat(model) + step)
-        wire.pack(weight=WEIGHTS[rank], stats=[1.0], keep_snapshot=False)
-        wire.all_reduce(async_op=False)
-        wire.load_average()
+        average(wire, rank)
         worst_gap = max(worst_gap, float((flat(model) - exact).abs().max()))
-    owed = sum(gathered(wire.wire_error.clone()))  # what both ranks still carry
-    return {"gap": (flat(model) - exact).tolist(), "owed": owed.tolist(),
-            "worst_gap": worst_gap, "checksum": checksum(model),
-            "bytes": wire.bytes, "fp32_bytes": averager(model, rank, "fp32").bytes,
+    gap = flat(model) - exact
+    owed = sum(gathered(wire.wire_error[:wire.numel].clone()))  # what both ranks still carry
+    for _ in range(SETTLE):
+        average(wire, rank)
+    return {"gap": gap.tolist(), "owed": owed.tolist(), "worst_gap": worst_gap,
+            "settled_gap": float((flat(model) - exact).abs().max()),
+            "checksum": checksum(model), "bytes": wire.bytes,
+            "fp32_bytes": averager(model, rank, "fp32").bytes,
             "numel": wire.numel, "memory": list(wire.memory_bytes())}
 
 
-def async_round(rank: int) -> dict[str, Any]:
+def async_round(rank: int, wire_dtype: str) -> dict[str, Any]:
     """An async average: launched, local progress made while it flies, then waited for and
     applied as ``theta += average - snapshot``."""
     model, steps = build(rank)
-    wire = averager(model, rank, "bf16", snapshot=True)
+    wire = averager(model, rank, wire_dtype, snapshot=True)
     load(model, flat(model) + steps[0])
     packed = flat(model).clone()
     exact = sum(w * p for w, p in zip(WEIGHTS, gathered(packed), strict=True))
@@ -94,7 +118,38 @@ def async_round(rank: int) -> dict[str, Any]:
     return {"gap": float((flat(model) - (exact + steps[1])).abs().max())}
 
 
-SCENARIOS = {"blocking_rounds": blocking_rounds, "async_round": async_round}
+def int8_edges(rank: int) -> dict[str, Any]:
+    """int8: block 0 does not move on either rank (zeros: scale 0) in a first average; in a
+    second, rank 1 has blown up: an inf in block 1, a NaN in block 2 (block 3, the short one,
+    stays finite)."""
+    model, steps = build(rank)
+    before = flat(model).clone()
+    wire = averager(model, rank, "int8")
+    step = steps[0].clone()
+    step[:WIRE_BLOCK] = 0
+    load(model, before + step)
+    average(wire, rank)
+    codes, scales = wire.encoding.codes_and_scales(wire.wire)
+    calm = {"block0_exact": bool(torch.equal(flat(model)[:WIRE_BLOCK], before[:WIRE_BLOCK])),
+            "block0_scale": float(scales[0]), "block0_codes": int(codes[0].abs().max()),
+            "finite": bool(flat(model).isfinite().all())}
+    blown = flat(model) + step
+    if rank == 1:
+        blown[WIRE_BLOCK + 5], blown[2 * WIRE_BLOCK + 7] = math.inf, math.nan
+    load(model, blown)
+    wire.pack(weight=WEIGHTS[rank], stats=[1.0], keep_snapshot=False)
+    wire.all_reduce(async_op=False)
+    landed = wire.flat[:wire.numel].clone()
+    blocks = [landed[b * WIRE_BLOCK:(b + 1) * WIRE_BLOCK] for b in range(4)]
+    return {**calm, "nan_blocks": [bool(b.isnan().all()) for b in blocks],
+            "finite_blocks": [bool(b.isfinite().all()) for b in blocks],
+            "distance": wire.distance_from_average(),
+            "landed": hashlib.sha256(landed.numpy().tobytes()).hexdigest()}
+
+
+SCENARIOS = {**{f"blocking_rounds_{w}": partial(blocking_rounds, wire_dtype=w) for w in WIRES},
+             **{f"async_round_{w}": partial(async_round, wire_dtype=w) for w in WIRES},
+             "int8_edges": int8_edges}
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +157,35 @@ def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     return run_ranks(tmp_path_factory.mktemp("wire"), __name__)
 
 
-def test_every_rank_holds_the_same_bits_after_each_bf16_average(ranks):
-    first, second = scenario(ranks, "blocking_rounds")
+@pytest.mark.parametrize("wire", WIRES)
+def test_every_rank_holds_the_same_bits_after_each_average(ranks, wire):
+    first, second = scenario(ranks, f"blocking_rounds_{wire}")
     assert first["checksum"] == second["checksum"]
 
 
-def test_rounding_errors_are_carried_not_accumulated(ranks):
+@pytest.mark.parametrize("wire", WIRES)
+def test_rounding_errors_are_carried_not_accumulated(ranks, wire):
     """After 40 averages the model differs from the exact float32 trajectory by exactly what
     the ranks still owe (error feedback: each rounding error arrives one average late), never
     by a sum of 40 roundings; the gap is a fraction of one round's displacement."""
-    for result in scenario(ranks, "blocking_rounds"):
+    for result in scenario(ranks, f"blocking_rounds_{wire}"):
         gap, owed = torch.tensor(result["gap"]), torch.tensor(result["owed"])
         # atol: float32 rounding of both trajectories over 40 rounds (a bf16 sum: 3e-5)
         assert torch.allclose(gap, -owed, atol=1e-6), float((gap + owed).abs().max())
-        assert result["worst_gap"] < STEP / 20  # bf16 keeps 8 bits of a displacement
+        assert float(owed.abs().max()) > 1e-6  # something is owed: the check above bites
+        assert result["worst_gap"] < WORST_GAP[wire]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_averages_with_no_step_deliver_what_is_owed(ranks, wire):
+    """Once the replicas stop moving, each average sends what the last one dropped (and drops
+    a small fraction of that again): a few land the exact float32 mean, to float32 rounding."""
+    for result in scenario(ranks, f"blocking_rounds_{wire}"):
+        assert result["settled_gap"] < 1e-6, result["settled_gap"]
 
 
 def test_bf16_on_the_wire_sends_half_the_bytes(ranks):
-    for result in scenario(ranks, "blocking_rounds"):
+    for result in scenario(ranks, "blocking_rounds_bf16"):
         tail = result["fp32_bytes"] - 4 * result["numel"]  # the float32 rows (stats)
         assert result["bytes"] == 2 * result["numel"] + tail
         # fdl's memory grows by the reference (4 B/value), the bf16 buffer (2), the error (4)
@@ -127,6 +193,65 @@ def test_bf16_on_the_wire_sends_half_the_bytes(ranks):
         assert result["memory"][1] == result["fp32_bytes"] + 14 * result["numel"]
 
 
-def test_an_async_bf16_average_keeps_the_progress_made_in_flight(ranks):
-    for result in scenario(ranks, "async_round"):
-        assert result["gap"] < STEP / 20
+def test_int8_on_the_wire_sends_a_code_a_value_and_a_scale_a_block(ranks):
+    for result in scenario(ranks, "blocking_rounds_int8"):
+        numel = result["numel"]
+        num_blocks = -(-numel // WIRE_BLOCK)
+        padded = num_blocks * WIRE_BLOCK
+        assert padded > numel  # the last block is short: its padding is counted
+        sent = padded + 4 * num_blocks  # int8 codes, float32 scales
+        tail = result["fp32_bytes"] - 4 * numel  # the float32 rows (stats)
+        assert result["bytes"] == sent + tail
+        # fdl's memory grows by the reference (4 B/value), the buffer sent, the error (4 B a
+        # padded value) and every rank's gathered buffer
+        assert result["memory"][1] == (result["fp32_bytes"] + 4 * numel + sent + 4 * padded
+                                       + WORLD_SIZE * sent)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_an_async_average_keeps_the_progress_made_in_flight(ranks, wire):
+    for result in scenario(ranks, f"async_round_{wire}"):
+        assert result["gap"] < WORST_GAP[wire]
+
+
+def test_an_int8_block_of_zeros_sends_scale_zero_and_lands_the_reference_exactly(ranks):
+    for result in scenario(ranks, "int8_edges"):
+        assert result["block0_scale"] == 0 and result["block0_codes"] == 0
+        assert result["block0_exact"] and result["finite"]
+
+
+def test_an_int8_average_of_a_blown_up_replica_is_nan_where_it_blew_up(ranks):
+    """An inf or a NaN in rank 1's displacement: that block's scale is not finite, so the
+    landed block is NaN on every rank (the same bits), and the divergence guard's distance
+    reads NaN."""
+    first, second = scenario(ranks, "int8_edges")
+    for result in (first, second):
+        assert result["nan_blocks"] == [False, True, True, False]
+        assert result["finite_blocks"] == [True, False, False, True]
+        assert math.isnan(result["distance"])
+    assert first["landed"] == second["landed"]
+
+
+def test_int8_codes_are_within_half_a_scale_step_and_the_error_is_the_rest():
+    """One encoding, no collective: codes in [-127, 127], each decoded value within half its
+    block's scale of the value, a block of small values on its own scale, a block of zeros
+    on scale 0, and decoded + error = the value."""
+    numel = 2 * WIRE_BLOCK + 10
+    encoding = WIRE_ENCODINGS["int8"](numel)
+    values = torch.zeros(encoding.padded_numel)
+    values[:numel] = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    values[WIRE_BLOCK:2 * WIRE_BLOCK] *= 1e-4
+    values[2 * WIRE_BLOCK:numel] = 0  # the short last block: zeros
+    original = values[:numel].clone()
+    sent = encoding.empty(device=torch.device("cpu"), pinned=False)
+    encoding.encode(values, sent)
+    codes, scales = encoding.codes_and_scales(sent)
+    decoded = torch.zeros(numel)
+    encoding.add_decoded(decoded, sent)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    step = scales.expand(-1, WIRE_BLOCK).reshape(-1)[:numel]
+    assert float(step[WIRE_BLOCK]) < 1e-3 * float(step[0])  # each block its own scale
+    assert float(scales[2]) == 0 and int(codes[2].abs().max()) == 0  # zeros: no 0 / 0
+    assert bool(((decoded - original).abs() <= step / 2 * (1 + 1e-5)).all())
+    assert torch.equal(decoded + values[:numel], original)
+    assert bool((values[numel:] == 0).all())  # the padding owes nothing

@@ -105,10 +105,11 @@ def check_ddp_communication_is_sync(run_dir: Path) -> None:
 
 @pytest.mark.parametrize(("policy", "average_dtype", "outer"), [
     ("cadence", "fp32", "none"), ("async", "fp32", "none"), ("cadence", "bf16", "none"),
-    ("async", "bf16", "none"), ("cadence", "fp32", "nesterov"), ("async", "bf16", "nesterov")])
+    ("async", "bf16", "none"), ("cadence", "fp32", "nesterov"), ("async", "bf16", "nesterov"),
+    ("async", "int8", "none")])
 def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, average_dtype,
                                                             outer):
-    """bf16 on the wire too: every rank lands the same float32 sum of the gathered
+    """bf16 and int8 on the wire too: every rank lands the same float32 sum of the gathered
     displacements on the same reference; and with the outer optimizer, whose step every rank
     takes on the same bits."""
     _, run_dir = fdl_train(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",

@@ -332,3 +332,14 @@ def test_the_link_shows_an_averages_bytes_and_the_rate_the_blocking_ones_got(tmp
     make_run(tmp_path / "old")
     old = run_report(tmp_path / "old" / "run")["link"]
     assert old["average_bytes"] is None and old["blocking_mb_per_s"] is None
+
+
+def test_the_link_names_the_encoding_an_average_was_sent_in(tmp_path):
+    """int8 on the wire is named as bf16 is; a dtype fdl does not know is shown as none."""
+    run = make_run(tmp_path)
+    summary = {**SUMMARY, "average_bytes": 1_004_000, "average_dtype": "int8"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert run_report(run)["link"]["average_dtype"] == "int8"
+    assert "1.00 MB per average (int8)" in run_fdl("report", str(run)).stdout
+    (run / "summary.json").write_text(json.dumps({**summary, "average_dtype": "fp8"}))
+    assert run_report(run)["link"]["average_dtype"] is None
