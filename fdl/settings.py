@@ -108,7 +108,7 @@ def parse_backend(value: Any) -> str:
     return _choice("backend", value, BACKENDS)
 
 
-AVERAGE_DTYPES = ("fp32", "bf16", "int8")  # what each sends: fdl.engine.averaging
+AVERAGE_DTYPES = ("fp32", "bf16", "int8", "int4")  # what each sends: fdl.engine.averaging
 
 
 def parse_average_dtype(value: Any) -> str:
@@ -431,8 +431,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
             "Write TensorBoard scalars: on (RUN_DIR/tensorboard), off, or a directory.",
             script=True, bare="on"),
     _engine("average_dtype", "fp32", parse_average_dtype,
-            "fp32 | bf16 | int8: what an average sends (bf16: half the bytes, int8: a quarter "
-            "and a scale per block; each rank's rounding error carried to its next average)."),
+            "fp32 | bf16 | int8 | int4: what an average sends (bf16: half the bytes, int8: a "
+            "quarter, int4: an eighth, with a scale per block; each rank's rounding error "
+            "carried to its next average)."),
     _engine("outer_optimizer", "none", parse_outer_optimizer,
             "none | nesterov: step each average's displacement with Nesterov momentum "
             "(DiLoCo/SlowMo) instead of taking the average as it is; cadence and async."),

@@ -164,7 +164,8 @@ def _rate_gbs(rate: str) -> float:
 
 def value_bytes(average_dtype: str) -> float:
     """What an average sends per value in ``average_dtype`` (the simulator's value_bytes)."""
-    return {"fp32": 4, "bf16": 2, "int8": 1 + 4 / WIRE_BLOCK}[average_dtype]
+    return {"fp32": 4, "bf16": 2, "int8": 1 + 4 / WIRE_BLOCK,
+            "int4": 0.5 + 4 / WIRE_BLOCK}[average_dtype]
 
 
 def outer_step_ms(numel: int, *, repeat: int = 5) -> float:

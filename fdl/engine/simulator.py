@@ -68,7 +68,8 @@ class Profile:
     epochs: int = 3
     max_samples: int | None = None  # the run's sample budget (PlanConfig.max_samples)
     # what an average sends per value: 4 (fp32), 2 (--average-dtype bf16), 1 + 4 / WIRE_BLOCK
-    # (int8: a code a value and a float32 scale per fdl.engine.wire.WIRE_BLOCK values)
+    # (int8: a code a value and a float32 scale per fdl.engine.wire.WIRE_BLOCK values), half a
+    # byte + the same scales (int4)
     value_bytes: float = 4
     outer_ms: float = 0.0  # the outer optimizer's step, on every rank as each average lands
 

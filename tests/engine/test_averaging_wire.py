@@ -1,5 +1,6 @@
-"""bf16 and int8 on the wire (``--average-dtype bf16|int8``): the parameters travel as
-displacements from the last average (bf16 values, or int8 codes with a float32 scale per block),
+"""bf16, int8 and int4 on the wire (``--average-dtype bf16|int8|int4``): the parameters travel
+as displacements from the last average (bf16 values, or integer codes with a float32 scale per
+block),
 each rank's rounding error carried to its next average. Two-rank scenarios on the gloo harness
 of ``test_averaging.py``, for each encoding: many blocking averages of a model whose replicas
 move apart by different small steps each round, beside the exact float32 average of the same
@@ -27,11 +28,11 @@ WEIGHTS = (0.7, 0.3)
 ROUNDS = 40
 SETTLE = 4  # averages with no step after the ROUNDS: what the ranks owe arrives
 STEP = 1e-3  # a round's displacement, beside parameters of order 0.1
-WIRES = ("bf16", "int8")
+WIRES = ("bf16", "int8", "int4")
 #: how far the model may trail the exact trajectory: what two ranks owe, each at most half a
 #: rounding step of a displacement of a few STEPs (bf16: 2**-9 of a value; int8: 1/254 of its
-#: block's largest value), a fraction of one round's displacement
-WORST_GAP = {"bf16": STEP / 20, "int8": STEP / 20}
+#: block's largest value; int4: 1/14 of it), a fraction of one round's displacement
+WORST_GAP = {"bf16": STEP / 20, "int8": STEP / 20, "int4": STEP / 2}
 
 
 def build(rank: int) -> tuple[nn.Module, list[torch.Tensor]]:
@@ -129,7 +130,7 @@ def int8_edges(rank: int) -> dict[str, Any]:
     step[:WIRE_BLOCK] = 0
     load(model, before + step)
     average(wire, rank)
-    codes, scales = wire.encoding.codes_and_scales(wire.wire)
+    codes, scales = wire.encoding.codes(wire.wire), wire.encoding.scales(wire.wire)
     calm = {"block0_exact": bool(torch.equal(flat(model)[:WIRE_BLOCK], before[:WIRE_BLOCK])),
             "block0_scale": float(scales[0]), "block0_codes": int(codes[0].abs().max()),
             "finite": bool(flat(model).isfinite().all())}
@@ -193,13 +194,14 @@ def test_bf16_on_the_wire_sends_half_the_bytes(ranks):
         assert result["memory"][1] == result["fp32_bytes"] + 14 * result["numel"]
 
 
-def test_int8_on_the_wire_sends_a_code_a_value_and_a_scale_a_block(ranks):
-    for result in scenario(ranks, "blocking_rounds_int8"):
+@pytest.mark.parametrize(("wire", "per_byte"), [("int8", 1), ("int4", 2)])
+def test_int8_and_int4_send_their_codes_and_a_scale_a_block(ranks, wire, per_byte):
+    for result in scenario(ranks, f"blocking_rounds_{wire}"):
         numel = result["numel"]
         num_blocks = -(-numel // WIRE_BLOCK)
         padded = num_blocks * WIRE_BLOCK
         assert padded > numel  # the last block is short: its padding is counted
-        sent = padded + 4 * num_blocks  # int8 codes, float32 scales
+        sent = padded // per_byte + 4 * num_blocks  # the codes, float32 scales
         tail = result["fp32_bytes"] - 4 * numel  # the float32 rows (stats)
         assert result["bytes"] == sent + tail
         # fdl's memory grows by the reference (4 B/value), the buffer sent, the error (4 B a
@@ -232,12 +234,13 @@ def test_an_int8_average_of_a_blown_up_replica_is_nan_where_it_blew_up(ranks):
     assert first["landed"] == second["landed"]
 
 
-def test_int8_codes_are_within_half_a_scale_step_and_the_error_is_the_rest():
-    """One encoding, no collective: codes in [-127, 127], each decoded value within half its
-    block's scale of the value, a block of small values on its own scale, a block of zeros
+@pytest.mark.parametrize(("wire", "levels"), [("int8", 127), ("int4", 7)])
+def test_codes_are_within_half_a_scale_step_and_the_error_is_the_rest(wire, levels):
+    """One encoding, no collective: codes in [-levels, levels], each decoded value within half
+    its block's scale of the value, a block of small values on its own scale, a block of zeros
     on scale 0, and decoded + error = the value."""
     numel = 2 * WIRE_BLOCK + 10
-    encoding = WIRE_ENCODINGS["int8"](numel)
+    encoding = WIRE_ENCODINGS[wire](numel)
     values = torch.zeros(encoding.padded_numel)
     values[:numel] = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     values[WIRE_BLOCK:2 * WIRE_BLOCK] *= 1e-4
@@ -245,10 +248,11 @@ def test_int8_codes_are_within_half_a_scale_step_and_the_error_is_the_rest():
     original = values[:numel].clone()
     sent = encoding.empty(device=torch.device("cpu"), pinned=False)
     encoding.encode(values, sent)
-    codes, scales = encoding.codes_and_scales(sent)
+    codes, scales = encoding.codes(sent), encoding.scales(sent)
     decoded = torch.zeros(numel)
     encoding.add_decoded(decoded, sent)
-    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == levels
+    assert int(codes.min()) == -levels  # both signs survive the packing
     step = scales.expand(-1, WIRE_BLOCK).reshape(-1)[:numel]
     assert float(step[WIRE_BLOCK]) < 1e-3 * float(step[0])  # each block its own scale
     assert float(scales[2]) == 0 and int(codes[2].abs().max()) == 0  # zeros: no 0 / 0
