@@ -1,12 +1,11 @@
 """bf16, int8 and int4 on the wire (``--average-dtype bf16|int8|int4``): the parameters travel
 as displacements from the last average (bf16 values, or integer codes with a float32 scale per
-block),
-each rank's rounding error carried to its next average. Two-rank scenarios on the gloo harness
-of ``test_averaging.py``, for each encoding: many blocking averages of a model whose replicas
-move apart by different small steps each round, beside the exact float32 average of the same
-replicas, then a few averages with no step (what is owed arrives); an async average with
-progress made while it was in flight; and for int8, a block of zeros and a replica that blew
-up."""
+block), each rank's rounding error carried to its next average. Two-rank scenarios on the gloo
+harness of ``test_averaging.py``, for each encoding: many blocking averages of a model whose
+replicas move apart by different small steps each round, beside the exact float32 average of
+the same replicas, then a few averages with no step (what is owed arrives); an async average
+with progress made while it was in flight; and for int8 (int4 shares its code), a block of
+zeros and a replica that blew up."""
 
 from __future__ import annotations
 
