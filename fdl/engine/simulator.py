@@ -47,6 +47,7 @@ from fdl.engine.plan import (
 )
 from fdl.engine.policies import DDP_EXPOSED, Policy
 from fdl.engine.state import RankState, RoundReport, round_stats
+from fdl.engine.wire import WIRE_BLOCK
 
 FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
 
@@ -305,6 +306,9 @@ def profiles() -> list[Profile]:
                 latency_ms=0.3, overlap="thread", contention=0.1),
         replace(gpt, name="GPT-nano 2.8x, WiFi (80 Mbit/s)", bandwidth_gbs=WIFI_GBS,
                 latency_ms=3.0, overlap="thread", contention=0.1),
+        replace(gpt, name="GPT-nano 2.8x, WiFi, --average-dtype int4", bandwidth_gbs=WIFI_GBS,
+                latency_ms=3.0, overlap="thread", contention=0.1,
+                value_bytes=0.5 + 4 / WIRE_BLOCK),
         Profile("this machine's bench: MLP, 2 CPU workers, 2.5x", (21.9, 21.9 * 2.5),
                 BENCH_MLP_PARAMS, 1.0, latency_ms=0.5, host_ms=0.3, jitter=0.10,
                 overlap="thread", contention=0.5, dataset_size=16_384),
