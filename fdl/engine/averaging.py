@@ -29,25 +29,26 @@ computes ``exact = theta + delta + residual``, stores ``theta = exact`` rounded 
 way (identical on every rank). Whoever overwrites theta from outside (a checkpoint restore)
 leaves a stale residual of at most half an ulp.
 
-**bf16 or int8 on the wire** (``--average-dtype bf16|int8``, for a slow link): the parameters
-travel as displacements from the last average, in bf16 (half the bytes) or int8 (a quarter,
-plus a float32 scale per ``WIRE_BLOCK`` values: fdl.engine.wire). A gather sends ``(k - 1) x`` the buffer
-per rank, a float32 ring all-reduce ``2 (k - 1) / k x 4`` bytes a value: with 2 ranks bf16
-sends half of it and int8 a quarter; none are saved from 4 ranks (bf16) or 8 (int8).
+**bf16, int8 or int4 on the wire** (``--average-dtype bf16|int8|int4``, for a slow link): the
+parameters travel as displacements from the last average, in bf16 (half the bytes), int8 (a
+quarter) or int4 (an eighth), the integer codes with a float32 scale per ``WIRE_BLOCK`` values
+(fdl.engine.wire). A gather sends ``(k - 1) x`` the buffer per rank, a float32 ring all-reduce
+``2 (k - 1) / k x 4`` bytes a value: with 2 ranks bf16 sends half of it, int8 a quarter and
+int4 an eighth; none are saved from 4 ranks (bf16), 8 (int8) or 16 (int4).
 Every rank keeps that average, the *reference* R (float32, identical everywhere: the same
 bits), and sends ``q_r = encode(w_r (theta_r - R) + e_r)``, keeping ``e_r`` (float32), what the
 encoding dropped, for its next average (error feedback: nothing is lost, it arrives one average
-late). bf16 rounds each value; int8 scales each block by ``s = absmax / 127`` and sends
-``round(x / s)`` (a block of zeros: scale 0, codes 0), its codes and scales packed in one uint8
-buffer. The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every add, an
+late). bf16 rounds each value; int8 scales each block by ``s = absmax / 127`` (int4: / 7)
+and sends ``round(x / s)`` (a block of zeros: scale 0, codes 0), its codes and scales packed in
+one uint8 buffer. The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every add, an
 error no rank could carry (and int8 codes with different scales do not add). Their decoded
 float32 sum (in rank order: the same bits everywhere) plus R is the average (the weights sum to
 1), landed in the float32 buffer, so what follows (loading it, async's delta, the divergence
 guard) is unchanged, and R becomes it. A non-finite displacement (a replica blew up) lands
-non-finite: bf16 carries inf and NaN, int8 makes its block's scale inf or NaN, so the landed
+non-finite: bf16 carries inf and NaN, int8/int4 make the block's scale inf or NaN, so the landed
 block is NaN and the divergence guard sees it. A displacement is small beside the parameters,
 so bf16's 8 bits of mantissa, or int8's 127 steps of a block's largest value, cost little of
-it; the parameters themselves in bf16 would lose the small updates. The integer and stats rows
+it (int4's 7 steps more: what they drop is fed back, not lost); the parameters themselves in bf16 would lose the small updates. The integer and stats rows
 go in a float32 collective of their own, beside. The reference is the model as built (after
 rank 0's broadcast) and is taken again from the model where it was overwritten whole (a resume:
 :meth:`Averager.rebase`).
@@ -99,8 +100,8 @@ class Averager:
         """``params=False`` averages buffers only (``sync``: DDP keeps parameters identical,
         and re-averaging identical values could change their last bits). ``snapshot=False``
         (every policy but async, which applies ``average - snapshot`` a round late) keeps no
-        copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"`` or
-        ``"int8"`` sends the parameters as encoded displacements (the module docstring);
+        copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"``,
+        ``"int8"`` or ``"int4"`` sends the parameters as encoded displacements (the module docstring);
         ``outer`` (its learning rate and momentum) steps the parameters' average with the
         outer optimizer (fdl.engine.outer). With either, the replicas must be identical when
         it is built."""
@@ -128,7 +129,7 @@ class Averager:
                                     pin_memory=pinned) if snapshot else None
         self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                           if t.dtype in LOW_PRECISION else None for t in self.tensors]
-        # bf16/int8 on the wire: the encoding, the reference (the last average), the buffer sent,
+        # bf16/int8/int4 on the wire: the encoding, the reference (the last average), the buffer sent,
         # the error fed back (padded to the encoding's whole blocks)
         assert wire == "fp32" or wire in WIRE_ENCODINGS, wire
         self.encoding = self.reference = self.wire = self.wire_error = None
@@ -218,7 +219,7 @@ class Averager:
         self.encoding.encode(self.wire_error, self.wire)
 
     def all_reduce(self, *, async_op: bool) -> dist.Work | _WireAverage | None:
-        """The average's collective: a SUM over ``group`` (bf16/int8 on the wire: two, a gather
+        """The average's collective: a SUM over ``group`` (encoded on the wire: two, a gather
         of the encoded displacements and the SUM of the float32 rows, landed as the average
         when waited for)."""
         if self.wire is None:
@@ -386,7 +387,7 @@ class Averager:
 
 
 class _WireAverage:
-    """bf16/int8 on the wire: the collectives of one average in flight; :meth:`wait` waits for
+    """Encoded on the wire: the collectives of one average in flight; :meth:`wait` waits for
     them and lands the average (a ``dist.Work`` to its callers)."""
 
     def __init__(self, averager: Averager, works: list[dist.Work]):

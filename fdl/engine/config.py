@@ -29,7 +29,7 @@ class EngineConfig:
     simulate_slowdown: tuple[float, ...] | None
     checkpoint_every: str | None  # "N" epochs or "<seconds>s" (settings.parse_checkpoint_every)
     tensorboard: str | None  # "on" or a directory (fdl.engine.tensorboard.log_dir)
-    # What an average sends: "fp32", or "bf16" or "int8" (fdl.engine.averaging and
+    # What an average sends: "fp32", or "bf16", "int8" or "int4" (fdl.engine.averaging and
     # fdl.engine.wire: displacements, error fed back).
     average_dtype: str
     # The outer optimizer on each average's displacement: "none" or "nesterov", with its

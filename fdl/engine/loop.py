@@ -752,8 +752,8 @@ def _summary(replica: Replica, config: EngineConfig, *, wall_s: float, state: Pl
                "peak_memory_bytes": [m[1] if m[1] >= 0 else None for m in memories],
                "fdl_memory_bytes": [{"device": m[2], "host": m[3]} for m in memories],
                "ddp_comm_s": [r.comm_s for r in per_rank],
-               # what crosses the link: an average's bytes (as sent: bf16 on the wire halves
-               # them, int8 quarters them) and, for sync, the gradients DDP all-reduces every step (float32)
+               # what crosses the link: an average's bytes (as sent: encoded on the wire, fewer)
+               # and, for sync, the gradients DDP all-reduces every step (float32)
                "average_bytes": replica.averager.bytes if replica.averager is not None else 0,
                "average_dtype": config.average_dtype,
                # the outer optimizer and how many steps it took (0: none, or sync's averages)

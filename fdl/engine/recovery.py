@@ -177,7 +177,7 @@ def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) ->
                          hint="resume with the same model and optimizer, or start a new "
                               "run") from exc
     averager = replica.averager
-    if averager is not None:  # the loaded model is the last average (bf16/int8 wire, outer)
+    if averager is not None:  # the loaded model is the last average (a wire encoding, outer)
         averager.rebase()
         if averager.outer is not None and "outer" in rank_state:
             averager.outer.load_state_dict(rank_state["outer"], origin=str(checkpoint.path))
