@@ -121,7 +121,7 @@ def _link(link: dict[str, Any]) -> str | None:
     parts = []
     if link.get("average_bytes"):
         part = f"{link['average_bytes'] / 1e6:.2f} MB per average"
-        if link.get("average_dtype") not in (None, "fp32"):  # sent encoded: bf16 or int8
+        if link.get("average_dtype") not in (None, "fp32"):  # sent encoded: bf16, int8 or int4
             part += f" ({link['average_dtype']})"
         if link.get("blocking_mb_per_s"):
             part += (f", blocking ones {link['blocking_average_ms']:.0f} ms: "

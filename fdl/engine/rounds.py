@@ -422,8 +422,9 @@ def _fetch_ahead(replica: Replica, plan: RoundPlan, state: PlanState,
     now, before the boundary (its average, an epoch's end), so they fetch its first batches
     meanwhile (fdl.engine.batch_loader). What the round used is known on every rank by now,
     so the next round's first position is exact; the ranks' shares are foreseen from the
-    speeds before this round's (``RoundStats.unknown``): a rank whose slice comes first always
-    foresees right, the others as long as the average leaves the split alone. A wrong
+    speeds before this round's (``RoundStats.unknown``): the rank whose slice comes first
+    foresees right unless the average changes which rank that is, the others as long as it
+    leaves the split alone. A wrong
     foresight costs the batches fetched meanwhile, never a wrong batch: the loader checks."""
     if replica.stream is not None or not replica.dataset.data.uses_workers:
         return
