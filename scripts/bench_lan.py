@@ -27,7 +27,7 @@ from fdl.engine.simulator import (  # noqa: E402
     profiles,
     simulate,
 )
-from fdl.engine.wire import WIRE_BLOCK  # noqa: E402
+from fdl.engine.wire import value_bytes  # noqa: E402
 from fdl.settings import AVERAGE_DTYPES  # noqa: E402
 
 POLICIES = ("sync", "cadence", "async")
@@ -160,12 +160,6 @@ def _env() -> dict[str, str]:
 def _rate_gbs(rate: str) -> float:
     unit = next(u for u in RATE_GBS if rate.endswith(u))
     return float(rate[:-len(unit)]) * RATE_GBS[unit]
-
-
-def value_bytes(average_dtype: str) -> float:
-    """What an average sends per value in ``average_dtype`` (the simulator's value_bytes)."""
-    return {"fp32": 4, "bf16": 2, "int8": 1 + 4 / WIRE_BLOCK,
-            "int4": 0.5 + 4 / WIRE_BLOCK}[average_dtype]
 
 
 def outer_step_ms(numel: int, *, repeat: int = 5) -> float:

@@ -30,6 +30,7 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
+from fdl.engine import wire
 from fdl.engine.plan import (
     PlanConfig,
     PlanState,
@@ -47,7 +48,6 @@ from fdl.engine.plan import (
 )
 from fdl.engine.policies import DDP_EXPOSED, Policy
 from fdl.engine.state import RankState, RoundReport, round_stats
-from fdl.engine.wire import WIRE_BLOCK
 
 FIXED_SHARE = 0.15  # of a batch's time that does not shrink with a partial batch (optimizer step)
 
@@ -68,10 +68,7 @@ class Profile:
     dataset_size: int = 50_000
     epochs: int = 3
     max_samples: int | None = None  # the run's sample budget (PlanConfig.max_samples)
-    # what an average sends per value: 4 (fp32), 2 (--average-dtype bf16), 1 + 4 / WIRE_BLOCK
-    # (int8: a code a value and a float32 scale per fdl.engine.wire.WIRE_BLOCK values), half a
-    # byte + the same scales (int4)
-    value_bytes: float = 4
+    value_bytes: float = 4  # what an average sends per value: fdl.engine.wire.value_bytes
     outer_ms: float = 0.0  # the outer optimizer's step, on every rank as each average lands
 
     @property
@@ -308,7 +305,7 @@ def profiles() -> list[Profile]:
                 latency_ms=3.0, overlap="thread", contention=0.1),
         replace(gpt, name="GPT-nano 2.8x, WiFi, --average-dtype int4", bandwidth_gbs=WIFI_GBS,
                 latency_ms=3.0, overlap="thread", contention=0.1,
-                value_bytes=0.5 + 4 / WIRE_BLOCK),
+                value_bytes=wire.value_bytes("int4")),
         Profile("this machine's bench: MLP, 2 CPU workers, 2.5x", (21.9, 21.9 * 2.5),
                 BENCH_MLP_PARAMS, 1.0, latency_ms=0.5, host_ms=0.3, jitter=0.10,
                 overlap="thread", contention=0.5, dataset_size=16_384),

@@ -91,6 +91,13 @@ class BlockWire:
         target.add_(decoded.view(-1)[:target.numel()])
 
 
+def value_bytes(average_dtype: str) -> float:
+    """What an average sends per parameter with ``--average-dtype`` (the codes and their share
+    of a block's scale; the simulator's and bench-lan's link model)."""
+    scale = 4 / WIRE_BLOCK
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1 + scale, "int4": 0.5 + scale}[average_dtype]
+
+
 #: --average-dtype's encodings on the wire (fp32 sends the flat buffer itself)
 WIRE_ENCODINGS = {"bf16": Bf16Wire, "int8": partial(BlockWire, bits=8),
                   "int4": partial(BlockWire, bits=4)}

@@ -21,7 +21,7 @@ from test_averaging import WORLD_SIZE, run_ranks, scenario
 from torch import nn
 
 from fdl.engine.averaging import Averager, checksum
-from fdl.engine.wire import WIRE_BLOCK, WIRE_ENCODINGS
+from fdl.engine.wire import WIRE_BLOCK, WIRE_ENCODINGS, value_bytes
 
 WEIGHTS = (0.7, 0.3)
 ROUNDS = 40
@@ -201,6 +201,7 @@ def test_int8_and_int4_send_their_codes_and_a_scale_a_block(ranks, wire, per_byt
         padded = num_blocks * WIRE_BLOCK
         assert padded > numel  # the last block is short: its padding is counted
         sent = padded // per_byte + 4 * num_blocks  # the codes, float32 scales
+        assert sent == value_bytes(wire) * padded  # what the simulator's link model charges
         tail = result["fp32_bytes"] - 4 * numel  # the float32 rows (stats)
         assert result["bytes"] == sent + tail
         # fdl's memory grows by the reference (4 B/value), the buffer sent, the error (4 B a
