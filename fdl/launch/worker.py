@@ -27,10 +27,19 @@ Before the script runs, the worker
   listens on every interface whatever the address. When ``MASTER_ADDR`` is a loopback address,
   rank 0 starts that server first on a socket bound to it alone; the script's TCPStore is
   multi-tenant (as ``init_process_group`` makes it) and shares it.
+
+After a script that ended well (it returned, or ``sys.exit(0)``), the worker collects what is
+garbage then and freezes the rest (:func:`freeze_for_exit`): Python's teardown then frees what is
+left by reference count without the full collections that walk every object torch and
+torch._dynamo made at import, which were most of a worker's exit (0.85 s against 0.17 s for
+``import torch._dynamo`` alone on this project's 2-core VM; an ``fdl run`` of examples/
+mlp_synthetic.py for one epoch ended 0.55 s sooner, 5.49-5.66 s against 4.87-5.17 s, 3
+interleaved pairs). A script that raised exits as before: its frames stay collectable.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import sys
@@ -52,12 +61,28 @@ def main(argv: list[str]) -> None:
     _store = host_store_on_loopback(os.environ)
     try:
         _run(argv)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            exc.__traceback__ = None  # its frames hold the script's globals: free them first
+            freeze_for_exit()
+        raise
     except Exception as exc:
         _tell_peers(exc)
         _exit_on_fdl_error(exc)
         _exit_on_lost_peer(exc, argv)
         _record_crash(exc, argv)
         raise
+    freeze_for_exit()
+
+
+def freeze_for_exit() -> None:
+    """Before a worker that is done exits: collect what is garbage now (the script's globals
+    and whatever cycles its objects left: their finalizers run, as at any exit), then move
+    every object still alive to the collector's permanent generation (``gc.freeze``). The
+    interpreter's teardown still frees them all by reference count and runs the ``atexit``
+    handlers; what it skips is walking torch's import-time objects in its full collections."""
+    gc.collect()
+    gc.freeze()
 
 
 def _tell_peers(exc: Exception) -> None:
