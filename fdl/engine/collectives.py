@@ -150,9 +150,20 @@ def _bind_world_before_it_exists() -> None:
     ~1 run in 40 on this project's tests). Imported first, it binds None; a torch without it
     is left alone. It costs nothing measurable: fdl sync on 2 equal CPU workers, 8 interleaved
     pairs with and without it (bench MLP, 2026-11-26 19:3x UTC), medians 6347 and 6205
-    samples/s (spread 5363-6594); a first, 2-pair reading of ~6% slower was this host's noise."""
-    with contextlib.suppress(ImportError):
-        import torch.distributed.fsdp  # noqa: F401
+    samples/s (spread 5363-6594); a first, 2-pair reading of ~6% slower was this host's noise.
+
+    Imported with the cyclic collector paused (and the user's objects not frozen): the import
+    allocates enough to set off full collections that walk everything torch made, ~0.15 s of
+    every worker's start on a 2-core VM (after ``import torch``: 0.56-0.62 s against 0.43-0.47 s
+    with it paused, a burst of allocations after it included, 3 runs each, 2026-11-27)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        with contextlib.suppress(ImportError):
+            import torch.distributed.fsdp  # noqa: F401
+    finally:
+        if paused:
+            gc.enable()
 
 
 def leave_group(group: Group) -> None:
