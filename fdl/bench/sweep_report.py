@@ -18,6 +18,9 @@ Figures in a row:
 * ``efficiency_vs_ideal`` (multi-worker rows): the row's samples/s over the sum, across the
   run's workers, of the solo rate at that worker's slowdown factor — a 1.0 + 2.5 run is measured
   against solo@1x + solo@2.5x. Null when a needed solo row is missing.
+* ``efficiency_by_seed`` (multi-worker rows): ``[least, most]`` over the seeds of each seed's
+  run against the same seed's solo runs (run beside it in the sweep), so the spread of a
+  short sweep shows beside its mean; null with fewer than two such seeds.
 * ``syncs`` / ``sync_overhead`` / ``idle_fraction``: means; null for solo rows.
 * ``measurement_error``: one line saying why a figure of the row is impossible, else null: an
   efficiency above 1 against the solo rows (a run faster than its workers alone, summed), or a
@@ -96,16 +99,34 @@ def _model_rows(model: str, groups: list[list[dict[str, Any]]]) -> list[dict[str
     rows = [_aggregate(model, group) for group in groups]
     solo_rates = {_solo_key(g[0]): row["samples_per_s"]
                   for g, row in zip(groups, rows, strict=True) if row["policy"] == "solo"}
+    solo_seeds = {_solo_key(g[0]): {r.get("seed"): r.get("samples_per_s") for r in g}
+                  for g, row in zip(groups, rows, strict=True) if row["policy"] == "solo"}
     fastest = max((r for r in solo_rates.values() if r is not None), default=None)
     on_gpus = any(kind == "gpu" for kind, _ in solo_rates)
     for group, row in zip(groups, rows, strict=True):
         rate = row["samples_per_s"]
         row["speedup_vs_fast_solo"] = rate / fastest if rate is not None and fastest else None
         if row["policy"] != "solo":
-            ideal = _ideal_rate(_worker_keys(group[0], on_gpus=on_gpus), solo_rates)
+            keys = _worker_keys(group[0], on_gpus=on_gpus)
+            ideal = _ideal_rate(keys, solo_rates)
             row["efficiency_vs_ideal"] = rate / ideal if rate is not None and ideal else None
+            row["efficiency_by_seed"] = _seed_range(group, keys, solo_seeds)
             row["measurement_error"] = measurement_error(row, group)
     return rows
+
+
+def _seed_range(group: list[dict[str, Any]], keys: list[tuple[str, float]],
+                solo_seeds: dict[tuple[str, float], dict[Any, Any]]) -> list[float] | None:
+    """``[least, most]`` of each seed's efficiency against its own seed's solo rows (a seed
+    without all of them is left out); None with fewer than two seeds to compare."""
+    found = []
+    for record in group:
+        rate, seed = record.get("samples_per_s"), record.get("seed")
+        solos = [next((by_seed.get(seed) for (k, v), by_seed in solo_seeds.items()
+                       if k == kind and math.isclose(v, value)), None) for kind, value in keys]
+        if rate is not None and solos and all(solos):
+            found.append(rate / sum(solos))
+    return [min(found), max(found)] if len(found) >= 2 else None
 
 
 def measurement_error(row: dict[str, Any], group: list[dict[str, Any]]) -> str | None:
@@ -146,6 +167,7 @@ def _aggregate(model: str, group: list[dict[str, Any]]) -> dict[str, Any]:
     row.update({key: _mean([r.get(key) for r in group]) for key in _AVERAGED})
     row["speedup_vs_fast_solo"] = None
     row["efficiency_vs_ideal"] = None
+    row["efficiency_by_seed"] = None
     row["measurement_error"] = None
     row.update({key: None if solo else _mean([r.get(key) for r in group])
                 for key in _MULTI_WORKER_ONLY})
@@ -207,10 +229,18 @@ def _cells(row: dict[str, Any]) -> list[str]:
     return [row["mode"], evaluation, _fmt(row["reference"], "{:.4f}"),
             _fmt(row["wall_s"], "{:.1f}"), _fmt(row["samples_per_s"], "{:,.0f}"),
             _fmt(row["speedup_vs_fast_solo"], "{:.2f}x"),
-            ERROR if row.get("measurement_error") else _fmt(row["efficiency_vs_ideal"],
-                                                            "{:.1%}"),
+            ERROR if row.get("measurement_error") else _efficiency(row),
             _fmt(row["syncs"], "{:.3g}"),
             _fmt(row["sync_overhead"], "{:.1%}"), _fmt(row["idle_fraction"], "{:.1%}")]
+
+
+def _efficiency(row: dict[str, Any]) -> str:
+    """``93.0% [85.3-99.9%]``: the mean's efficiency, then the seeds' least and most."""
+    text = _fmt(row["efficiency_vs_ideal"], "{:.1%}")
+    spread = row.get("efficiency_by_seed")
+    if row["efficiency_vs_ideal"] is not None and spread:
+        text += f" [{spread[0]:.1%}-{spread[1]:.1%}]".replace("%-", "-")
+    return text
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -15,7 +15,7 @@ from fdl.errors import FdlError
 
 ROW_KEYS = ["model", "mode", "policy", "backend", "seeds", "eval", "eval_std", "reference",
             "wall_s", "samples_per_s", "speedup_vs_fast_solo", "efficiency_vs_ideal",
-            "measurement_error", "syncs", "sync_overhead", "idle_fraction"]
+            "efficiency_by_seed", "measurement_error", "syncs", "sync_overhead", "idle_fraction"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MACHINE = {"cpu_model": "Test CPU 9000", "logical_cores": 8, "gpus": [], "date": "2026-01-02"}
 
@@ -110,6 +110,23 @@ def test_multi_worker_rows_speedup_and_efficiency_against_1x_plus_2_5x():
     assert run_async["efficiency_vs_ideal"] == pytest.approx(0.9, rel=1e-12)
     assert run_async["speedup_vs_fast_solo"] == pytest.approx(1.26, rel=1e-12)
     assert (run_async["syncs"], run_async["idle_fraction"]) == (40.5, pytest.approx(0.01))
+    # each seed against its own seed's solo runs: 1000 + 400, then 1200 + 480
+    assert sync["efficiency_by_seed"] == [0.5, 0.5]
+    assert cadence["efficiency_by_seed"] == pytest.approx([1210 / 1680, 1100 / 1400], rel=1e-12)
+    assert run_async["efficiency_by_seed"] == pytest.approx([1472 / 1680, 1300 / 1400],
+                                                            rel=1e-12)
+    assert rows["solo@1x"]["efficiency_by_seed"] is None
+
+
+def test_a_seed_without_its_own_solo_runs_is_left_out_of_the_spread():
+    records = [r for r in mlp_records() if not (r["mode"] == "solo@2.5x" and r["seed"] == 1)]
+    records.append(cell("mlp", "cadence-cpu", 2, eval_=0.9, sps=1300.0, syncs=40))
+    records += [cell("mlp", "solo@1x", 2, eval_=0.9, sps=1000.0),
+                cell("mlp", "solo@2.5x", 2, eval_=0.9, sps=300.0)]
+    rows = rows_by_mode(build_report(records, machine={}))
+    assert rows["cadence-cpu"]["efficiency_by_seed"] == pytest.approx(
+        [1100 / 1400, 1300 / 1300], rel=1e-12)  # seed 1 has no solo@2.5x
+    assert rows["sync-cpu"]["efficiency_by_seed"] is None  # seed 0 alone is no spread
 
 
 def test_an_efficiency_above_the_ideal_is_a_measurement_error_never_a_result():
@@ -157,6 +174,7 @@ def test_missing_solo_row_one_seed_and_rerun_seed():
     assert (rows["sync-cpu"]["eval"], rows["sync-cpu"]["eval_std"]) == (0.8, None)
     assert rows["sync-cpu"]["speedup_vs_fast_solo"] == 0.8
     assert rows["sync-cpu"]["efficiency_vs_ideal"] is None  # no solo@2.5x to add up
+    assert rows["sync-cpu"]["efficiency_by_seed"] is None
     assert rows["sync-cpu"]["syncs"] == 10.0
     assert rows["solo@1x"]["reference"] is None
 
@@ -200,12 +218,12 @@ def test_markdown_tables():
             "| — |") in text
     assert ("| solo@2.5x | 0.9500 ± 0.0141 | 0.9800 | 26.0 | 440 | 0.40x | — | — | — "
             "| — |") in text
-    assert ("| sync-cpu | 0.9600 ± 0.0000 | 0.9800 | 21.0 | 770 | 0.70x | 50.0% | 100 | 15.0% "
-            "| 45.0% |") in text
-    assert ("| cadence-cpu | 0.9200 ± 0.0283 | 0.9800 | 10.0 | 1,155 | 1.05x | 75.0% | 41 "
-            "| 3.0% | 6.0% |") in text
-    assert ("| async-cpu | 0.9400 ± 0.0141 | 0.9800 | 10.0 | 1,386 | 1.26x | 90.0% | 40.5 "
-            "| 1.0% | 1.0% |") in text
+    assert ("| sync-cpu | 0.9600 ± 0.0000 | 0.9800 | 21.0 | 770 | 0.70x | 50.0% [50.0-50.0%] "
+            "| 100 | 15.0% | 45.0% |") in text
+    assert ("| cadence-cpu | 0.9200 ± 0.0283 | 0.9800 | 10.0 | 1,155 | 1.05x "
+            "| 75.0% [72.0-78.6%] | 41 | 3.0% | 6.0% |") in text
+    assert ("| async-cpu | 0.9400 ± 0.0141 | 0.9800 | 10.0 | 1,386 | 1.26x "
+            "| 90.0% [87.6-92.9%] | 40.5 | 1.0% | 1.0% |") in text
     table = [line.split(" | ")[0][2:] for line in text.splitlines()
              if line.startswith("| ") and not line.startswith("| mode |")]
     assert table == ["solo@1x", "solo@2.5x", "sync-cpu", "cadence-cpu", "async-cpu"]
