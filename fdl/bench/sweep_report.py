@@ -121,11 +121,11 @@ def _seed_range(group: list[dict[str, Any]], keys: list[tuple[str, float]],
     without all of them is left out); None with fewer than two seeds to compare."""
     found = []
     for record in group:
-        rate, seed = record.get("samples_per_s"), record.get("seed")
-        solos = [next((by_seed.get(seed) for (k, v), by_seed in solo_seeds.items()
-                       if k == kind and math.isclose(v, value)), None) for kind, value in keys]
-        if rate is not None and solos and all(solos):
-            found.append(rate / sum(solos))
+        rate = record.get("samples_per_s")
+        ideal = _ideal_rate(keys, {key: by_seed.get(record.get("seed"))
+                                   for key, by_seed in solo_seeds.items()})
+        if rate is not None and ideal:
+            found.append(rate / ideal)
     return [min(found), max(found)] if len(found) >= 2 else None
 
 
