@@ -25,6 +25,7 @@ class Bf16Wire:
 
     def __init__(self, numel: int):
         self.padded_numel = numel
+        self.nbytes = 2 * numel  # what goes on the wire
 
     def empty(self, *, device: torch.device, pinned: bool) -> torch.Tensor:
         return torch.zeros(self.padded_numel, dtype=torch.bfloat16, device=device,
@@ -50,10 +51,10 @@ class BlockWire:
         self.num_blocks = -(-numel // WIRE_BLOCK)
         self.padded_numel = self.num_blocks * WIRE_BLOCK
         self.code_bytes = self.padded_numel // self.per_byte
+        self.nbytes = self.code_bytes + 4 * self.num_blocks  # what goes on the wire
 
     def empty(self, *, device: torch.device, pinned: bool) -> torch.Tensor:
-        return torch.zeros(self.code_bytes + 4 * self.num_blocks, dtype=torch.uint8,
-                           device=device, pin_memory=pinned)
+        return torch.zeros(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
 
     def scales(self, sent: torch.Tensor) -> torch.Tensor:
         """The scales (num_blocks, 1): a view of sent."""
@@ -93,9 +94,11 @@ class BlockWire:
 
 def value_bytes(average_dtype: str) -> float:
     """What an average sends per parameter with ``--average-dtype`` (the codes and their share
-    of a block's scale; the simulator's and bench-lan's link model)."""
-    scale = 4 / WIRE_BLOCK
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1 + scale, "int4": 0.5 + scale}[average_dtype]
+    of a block's scale: an encoding's bytes for one whole block; the simulator's and
+    bench-lan's link model)."""
+    if average_dtype == "fp32":
+        return 4.0
+    return WIRE_ENCODINGS[average_dtype](WIRE_BLOCK).nbytes / WIRE_BLOCK
 
 
 #: --average-dtype's encodings on the wire (fp32 sends the flat buffer itself)
