@@ -239,7 +239,7 @@ def _efficiency(row: dict[str, Any]) -> str:
     text = _fmt(row["efficiency_vs_ideal"], "{:.1%}")
     spread = row.get("efficiency_by_seed")
     if row["efficiency_vs_ideal"] is not None and spread:
-        text += f" [{spread[0]:.1%}-{spread[1]:.1%}]".replace("%-", "-")
+        text += f" [{100 * spread[0]:.1f}-{spread[1]:.1%}]"
     return text
 
 
