@@ -65,6 +65,7 @@ from fdl.engine.ddp_comm import DdpCommMeter
 from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
 from fdl.engine.h2d import DeviceCopies
+from fdl.engine.heap import frozen_heap
 from fdl.engine.liveness import liveness
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
@@ -455,7 +456,8 @@ class Run:
         self._started = time.perf_counter()
         self._epochs_log.begin(replica)
         try:
-            self._final = yield from rounds(replica, state)
+            with frozen_heap():
+                self._final = yield from rounds(replica, state)
         finally:
             self._epochs_log.close()
 
