@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import clean_env
 
 PROBE = """
@@ -82,7 +83,7 @@ def test_a_disabled_collector_is_left_disabled_and_nothing_frozen():
 
 
 LOOP = """
-import gc, json
+import gc, json, sys
 import torch
 from torch.utils.data import TensorDataset
 import fdl
@@ -97,19 +98,24 @@ for x, y in run.batches(data, model=model, optimizer=optimizer, batch_size=16, e
     torch.nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
+    if sys.argv[1] == "break":
+        break
 after_loop = gc.get_freeze_count()
-run.finish()
+if sys.argv[1] == "whole":
+    run.finish()
 print(json.dumps({"inside": inside, "after_loop": after_loop}))
 """
 
 
-def test_a_loop_script_trains_on_the_frozen_heap_and_gets_it_back_after_its_last_batch(
-        tmp_path):
+@pytest.mark.parametrize("how", ["whole", "break"])
+def test_a_loop_script_trains_on_the_frozen_heap_and_gets_it_back_when_it_leaves_the_loop(
+        tmp_path, how):
     """fdl.init alone (one rank, no launcher): the model, the optimizer and everything torch made
-    are frozen while the loop's body runs; the heap is the script's again after the loop."""
-    proc = subprocess.run([sys.executable, "-c", LOOP], capture_output=True, text=True,
+    are frozen while the loop's body runs; the heap is the script's again after the loop, run to
+    its end or left at its first batch."""
+    proc = subprocess.run([sys.executable, "-c", LOOP, how], capture_output=True, text=True,
                           timeout=120, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.splitlines()[-1])
-    assert len(seen["inside"]) == 4 and min(seen["inside"]) > 0
+    assert len(seen["inside"]) == (4 if how == "whole" else 1) and min(seen["inside"]) > 0
     assert seen["after_loop"] == 0
