@@ -18,12 +18,13 @@ table of what ran, how it ended and its key figure.
    a batch of 4096 that does not fit in 0.5 GiB of the card (a real out-of-memory, caught and
    halved).
 
-``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path).
+``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path);
+``--parts tests,pairs,loader`` names the parts to run (a rerun of what a lease left undone).
 ``--rehearse`` runs parts 2 and 3's plumbing on a machine without a GPU (the "GPU" worker is a
 CPU worker, the CPU one is emulated 4x slower), to check the script itself before a GPU is lent;
 its figures mean nothing.
 
-    python scripts/test_gpu.py [--out DIR] [--runs-only] [--rehearse]
+    python scripts/test_gpu.py [--out DIR] [--runs-only] [--parts P,...] [--rehearse]
 
 Exit status: 0 when every check passed (skips allowed), 1 otherwise.
 """
@@ -52,6 +53,8 @@ PAIR_SCRIPT = ROOT / "scripts" / "gpu_pair_train.py"
 # threads, the CUDA worker needs a few to collate batches and feed the GPU.
 THREADS = {"fast": 4, "slow": 8}
 POLICIES = ("sync", "cadence", "async")
+# --parts: the gpu tests (1), the CUDA + CPU pairs and two GPUs over NCCL (2, 3), the loader (4)
+PARTS = ("tests", "pairs", "loader")
 BUDGET_S = 8 * 60
 TESTS_TIMEOUT_S = 330
 RUN_TIMEOUT_S = 150
@@ -93,18 +96,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rehearse", action="store_true", help="no GPU: check the plumbing")
     parser.add_argument("--runs-only", action="store_true",
                         help="the fdl runs alone, without the gpu tests")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which parts run, comma-separated, of {','.join(PARTS)} (all)")
     args = parser.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - set(PARTS):
+        parser.error(f"--parts {args.parts!r}: choose from {','.join(PARTS)}")
+    if args.rehearse or args.runs_only:
+        parts.discard("tests")
     out = args.out or Path(tempfile.mkdtemp(prefix="fdl-test-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     facts = machine(rehearse=args.rehearse)
     print(f"test-gpu: {facts['gpus']} GPU(s) {', '.join(facts['names']) or ''}; torch "
           f"{facts['torch']}; logs in {out}", flush=True)
-    rows = [] if args.rehearse or args.runs_only else gpu_tests(out)
-    rows += pair_runs(out, rehearse=args.rehearse)
-    if facts["gpus"] >= 2:
-        rows += nccl_runs(out)
-    rows += loader_runs(out, rehearse=args.rehearse)
+    rows = gpu_tests(out) if "tests" in parts else []
+    if "pairs" in parts:
+        rows += pair_runs(out, rehearse=args.rehearse)
+        if facts["gpus"] >= 2:
+            rows += nccl_runs(out)
+    if "loader" in parts:
+        rows += loader_runs(out, rehearse=args.rehearse)
     elapsed = time.monotonic() - started
     print_table(rows)
     failed = [r for r in rows if r.result == "FAIL"]
