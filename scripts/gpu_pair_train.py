@@ -7,6 +7,7 @@ something to learn), trained by fdl.Trainer with the settings fdl run gives it.
     fdl run --nproc-per-node 1 --micro-batch auto scripts/gpu_pair_train.py --batch-size 4096 \
         --memory-gib 0.5                                                # micro-batch auto-fit
     python scripts/gpu_pair_train.py --augment --workers 2 --loader-rate    # the loader alone
+    python scripts/gpu_pair_train.py --augment --workers 2 --plain-loop     # PyTorch's own loop
 
 The data is made from a fixed seed on every node alike (the same length and order everywhere, as
 El Che needs). Nothing is downloaded.
@@ -95,6 +96,49 @@ def loader_rate(data: torch.utils.data.Dataset, *, batch_size: int, workers: int
     return samples / (time.perf_counter() - began)
 
 
+def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int, epochs: int,
+               step_sleep_s: float) -> dict[str, float]:
+    """The training a user writes without fdl, of the same model on the same DataLoader (as
+    :func:`loader_rate`'s), the batches copied to the device without blocking, bf16 autocast
+    where fdl's ``auto`` picks it (CUDA, compute capability 8.0 or later), ``step_sleep_s``
+    slept after each step (an emulated slower step, as ``--simulate-slowdown`` sleeps). Its
+    rate timed from its first batch to the device's last step, and the share of that time
+    spent waiting for the loader's next batch."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    torch.manual_seed(0)
+    model = build_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=batch_size, shuffle=True, num_workers=workers,
+        pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    began, samples, waited = None, 0, 0.0
+    for _ in range(epochs):
+        batches = iter(loader)
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            if began is None:
+                began = time.perf_counter()
+            else:
+                waited += time.perf_counter() - asked
+                samples += len(batch[0])
+            images, labels = (t.to(device, non_blocking=True) for t in batch)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step_sleep_s:
+                time.sleep(step_sleep_s)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - began
+    return {"plain_samples_per_s": samples / elapsed, "plain_wait_fraction": waited / elapsed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=20_000)
@@ -106,6 +150,10 @@ def main() -> None:
                         help="cap this process's CUDA memory (the micro-batch auto-fit check)")
     parser.add_argument("--loader-rate", action="store_true",
                         help="no training: print the rate a plain DataLoader alone delivers")
+    parser.add_argument("--plain-loop", action="store_true",
+                        help="no fdl: train in a plain PyTorch loop, print its rate and wait")
+    parser.add_argument("--step-sleep-ms", type=float, default=0.0,
+                        help="with --plain-loop: sleep this long after each step")
     args = parser.parse_args()
     if args.memory_gib is not None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
@@ -115,6 +163,10 @@ def main() -> None:
         rate = loader_rate(data, batch_size=args.batch_size, workers=args.workers or 0,
                            epochs=EPOCHS)
         print(json.dumps({"loader_samples_per_s": rate}))
+        return
+    if args.plain_loop:
+        print(json.dumps(plain_loop(data, batch_size=args.batch_size, workers=args.workers or 0,
+                                    epochs=EPOCHS, step_sleep_s=args.step_sleep_ms / 1000)))
         return
     fdl.Trainer(model=build_model, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
                 train_step=train_step, train_data=data,
