@@ -20,7 +20,8 @@ table of what ran, how it ended and its key figure.
    of the card (a real out-of-memory, caught and halved).
 
 The two workers of part 2 run on disjoint halves of the machine's cores (alone and together
-alike), as two machines would.
+alike), as two machines would; each pair row gives both workers' step together against alone.
+Each part's rows are printed, and ``test-gpu.json`` written, as the part ends.
 
 ``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path);
 ``--parts tests,pairs,loader`` names the parts to run (a rerun of what a lease left undone).
@@ -49,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fdl.rundir.report import run_report
+from fdl.rundir.timeline import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIR_SCRIPT = ROOT / "scripts" / "gpu_pair_train.py"
@@ -116,21 +118,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts = machine(rehearse=args.rehearse)
     print(f"test-gpu: {facts['gpus']} GPU(s) {', '.join(facts['names']) or ''}; torch "
           f"{facts['torch']}; logs in {out}", flush=True)
-    rows = gpu_tests(out) if "tests" in parts else []
+    rows: list[Row] = []
+
+    def done(part: list[Row]) -> None:
+        """A part's rows, printed and saved as it ends: a call cut off by its time limit
+        still shows and keeps what ran."""
+        rows.extend(part)
+        for row in part:
+            print(f"test-gpu: {row.check}: {row.result}: {row.figure}", flush=True)
+        (out / "test-gpu.json").write_text(json.dumps(
+            {"machine": facts, "elapsed_s": round(time.monotonic() - started, 1),
+             "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+
+    if "tests" in parts:
+        done(gpu_tests(out))
     if "pairs" in parts:
-        rows += pair_runs(out, rehearse=args.rehearse)
+        done(pair_runs(out, rehearse=args.rehearse))
         if facts["gpus"] >= 2:
-            rows += nccl_runs(out)
+            done(nccl_runs(out))
     if "loader" in parts:
-        rows += loader_runs(out, rehearse=args.rehearse)
+        done(loader_runs(out, rehearse=args.rehearse))
     elapsed = time.monotonic() - started
     print_table(rows)
     failed = [r for r in rows if r.result == "FAIL"]
     print(f"\ntest-gpu: {len(rows) - len(failed)} of {len(rows)} passed or skipped, "
           f"{len(failed)} failed, {elapsed:.0f} s (budget {BUDGET_S} s)")
-    (out / "test-gpu.json").write_text(json.dumps(
-        {"machine": facts, "elapsed_s": round(elapsed, 1), "rows": [asdict(r) for r in rows]},
-        indent=2) + "\n")
     return 1 if failed or not rows else 0
 
 
@@ -183,11 +195,33 @@ def pair_runs(out: Path, *, rehearse: bool) -> list[Row]:
     ideal = fast.rate + slow.rate
     rows.append(Row("gap", "pass", f"the CUDA worker is {fast.rate / slow.rate:.1f}x the CPU "
                                    "worker"))
+    alone = (step_ms(out / "solo-cuda", 0), step_ms(out / "solo-cpu", 0))
     for policy in POLICIES:
         samples = sizes["slow"] * 2 if policy == "sync" else sizes["fast"]
-        run = pair(out / f"pair-{policy}", policy=policy, samples=samples, rehearse=rehearse)
-        rows.append(pair_row(policy, run, ideal=ideal, rehearse=rehearse))
+        directory = out / f"pair-{policy}"
+        run = pair(directory, policy=policy, samples=samples, rehearse=rehearse)
+        row = pair_row(policy, run, ideal=ideal, rehearse=rehearse)
+        together = (step_ms(directory / "fast", 0), step_ms(directory / "slow", 1))
+        rows.append(Row(row.check, row.result, f"{row.figure}; {steps_figure(alone, together)}"))
     return rows
+
+
+def step_ms(run_dir: Path, rank: int) -> float | None:
+    """Rank ``rank``'s mean time per step in ``run_dir``'s timeline, in ms (its data wait
+    included); None without a round."""
+    rounds = [e for e in read_events(run_dir, rank) if e.get("kind") == "round"]
+    steps = sum(int(e.get("steps") or 0) for e in rounds)
+    return 1000 * sum(float(e.get("compute_s") or 0) for e in rounds) / steps if steps else None
+
+
+def steps_figure(alone: tuple[float | None, float | None],
+                 together: tuple[float | None, float | None]) -> str:
+    """Each worker's step together against alone: a worker slower in the pair than alone lost
+    time to the other (two processes on one machine's cores), not to the averages."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+    return (f"a step together/alone: CUDA {ms(together[0])}/{ms(alone[0])} ms, "
+            f"CPU {ms(together[1])}/{ms(alone[1])} ms")
 
 
 def solo(directory: Path, *, node: str, samples: int, rehearse: bool) -> Run:
