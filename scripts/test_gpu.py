@@ -354,7 +354,8 @@ def loader_runs(out: Path, *, rehearse: bool) -> list[Row]:
                             env=env, script_args=script_args)], [out / "loader"])
     if run.exit_code != 0 or run.rate is None or alone is None:
         return [Row(name, "FAIL", f"exit {run.exit_code} (see {run.log.name}), loader alone "
-                                  f"{alone if alone is None else f'{alone:,.0f} samples/s'}")]
+                                  f"{alone if alone is None else f'{alone:,.0f} samples/s'}"),
+                *fit_row(out, env, rehearse)]
     step_rate = run_report(out / "loader")["ideal_samples_per_s"] or run.rate
     wait = data_wait(run)
     figure = (f"data wait {wait:.1%} of the run, {run.rate:,.0f} samples/s; 2 workers alone "
