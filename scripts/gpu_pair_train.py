@@ -78,14 +78,21 @@ def evaluate(model: nn.Module, batch) -> dict[str, float]:
     return {"accuracy": (model(images).argmax(dim=1) == labels).float().mean().item()}
 
 
+def plain_loader(data: torch.utils.data.Dataset, *, batch_size: int,
+                 workers: int) -> torch.utils.data.DataLoader:
+    """A DataLoader as a user writes one: shuffled, pinned when CUDA is there, its workers kept
+    across epochs."""
+    return torch.utils.data.DataLoader(
+        data, batch_size=batch_size, shuffle=True, num_workers=workers,
+        pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+
+
 def loader_rate(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
                 epochs: int) -> float:
     """Samples per second that a plain DataLoader alone delivers of ``data`` (shuffled, pinned
     when CUDA is there, workers kept across epochs), timed from its first batch: what the
     loader can feed a step at most, whatever fdl does around it."""
-    loader = torch.utils.data.DataLoader(
-        data, batch_size=batch_size, shuffle=True, num_workers=workers,
-        pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+    loader = plain_loader(data, batch_size=batch_size, workers=workers)
     began, samples = None, 0
     for _ in range(epochs):
         for images, _labels in loader:
@@ -98,8 +105,8 @@ def loader_rate(data: torch.utils.data.Dataset, *, batch_size: int, workers: int
 
 def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int, epochs: int,
                step_sleep_s: float) -> dict[str, float]:
-    """The training a user writes without fdl, of the same model on the same DataLoader (as
-    :func:`loader_rate`'s), the batches copied to the device without blocking, bf16 autocast
+    """The training a user writes without fdl, of the same model on the same DataLoader
+    (:func:`plain_loader`), the batches copied to the device without blocking, bf16 autocast
     where fdl's ``auto`` picks it (CUDA, compute capability 8.0 or later), ``step_sleep_s``
     slept after each step (an emulated slower step, as ``--simulate-slowdown`` sleeps). Its
     rate timed from its first batch to the device's last step, and the share of that time
@@ -109,9 +116,7 @@ def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
     torch.manual_seed(0)
     model = build_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(
-        data, batch_size=batch_size, shuffle=True, num_workers=workers,
-        pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    loader = plain_loader(data, batch_size=batch_size, workers=workers)
     began, samples, waited = None, 0, 0.0
     for _ in range(epochs):
         batches = iter(loader)

@@ -46,11 +46,11 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from fdl.rundir.report import run_report
-from fdl.rundir.timeline import read_events
+from fdl.rundir.report import run_report, timed_steps_s
+from fdl.rundir.timeline import read_rank_timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIR_SCRIPT = ROOT / "scripts" / "gpu_pair_train.py"
@@ -202,16 +202,17 @@ def pair_runs(out: Path, *, rehearse: bool) -> list[Row]:
         run = pair(directory, policy=policy, samples=samples, rehearse=rehearse)
         row = pair_row(policy, run, ideal=ideal, rehearse=rehearse)
         together = (step_ms(directory / "fast", 0), step_ms(directory / "slow", 1))
-        rows.append(Row(row.check, row.result, f"{row.figure}; {steps_figure(alone, together)}"))
+        rows.append(replace(row, figure=f"{row.figure}; {steps_figure(alone, together)}"))
     return rows
 
 
 def step_ms(run_dir: Path, rank: int) -> float | None:
-    """Rank ``rank``'s mean time per step in ``run_dir``'s timeline, in ms (its data wait
-    included); None without a round."""
-    rounds = [e for e in read_events(run_dir, rank) if e.get("kind") == "round"]
-    steps = sum(int(e.get("steps") or 0) for e in rounds)
-    return 1000 * sum(float(e.get("compute_s") or 0) for e in rounds) / steps if steps else None
+    """Rank ``rank``'s mean time per step in ``run_dir``'s timeline (its last attempt), in ms:
+    the report's timed steps (data, compute and emulated sleep; DDP's all-reduce not); None
+    without a round."""
+    rounds = [e for e in read_rank_timeline(run_dir, rank=rank).events if e["kind"] == "round"]
+    steps = sum(e["steps"] for e in rounds)
+    return 1000 * sum(timed_steps_s(e) for e in rounds) / steps if steps else None
 
 
 def steps_figure(alone: tuple[float | None, float | None],
@@ -347,8 +348,9 @@ def loader_runs(out: Path, *, rehearse: bool) -> list[Row]:
     env = node_env("fast", rehearse=rehearse)
     samples = REHEARSAL_SAMPLES["fast"] if rehearse else LOADER_SAMPLES
     script_args = ["--augment", "--workers", "2"]
-    alone = script_figure(out / "loader-alone.log", "loader_samples_per_s", samples=samples,
-                          env=env, script_args=[*script_args, "--loader-rate"])
+    alone = (script_figures(out / "loader-alone.log", samples=samples, env=env,
+                            script_args=[*script_args, "--loader-rate"])
+             or {}).get("loader_samples_per_s")
     name = "loader: augmented CIFAR, 2 workers"
     run = finish([start_fdl(out / "loader", ["--nproc-per-node", "1"], samples=samples,
                             env=env, script_args=script_args)], [out / "loader"])
@@ -438,12 +440,6 @@ def script_figures(log: Path, *, samples: int, env: dict[str, str],
     if proc.returncode != 0 or not lines:
         return None
     return {key: float(value) for key, value in json.loads(lines[-1]).items()}
-
-
-def script_figure(log: Path, key: str, *, samples: int, env: dict[str, str],
-                  script_args: Sequence[str]) -> float | None:
-    figures = script_figures(log, samples=samples, env=env, script_args=script_args)
-    return None if figures is None else figures[key]
 
 
 def data_wait(run: Run) -> float:
