@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 
+import pytest
 import torch
 from test_data import Sequences, check_padded, pad_collate
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fdl.engine.batch_loader import BatchLoader, IndexFeed
+from fdl.engine.batch_loader import DEPTH, BatchLoader, IndexFeed, TakenAhead
 from fdl.engine.data import (
     TrainData,
     epoch_permutation,
@@ -220,3 +222,83 @@ def test_the_feed_goes_on_only_from_what_it_handed_out():
     assert list(handing) == [[5], [6]]
     assert not feed.go_on([[1], [5], [6], [7]])  # the pass has ended
     assert feed.go_on([[1], [5]])  # ends within what it handed out
+
+
+class Recorded:
+    """A pass's source: yields ``items`` (an Exception among them is raised there), noting
+    the thread that takes each and how many batches the taker held ready at the time."""
+
+    def __init__(self, taker_of, items: list) -> None:
+        self.items, self.taker_of = iter(items), taker_of
+        self.threads: list[str] = []
+        self.held: list[int] = []
+        self.took = threading.Semaphore(0)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.threads.append(threading.current_thread().name)
+        self.held.append(len(self.taker_of()._ready))
+        item = next(self.items)
+        self.took.release()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def taken(items: list) -> tuple[TakenAhead, Recorded]:
+    box: list[TakenAhead] = []
+    source = Recorded(lambda: box[0], items)
+    box.append(TakenAhead(source))
+    return box[0], source
+
+
+def test_a_pass_is_taken_off_the_step_s_thread_in_order_and_at_most_depth_ahead():
+    ahead, source = taken(list(range(10)))
+    assert source.threads == []  # nothing taken before the first batch is asked for
+    assert next(ahead) == 0
+    for _ in range(1 + DEPTH):  # the first, and DEPTH more while the step would compute
+        assert source.took.acquire(timeout=60)  # a guard only
+    assert list(ahead) == list(range(1, 10))
+    ahead.stop()
+    assert set(source.threads) == {"fdl-batches"}
+    assert max(source.held) < DEPTH  # never a batch taken with DEPTH already waiting
+
+
+def test_what_the_data_loader_raises_reaches_the_step_after_the_batches_before_it():
+    ahead, _ = taken([0, 1, ValueError("sample 7 is torn"), 3])
+    assert [next(ahead), next(ahead)] == [0, 1]
+    with pytest.raises(ValueError, match="sample 7 is torn"):
+        next(ahead)
+    with pytest.raises(StopIteration):  # and the pass is over
+        next(ahead)
+
+
+def test_a_pass_left_early_stops_its_thread():
+    """The elastic rank stops early: the thread waiting with DEPTH batches ready ends."""
+    ahead, source = taken(list(range(100)))
+    next(ahead)
+    for _ in range(1 + DEPTH):
+        assert source.took.acquire(timeout=60)  # a guard only
+    ahead.stop()
+    assert taking() == 0
+    assert len(source.threads) == 1 + DEPTH
+
+
+def test_a_new_pass_stops_the_last_one_s_thread_before_it_uses_the_loader():
+    order = torch.arange(60)
+    with loader() as batches:
+        left = batches.slice_batches(order, start=0, stop=40, batch_size=4)
+        next(left)
+        assert taking() == 1
+        again = batches.slice_batches(order, start=40, stop=48, batch_size=4)
+        assert taking() == 0  # stopped; the new pass's starts at its first batch
+        assert samples(again) == [[40, 41, 42, 43], [44, 45, 46, 47]]
+        next(batches.slice_batches(order, start=0, stop=40, batch_size=4))
+    assert taking() == 0  # close stopped it
+
+
+def taking() -> int:
+    """The threads taking a pass's batches now."""
+    return [thread.name for thread in threading.enumerate()].count("fdl-batches")
