@@ -8,7 +8,8 @@ over NCCL; a CUDA run's checkpoint (CUDA RNG state, CUDA optimizer state) loads 
 ``--resume`` continues it; async's average, launched through the engine's Averager at a
 boundary, finishes during the next round's compute without delaying its first step (over the
 host on one GPU, over NCCL with two: scripts/async_overlap.py measures with CUDA events); a
-CUDA worker and a CPU worker agree on the ``cpu`` backend; an average encoded on the wire
+CUDA worker and a CPU worker agree on the ``cpu`` backend; a pass of loader workers' batches,
+taken off the step's thread, lands pinned and in order on the device; an average encoded on the wire
 (bf16, int8, int4) lands over NCCL as over the host; with two GPUs, replicas identical after
 every average. Tests that need two GPUs skip saying so.
 """
@@ -280,6 +281,53 @@ def test_copies_ahead_on_a_side_stream_keep_the_batches_and_never_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for batch, out in zip(host, outputs, strict=True):
+        assert torch.allclose(out.cpu(), batch @ weights.cpu(), atol=1e-3, rtol=1e-4)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Sample i: a row of 1024 values that say i (made in a loader worker)."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((1024,), float(index))
+
+
+def test_a_pass_taken_off_the_step_s_thread_lands_pinned_and_in_order_on_the_device():
+    """fdl.engine.batch_loader with real loader workers and pinned memory: the batches a thread
+    of fdl's own takes from the DataLoader come pinned, in the slice's order, and copied ahead on
+    the side stream reach the step intact, with no host synchronization on the step's side."""
+    from torch.utils.data import DataLoader
+
+    from fdl.engine.batch_loader import BatchLoader
+    from fdl.engine.data import TrainData
+    from fdl.engine.h2d import DeviceCopies
+
+    device = torch.device("cuda", 0)
+    lists = [list(range(start, start + 8)) for start in range(0, 96, 8)][::-1]
+    weights = torch.randn(1024, 1024, device=device)
+    seen: list[torch.Tensor] = []
+    with BatchLoader(TrainData.of(DataLoader(Rows(), batch_size=8, num_workers=2,
+                                             pin_memory=True))) as loader:
+        batches = loader.batches(lists)
+
+        def take() -> torch.Tensor:
+            batch = next(batches)
+            seen.append(batch)
+            return batch
+
+        fetch = DeviceCopies(device).ahead(take, len(lists))
+        outputs = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in lists:
+                outputs.append(fetch() @ weights)  # the step, on the compute stream
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(batch.is_pinned() for batch in seen)
+    assert [batch[:, 0].tolist() for batch in seen] == [[float(i) for i in part] for part in lists]
+    for batch, out in zip(seen, outputs, strict=True):
         assert torch.allclose(out.cpu(), batch @ weights.cpu(), atol=1e-3, rtol=1e-4)
 
 
