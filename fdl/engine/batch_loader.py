@@ -119,11 +119,11 @@ class TakenAhead:
             if not self._ready:
                 raise StopIteration
             kind, value = self._ready[0]
-            if kind != "end":  # the end stays: every later next ends too
+            if kind == "batch":
                 self._ready.popleft()
                 self._cond.notify_all()
-            if kind == "error":
-                self._ready.appendleft(("end", None))
+            elif kind == "error":  # raised once; the end stays, so every later next ends
+                self._ready[0] = ("end", None)
         if kind == "error":
             raise value
         if kind == "end":

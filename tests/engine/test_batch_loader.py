@@ -228,8 +228,9 @@ class Recorded:
     """A pass's source: yields ``items`` (an Exception among them is raised there), noting
     the thread that takes each and how many batches the taker held ready at the time."""
 
-    def __init__(self, taker_of, items: list) -> None:
-        self.items, self.taker_of = iter(items), taker_of
+    def __init__(self, items: list) -> None:
+        self.items = iter(items)
+        self.taker: TakenAhead | None = None
         self.threads: list[str] = []
         self.held: list[int] = []
         self.took = threading.Semaphore(0)
@@ -239,7 +240,8 @@ class Recorded:
 
     def __next__(self):
         self.threads.append(threading.current_thread().name)
-        self.held.append(len(self.taker_of()._ready))
+        assert self.taker is not None
+        self.held.append(len(self.taker._ready))
         item = next(self.items)
         self.took.release()
         if isinstance(item, Exception):
@@ -248,10 +250,9 @@ class Recorded:
 
 
 def taken(items: list) -> tuple[TakenAhead, Recorded]:
-    box: list[TakenAhead] = []
-    source = Recorded(lambda: box[0], items)
-    box.append(TakenAhead(source))
-    return box[0], source
+    source = Recorded(items)
+    source.taker = TakenAhead(source)
+    return source.taker, source
 
 
 def test_a_pass_is_taken_off_the_step_s_thread_in_order_and_at_most_depth_ahead():

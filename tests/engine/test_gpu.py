@@ -298,6 +298,8 @@ def test_a_pass_taken_off_the_step_s_thread_lands_pinned_and_in_order_on_the_dev
     """fdl.engine.batch_loader with real loader workers and pinned memory: the batches a thread
     of fdl's own takes from the DataLoader come pinned, in the slice's order, and copied ahead on
     the side stream reach the step intact, with no host synchronization on the step's side."""
+    import threading
+
     from torch.utils.data import DataLoader
 
     from fdl.engine.batch_loader import BatchLoader
@@ -318,13 +320,16 @@ def test_a_pass_taken_off_the_step_s_thread_lands_pinned_and_in_order_on_the_dev
             return batch
 
         fetch = DeviceCopies(device).ahead(take, len(lists))
-        outputs = []
+        outputs, taking = [], False
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in lists:
                 outputs.append(fetch() @ weights)  # the step, on the compute stream
+                # the pass's thread takes two ahead at most: alive while steps remain
+                taking = taking or "fdl-batches" in {t.name for t in threading.enumerate()}
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    assert taking  # the batches were taken off the step's thread
     assert all(batch.is_pinned() for batch in seen)
     assert [batch[:, 0].tolist() for batch in seen] == [[float(i) for i in part] for part in lists]
     for batch, out in zip(seen, outputs, strict=True):
