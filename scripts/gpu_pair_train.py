@@ -110,14 +110,17 @@ def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
     where fdl's ``auto`` picks it (CUDA, compute capability 8.0 or later), ``step_sleep_s``
     slept after each step (an emulated slower step, as ``--simulate-slowdown`` sleeps). Its
     rate timed from its first batch to the device's last step, and the share of that time
-    spent waiting for the loader's next batch."""
+    spent getting the next batch onto the device (the loader's ``next`` and the copy's issue,
+    what fdl books as data wait); and its rate after the first step (``steady``:
+    the device is synchronized once there, so the cold start, CUDA's lazy kernel loads and
+    cuDNN's first choices, is left out as fdl's calibration round is left out of its own)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
     torch.manual_seed(0)
     model = build_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = plain_loader(data, batch_size=batch_size, workers=workers)
-    began, samples, waited = None, 0, 0.0
+    began, samples, waited, first_done = None, 0, 0.0, None
     for _ in range(epochs):
         batches = iter(loader)
         while True:
@@ -125,12 +128,12 @@ def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
             batch = next(batches, None)
             if batch is None:
                 break
+            images, labels = (t.to(device, non_blocking=True) for t in batch)
             if began is None:
                 began = time.perf_counter()
-            else:
+            else:  # as fdl books it: from asking for the batch to its copy issued
                 waited += time.perf_counter() - asked
                 samples += len(batch[0])
-            images, labels = (t.to(device, non_blocking=True) for t in batch)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = F.cross_entropy(model(images), labels)
             loss.backward()
@@ -138,10 +141,17 @@ def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
             optimizer.zero_grad(set_to_none=True)
             if step_sleep_s:
                 time.sleep(step_sleep_s)
+            if first_done is None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                first_done = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - began
-    return {"plain_samples_per_s": samples / elapsed, "plain_wait_fraction": waited / elapsed}
+    ended = time.perf_counter()
+    elapsed = ended - began
+    return {"plain_samples_per_s": samples / elapsed, "plain_wait_fraction": waited / elapsed,
+            "plain_steady_samples_per_s": samples / (ended - first_done),
+            "plain_first_step_s": first_done - began}
 
 
 def main() -> None:
