@@ -36,7 +36,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,10 +126,13 @@ def _installed(module: str) -> bool:
 
 
 def launch(spec: LaunchSpec, *, listener: socket.socket | None = None,
-           node: str | None = None) -> LaunchResult:
+           node: str | None = None,
+           on_workers: Callable[[], None] | None = None) -> LaunchResult:
     """Run the workers to completion. Blocks; returns the exit code ``fdl run`` should use.
     ``listener``: :func:`preflight`'s socket for a one-node rendezvous; ``node``: this node's
-    address when it joined another node's run directory (its agent log is then its own)."""
+    address when it joined another node's run directory (its agent log is then its own);
+    ``on_workers``: called as each attempt's workers are about to start (the rendezvous done),
+    on the launcher's thread: it must return at once."""
     with torch_import_without_collections():
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -141,7 +144,8 @@ def launch(spec: LaunchSpec, *, listener: socket.socket | None = None,
     with _environ(spec.env), _local_store(spec.rendezvous, listener) as (backend, endpoint), \
             terminal_for_workers(run_layout.agent_log_path(logs_dir, node=node)):
         try:
-            launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint),
+            launch_agent(_launch_config(spec, logs_dir, backend=backend, endpoint=endpoint,
+                                        on_workers=on_workers),
                          sys.executable, args)
         except ChildFailedError as exc:
             return _failed(exc, logs_dir)
@@ -226,7 +230,8 @@ def _loopback_handler_class() -> type:
     return LoopbackRendezvousHandler
 
 
-def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: str) -> Any:
+def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: str,
+                   on_workers: Callable[[], None] | None = None) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     rdzv = spec.rendezvous
@@ -241,7 +246,8 @@ def _launch_config(spec: LaunchSpec, logs_dir: Path, *, backend: str, endpoint: 
     optional = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S}
     return LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=spec.nproc_per_node,
-        logs_specs=run_logs_specs(logs_dir, quiet=spec.quiet_ranks), run_id=rdzv.run_id,
+        logs_specs=run_logs_specs(logs_dir, quiet=spec.quiet_ranks, on_workers=on_workers),
+        run_id=rdzv.run_id,
         role="default", rdzv_endpoint=endpoint, rdzv_backend=backend,
         rdzv_configs=configs, max_restarts=spec.max_restarts, monitor_interval=0.1,
         start_method="spawn", log_line_prefix_template="[rank ${rank}] ",
@@ -261,9 +267,12 @@ def supported_fields(config_class: type, fields: dict[str, Any]) -> dict[str, An
     return {name: value for name, value in fields.items() if name in known}
 
 
-def run_logs_specs(logs_dir: Path, *, quiet: bool) -> Any:
+def run_logs_specs(logs_dir: Path, *, quiet: bool,
+                   on_workers: Callable[[], None] | None = None) -> Any:
     """torch's LogsSpecs for fdl's layout: ``logs/rank<r>.log`` per global rank, teed to the
-    terminal (rank 0 only when ``quiet``); a restarted attempt keeps the previous log."""
+    terminal (rank 0 only when ``quiet``); a restarted attempt keeps the previous log. The
+    agent asks for them as an attempt's workers are about to start: ``on_workers`` is called
+    then."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
     class RunLogsSpecs(LogsSpecs):
@@ -292,6 +301,8 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool) -> Any:
                 error_file = str(run_layout.error_file(logs_dir, rank))
                 dest.error_files[local_rank] = error_file
                 env["TORCHELASTIC_ERROR_FILE"] = error_file  # as torchrun gives it (for @record)
+            if on_workers is not None:
+                on_workers()
             return dest
 
     return RunLogsSpecs()
