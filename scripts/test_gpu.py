@@ -14,18 +14,22 @@ table of what ran, how it ended and its key figure.
 4. The loader on the GPU: CIFAR's per-sample crops and flips through 2 DataLoader workers (data
    wait under 5% of the run; where the GPU's step outruns what 2 workers alone deliver, as an
    H100's does, the run must reach 0.95 of a plain PyTorch loop of the same model on the same
-   DataLoader, measured beside it, and a run with the step emulated slower than the loader must
+   DataLoader, measured beside it, each after its cold start, and a run with the step emulated slower than the loader must
    meet the 5% or wait no longer than that plain loop with the same emulated step), and
    ``--micro-batch auto`` finding a micro-batch for a batch of 4096 that does not fit in 0.5 GiB
    of the card (a real out-of-memory, caught and halved).
+5. ``scripts/bench-fetch``: the step's thread getting its batches onto the device, a plain loop
+   beside fdl's loader and its variants (no taking thread; the thread also pinning, the
+   DataLoader's pin thread off), the bare step and one 3 ms slower; fdl must reach 0.98 of the
+   plain loop's step rate in each.
 
 The two workers of part 2 run on disjoint halves of the machine's cores (alone and together
 alike), as two machines would; each pair row gives both workers' step together against alone.
 Each part's rows are printed, and ``test-gpu.json`` written, as the part ends.
 
 ``--runs-only`` skips part 1 (a quick second look after a change to the engine's step path);
-``--parts tests,pairs,loader`` names the parts to run (a rerun of what a lease left undone).
-``--rehearse`` runs parts 2 and 3's plumbing on a machine without a GPU (the "GPU" worker is a
+``--parts tests,pairs,loader,fetch`` names the parts to run (a rerun of what a lease left undone).
+``--rehearse`` runs parts 2 to 5's plumbing on a machine without a GPU (the "GPU" worker is a
 CPU worker, the CPU one is emulated 4x slower), to check the script itself before a GPU is lent;
 its figures mean nothing.
 
@@ -59,8 +63,9 @@ PAIR_SCRIPT = ROOT / "scripts" / "gpu_pair_train.py"
 # threads, the CUDA worker needs a few to collate batches and feed the GPU.
 THREADS = {"fast": 4, "slow": 8}
 POLICIES = ("sync", "cadence", "async")
-# --parts: the gpu tests (1), the CUDA + CPU pairs and two GPUs over NCCL (2, 3), the loader (4)
-PARTS = ("tests", "pairs", "loader")
+# --parts: the gpu tests (1), the CUDA + CPU pairs and two GPUs over NCCL (2, 3), the loader
+# (4), and scripts/bench-fetch's side-by-side of the ways to take batches (5)
+PARTS = ("tests", "pairs", "loader", "fetch")
 BUDGET_S = 8 * 60
 TESTS_TIMEOUT_S = 330
 RUN_TIMEOUT_S = 150
@@ -78,6 +83,9 @@ LOADER_STEP_MARGIN = 1.5  # the emulated step: this much slower than the loader 
 # A batch that cannot fit in that much of the card: on an H100 the pair's CNN peaked at 1.15 GiB
 # for 4096 (bf16), so 2 GiB held it whole; in 0.5 GiB it must halve twice (~0.3 GiB at 1024).
 FIT_BATCH, LOADER_MEMORY_GIB = 4096, 0.5
+FETCH_SCRIPT = ROOT / "scripts" / "bench_fetch.py"
+FETCH_OF_PLAIN = 0.98  # fdl's step rate with its loader: of a plain loop's on the same batches
+FETCH_TIMEOUT_S = 150
 
 
 @dataclass
@@ -139,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "loader" in parts:
         done(loader_runs(out, rehearse=args.rehearse))
         done(fit_row(out, rehearse=args.rehearse))
+    if "fetch" in parts:
+        done(fetch_rows(out, rehearse=args.rehearse))
     elapsed = time.monotonic() - started
     print_table(rows)
     failed = [r for r in rows if r.result == "FAIL"]
@@ -430,6 +440,42 @@ def fit_row(out: Path, *, rehearse: bool) -> list[Row]:
     figure = f"settled on {micro} of {FIT_BATCH}, peak {(peak or 0) / 2**30:.2f} GiB"
     return [Row(name, "pass" if micro < FIT_BATCH else "FAIL",
                 figure if micro < FIT_BATCH else figure + ": nothing ran out of memory")]
+
+
+def fetch_rows(out: Path, *, rehearse: bool) -> list[Row]:
+    """``scripts/bench-fetch`` on the card: per regime (the bare step, loader-bound; 3 ms slept
+    a step, below the loader), fdl's step rate with its loader against a plain loop's on the
+    same batches (FETCH_OF_PLAIN), with the loader's variants beside it."""
+    directory = out / "bench-fetch"
+    args = ["--batches", "30", "--repeat", "1", "--sleep-ms", "0"] if rehearse else \
+        ["--batches", "200", "--repeat", "2", "--sleep-ms", "3,0"]
+    with (out / "bench-fetch.log").open("w") as log:
+        try:
+            proc = subprocess.run([sys.executable, str(FETCH_SCRIPT), *args, "--out",
+                                   str(directory)], cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=FETCH_TIMEOUT_S,
+                                  env=node_env("fast", rehearse=rehearse), check=False)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    try:
+        cells = json.loads((directory / "bench-fetch.json").read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return [Row("bench-fetch", "FAIL", f"exit {code} (see bench-fetch.log)")]
+    rows = []
+    for sleep_ms in dict.fromkeys(cell["sleep_ms"] for cell in cells):
+        here = {cell["path"]: cell for cell in cells if cell["sleep_ms"] == sleep_ms}
+        fdl_cell = here.get("fdl")
+        if fdl_cell is None or "plain" not in here:
+            rows.append(Row(f"bench-fetch, {sleep_ms:g} ms slept", "FAIL", "a path is missing"))
+            continue
+        figure = "; ".join(f"{path} {cell['step_ms']:.2f} ms ({cell['of_plain']:.2f} of plain's "
+                           f"rate, data wait {cell['wait_fraction']:.1%})"
+                           for path, cell in here.items())
+        ok = fdl_cell["of_plain"] >= FETCH_OF_PLAIN or rehearse
+        rows.append(Row(f"bench-fetch, {sleep_ms:g} ms slept a step", "pass" if ok else "FAIL",
+                        f"{figure} (goal: fdl >= {FETCH_OF_PLAIN:g} of plain's)"))
+    return rows
 
 
 def script_figures(log: Path, *, samples: int, env: dict[str, str],
