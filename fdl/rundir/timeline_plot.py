@@ -9,6 +9,7 @@ its object API and the Agg canvas, so no global backend is switched and no windo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import threading
@@ -33,7 +34,8 @@ def load_in_background() -> None:
             return
         _loading = threading.Thread(target=_import_matplotlib, name="fdl-matplotlib-import",
                                     daemon=True)
-    _loading.start()
+    with contextlib.suppress(RuntimeError):  # no thread to be had: imported at the end
+        _loading.start()
 
 
 def _import_matplotlib() -> None:

@@ -71,3 +71,18 @@ print(json.dumps({"before": before, "once": first is again,
                          timeout=180, check=True).stdout
     assert json.loads(out.splitlines()[-1]) == {"before": False, "once": True, "own_thread": True,
                                                 "loaded": True}
+
+
+def test_a_thread_that_cannot_start_leaves_the_run_alone(monkeypatch):
+    """Called inside torch's agent as the workers start: a process out of threads must not fail
+    the run for its curves (they are imported at the end instead)."""
+    import threading
+
+    from fdl.rundir import timeline_plot
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(timeline_plot, "_loading", None)
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    timeline_plot.load_in_background()  # returns, raising nothing
