@@ -12,8 +12,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
-from gpu_pair_train import Augmented, build_model
+from gpu_pair_train import Augmented, PlainStep
 from torch.utils.data import DataLoader
 
 from fdl.engine import batch_loader
@@ -54,33 +53,7 @@ def pinned_by_the_thread(source: Iterator[Any]) -> Any:
                        for batch in source)
 
 
-class Step:
-    """The test-gpu pair's CNN on CIFAR-shaped batches, bf16 autocast where fdl picks it,
-    then ``sleep_s`` slept (a slower step, as ``--simulate-slowdown`` sleeps)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        torch.manual_seed(0)
-        self.model = build_model().to(device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
-        self.bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-
-    def __call__(self, batch: Any, sleep_s: float) -> None:
-        images, labels = batch
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = F.cross_entropy(self.model(images), labels)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if sleep_s:
-            time.sleep(sleep_s)
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def one_run(path: str, data: Augmented, step: Step, *, batches: int,
+def one_run(path: str, data: Augmented, step: PlainStep, *, batches: int,
             sleep_s: float) -> dict[str, float]:
     """``batches`` steps on ``path``'s batches: the time per step, and the time the step's
     thread spent getting each batch onto the device (from asking for it to its copy issued)."""
@@ -113,7 +86,7 @@ def one_run(path: str, data: Augmented, step: Step, *, batches: int,
                 began = time.perf_counter()
             elif index > SKIPPED:
                 waits.append(waited)
-            step(batch, sleep_s)
+            step(*batch, sleep_s)
         step.synchronize()
     finally:
         if loader is not None:
@@ -143,7 +116,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = Augmented(args.batches * BATCH, seed=1)
-    step = Step(device)
+    step = PlainStep(device)
     paths = [p for p in PATHS if device.type == "cuda" or p not in CUDA_ONLY]
     rows = []
     for sleep_ms in sleeps:

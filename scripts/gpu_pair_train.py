@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import fdl
+from fdl.engine.precision import autocast, resolve_precision
 
 CLASSES = 10
 EPOCHS = 3
@@ -103,22 +104,46 @@ def loader_rate(data: torch.utils.data.Dataset, *, batch_size: int, workers: int
     return samples / (time.perf_counter() - began)
 
 
+class PlainStep:
+    """One optimizer step of the pair's CNN as a user writes it (SGD with momentum, seeded), in
+    the precision fdl's ``auto`` picks for the device (bf16 on CUDA of compute capability 8.0 or
+    later), then ``sleep_s`` slept (an emulated slower step, as ``--simulate-slowdown``
+    sleeps). Shared by :func:`plain_loop` and scripts/bench-fetch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.precision = resolve_precision("auto", device)
+        torch.manual_seed(0)
+        self.model = build_model().to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, sleep_s: float = 0.0) -> None:
+        with autocast(self.device, self.precision):
+            loss = F.cross_entropy(self.model(images), labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if sleep_s:
+            time.sleep(sleep_s)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (once, where a clock is read)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int, epochs: int,
                step_sleep_s: float) -> dict[str, float]:
     """The training a user writes without fdl, of the same model on the same DataLoader
-    (:func:`plain_loader`), the batches copied to the device without blocking, bf16 autocast
-    where fdl's ``auto`` picks it (CUDA, compute capability 8.0 or later), ``step_sleep_s``
-    slept after each step (an emulated slower step, as ``--simulate-slowdown`` sleeps). Its
+    (:func:`plain_loader`), the batches copied to the device without blocking, each step a
+    :class:`PlainStep` with ``step_sleep_s`` slept after it. Its
     rate timed from its first batch to the device's last step, and the share of that time
     spent getting the next batch onto the device (the loader's ``next`` and the copy's issue,
     what fdl books as data wait); and its rate after the first step (``steady``:
     the device is synchronized once there, so the cold start, CUDA's lazy kernel loads and
     cuDNN's first choices, is left out as fdl's calibration round is left out of its own)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-    torch.manual_seed(0)
-    model = build_model().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = PlainStep(device)
     loader = plain_loader(data, batch_size=batch_size, workers=workers)
     began, samples, waited, first_done = None, 0, 0.0, None
     for _ in range(epochs):
@@ -134,19 +159,11 @@ def plain_loop(data: torch.utils.data.Dataset, *, batch_size: int, workers: int,
             else:  # as fdl books it: from asking for the batch to its copy issued
                 waited += time.perf_counter() - asked
                 samples += len(batch[0])
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = F.cross_entropy(model(images), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step_sleep_s:
-                time.sleep(step_sleep_s)
+            step(images, labels, step_sleep_s)
             if first_done is None:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                step.synchronize()
                 first_done = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    step.synchronize()
     ended = time.perf_counter()
     elapsed = ended - began
     return {"plain_samples_per_s": samples / elapsed, "plain_wait_fraction": waited / elapsed,

@@ -354,11 +354,10 @@ def loader_runs(out: Path, *, rehearse: bool) -> list[Row]:
     below the GPU's step rate, the run at the card's own speed is judged against a plain PyTorch
     loop of the same model on the same DataLoader, side by side (LOADER_OF_PLAIN of its rate
     after each one's cold start: fdl adds no wait of its own), and a second run, the step
-    emulated slower than the loader and no shorter than ISSUE_STEP_MS
-    (``--simulate-slowdown``), must meet the goal or wait no
-    longer than the plain loop with the same emulated step (the DataLoader's own cost of handing
-    over a batch, which no loop on it avoids, can be more than the goal's share of a step this
-    short)."""
+    emulated slower than the loader and no shorter than ISSUE_STEP_MS (``--simulate-slowdown``),
+    must meet the goal or wait no longer than the plain loop with the same emulated step (the
+    DataLoader's own cost of handing over a batch, which no loop on it avoids, can be more than
+    the goal's share of a short step)."""
     env = node_env("fast", rehearse=rehearse)
     samples = REHEARSAL_SAMPLES["fast"] if rehearse else LOADER_SAMPLES
     script_args = ["--augment", "--workers", "2"]

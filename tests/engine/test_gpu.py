@@ -9,9 +9,9 @@ over NCCL; a CUDA run's checkpoint (CUDA RNG state, CUDA optimizer state) loads 
 boundary, finishes during the next round's compute without delaying its first step (over the
 host on one GPU, over NCCL with two: scripts/async_overlap.py measures with CUDA events); a
 CUDA worker and a CPU worker agree on the ``cpu`` backend; a pass of loader workers' batches,
-taken off the step's thread, lands pinned and in order on the device; an average encoded on the wire
-(bf16, int8, int4) lands over NCCL as over the host; with two GPUs, replicas identical after
-every average. Tests that need two GPUs skip saying so.
+taken off the step's thread, lands pinned and in order on the device; an average encoded on
+the wire (bf16, int8, int4) lands over NCCL as over the host; with two GPUs, replicas
+identical after every average. Tests that need two GPUs skip saying so.
 """
 
 from __future__ import annotations
