@@ -41,6 +41,7 @@ below the loader every way of taking batches waited 0.25-0.42 ms a batch.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -93,6 +94,8 @@ class IndexFeed:
 
 
 DEPTH = 2  # batches a pass's thread takes ahead of the step
+CLOSE_WAIT_S = 5.0  # BatchLoader.close's wait for a batch being taken: the DataLoader's status
+# check interval, after which it would have noticed a dead worker
 
 
 class TakenAhead:
@@ -156,12 +159,17 @@ class TakenAhead:
                 self._ready.append(item)
                 self._cond.notify_all()
 
-    def stop(self) -> None:
+    def stop(self, *, wait_s: float | None = None) -> bool:
+        """End the thread and wait for it, at most ``wait_s`` seconds (None: as long as the
+        batch it is taking takes). False when it is still taking one: a worker that never
+        answers."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(wait_s)
+            return not self._thread.is_alive()
+        return True
 
 
 class BatchLoader:
@@ -230,8 +238,16 @@ class BatchLoader:
             self._pass.stop()
             self._pass = None
 
-    def close(self) -> None:
+    def close(self, *, wait_s: float = CLOSE_WAIT_S) -> None:
         """Stop the pass's thread and the workers (a later slice starts new ones): the
-        DataLoader's iterator shuts them down when the last reference to it goes."""
-        self._stop_pass()
+        DataLoader's iterator shuts them down when the last reference to it goes. The thread
+        is waited for at most ``wait_s``: a worker stuck in the user's dataset (alive, never
+        answering) must not hold the run's end; the thread, a daemon, is left to it with one
+        line on stderr. Between passes the wait stays unbounded: two threads must never take
+        from the DataLoader's one iterator."""
+        if self._pass is not None and not self._pass.stop(wait_s=wait_s):
+            print(f"fdl: a DataLoader worker has not answered for {wait_s:g} s; the run ends "
+                  "without the batch it is making (is the dataset's __getitem__ stuck?)",
+                  file=sys.stderr, flush=True)
+        self._pass = None
         self._loader = self._ahead = None

@@ -41,6 +41,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     from pathlib import Path
 
     from fdl.launch.config_file import load_config_file
+    from fdl.launch.devices import usable_cores
     from fdl.launch.network import EndpointNotResolved, node_network
     from fdl.launch.spec import build_launch_spec
     from fdl.settings import resolve_run_settings
@@ -61,7 +62,7 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     spec = build_launch_spec(
         request, settings=settings, survey=survey, env=env, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
-        logical_cores=os.cpu_count() or 1,  # psutil's count without its 10 ms import
+        logical_cores=usable_cores(),  # the affinity's cores, without psutil's 10 ms import
         taken=Path.exists, live=live, launcher_pid=launcher_pid,
     )
     spec = _with_interpreters(request, spec, cwd=cwd)

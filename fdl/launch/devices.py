@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,6 +39,15 @@ class DevicePlan:
             gpu = self.gpus[local_rank]
             return f"cuda:{local_rank} {gpu.name} ({gpu.arch})"
         return f"cpu ({self.threads_per_worker} threads)"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS has one (``taskset``, a
+    container's cpuset, a batch scheduler's allocation), else every logical core. Workers and
+    their threads are planned on these, never on cores the node cannot give them."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def plan_devices(*, survey: GpuSurvey, devices: str | None, nproc: int | str | None,

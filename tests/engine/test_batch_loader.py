@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import threading
@@ -303,3 +304,42 @@ def test_a_new_pass_stops_the_last_one_s_thread_before_it_uses_the_loader():
 def taking() -> int:
     """The threads taking a pass's batches now."""
     return [thread.name for thread in threading.enumerate()].count("fdl-batches")
+
+
+class Stuck(Dataset):
+    """Samples 0-3 come at once; any later one only once ``gate`` is set (a worker alive
+    but stuck in the user's ``__getitem__``)."""
+
+    def __init__(self) -> None:
+        self.gate = multiprocessing.Event()
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index >= 4:
+            self.gate.wait()
+        return torch.tensor([index, os.getpid()])
+
+
+def test_close_does_not_wait_for_ever_on_a_worker_that_never_answers(capfd):
+    before = len(multiprocessing.active_children())
+    dataset = Stuck()
+    batches = BatchLoader(TrainData.of(DataLoader(dataset, batch_size=4, num_workers=1)))
+    try:
+        first = next(batches.slice_batches(torch.arange(60), start=0, stop=40, batch_size=4))
+        assert first[:, 0].tolist() == [0, 1, 2, 3]
+        closing = threading.Thread(target=batches.close, kwargs={"wait_s": 0.2})
+        closing.start()
+        closing.join(timeout=60)  # a guard only: unbounded, close waits for the gate
+        assert not closing.is_alive()
+        assert taking() == 1  # the thread is left to its batch
+        assert "has not answered for 0.2 s" in capfd.readouterr().err
+    finally:
+        dataset.gate.set()
+    for thread in threading.enumerate():  # given its batch, the thread sees it was stopped
+        if thread.name == "fdl-batches":
+            thread.join(timeout=60)  # a guard only
+    assert taking() == 0
+    gc.collect()  # the DataLoader's iterator, the thread's last, shuts its worker down
+    assert len(multiprocessing.active_children()) == before

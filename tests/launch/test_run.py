@@ -85,7 +85,7 @@ def test_ddp_script_matches_torchrun_bit_for_bit(ddp_run, tmp_path):
         assert env_ours["MASTER_ADDR"] == "127.0.0.1"
         assert env_ours["MASTER_PORT"] != "29500"
         assert env_ours["FDL_RUN_DIR"] == str(ddp_run.run_dir)
-        assert int(env_ours["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
+        assert int(env_ours["OMP_NUM_THREADS"]) == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def test_run_directory_logs_and_terminal_prefixes(ddp_run):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -115,6 +116,20 @@ def test_dry_run_cpu_defaults(project):
     assert spec["run_dir"].startswith(str(project / "runs"))
     assert spec["run_dir"].endswith("-train-cadence")
     assert [w["rank"] for w in spec["workers"]] == [0, 1]
+
+
+def test_workers_and_threads_are_planned_on_the_cores_this_process_may_use(project):
+    """Under ``taskset``, a container's cpuset or a scheduler's allocation the affinity holds
+    fewer cores than the machine has: ``--nproc-per-node cpu`` and the threads per worker
+    count those (here one core of the host's, whatever their number)."""
+    one = min(os.sched_getaffinity(0))
+    proc = subprocess.run([sys.executable, "-m", "fdl", "run", "--dry-run", "--json",
+                           "--nproc-per-node", "cpu", "train.py"], capture_output=True,
+                          text=True, env=clean_env(), cwd=project, timeout=120,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)
+    assert spec["nproc_per_node"] == 1 and spec["devices"]["threads_per_worker"] == 1
 
 
 def test_dry_run_human_output(project):

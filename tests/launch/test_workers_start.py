@@ -5,6 +5,7 @@ only on a node with a core to spare beyond its workers (fdl.cli.run)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -39,6 +40,6 @@ def test_without_on_workers_the_logs_are_made_as_before(tmp_path):
 @pytest.mark.parametrize(("cores", "workers", "spare"),
                          [(2, 1, True), (2, 2, False), (16, 2, True), (1, 1, False)])
 def test_the_import_waits_for_a_core_to_spare(monkeypatch, cores, workers, spare):
-    monkeypatch.setattr(run_cli.os, "sched_getaffinity", lambda pid: set(range(cores)),
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)),
                         raising=False)
     assert run_cli._core_to_spare(SimpleNamespace(nproc_per_node=workers)) is spare
