@@ -278,6 +278,7 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool,
     class RunLogsSpecs(LogsSpecs):
         def __init__(self) -> None:
             super().__init__(log_dir=str(logs_dir))
+            self._held: list[Any] = []  # this attempt's logs, open while torch opens them
 
         @property
         def root_log_dir(self) -> str:
@@ -285,6 +286,9 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool,
 
         def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
             logs_dir.mkdir(parents=True, exist_ok=True)
+            for handle in self._held:  # the last attempt's: torch opened its own long since
+                handle.close()
+            self._held.clear()
             dest = LogsDest()
             for local_rank, env in envs.items():
                 rank = env["RANK"]
@@ -292,12 +296,15 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool,
                 attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 if attempt and path.exists():
                     path.replace(run_layout.log_path(logs_dir, rank, attempt=attempt - 1))
-                # made here, never through a link planted there; torch opens it next by name
-                open_for_writing(path).close()
-                dest.stdouts[local_rank] = str(path)
+                # made here, never through a link planted there, and handed to torch as this
+                # process's descriptor of it: a link swapped in after the check is not followed
+                handle = open_for_writing(path)
+                self._held.append(handle)
+                name = held_name(handle, path)
+                dest.stdouts[local_rank] = name
                 dest.stderrs[local_rank] = ""  # the worker merges stderr into stdout
                 if not quiet or rank == "0":
-                    dest.tee_stdouts[local_rank] = str(path)
+                    dest.tee_stdouts[local_rank] = name
                 error_file = str(run_layout.error_file(logs_dir, rank))
                 dest.error_files[local_rank] = error_file
                 env["TORCHELASTIC_ERROR_FILE"] = error_file  # as torchrun gives it (for @record)
@@ -306,6 +313,14 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool,
             return dest
 
     return RunLogsSpecs()
+
+
+def held_name(handle: Any, path: Path) -> str:
+    """A name that opens the very file ``handle`` has open, whatever ``path`` holds by then:
+    ``/proc/self/fd/N`` (the launcher opens the workers' logs in its own process: torch's
+    subprocess handler and its tee threads). Where there is no /proc, ``path`` itself."""
+    name = f"/proc/self/fd/{handle.fileno()}"
+    return name if os.path.exists(name) else str(path)
 
 
 def _failed(exc: Any, logs_dir: Path) -> LaunchResult:

@@ -32,9 +32,28 @@ def test_on_workers_is_called_once_per_attempt_after_the_logs_are_made(tmp_path)
 
 
 def test_without_on_workers_the_logs_are_made_as_before(tmp_path):
-    dest = run_logs_specs(tmp_path / "logs", quiet=False).reify(envs(0))
-    assert sorted(dest.stdouts.values()) == [str(tmp_path / "logs" / f"rank{r}.log")
-                                             for r in (0, 1)]
+    specs = run_logs_specs(tmp_path / "logs", quiet=False)  # held by torch's agent in a run
+    dest = specs.reify(envs(0))
+    for local in (0, 1):
+        assert os.path.samefile(dest.stdouts[local], tmp_path / "logs" / f"rank{local}.log")
+        assert dest.tee_stdouts[local] == dest.stdouts[local]
+
+
+def test_a_link_swapped_in_after_the_logs_are_made_is_not_written_through(tmp_path):
+    """Between fdl making a worker's log (never through a link) and torch opening it, someone
+    who can write in logs/ replaces it with a link to another file: torch's open, as its
+    subprocess handler does it, still reaches the log fdl made, never the link's target."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    logs = tmp_path / "logs"
+    specs = run_logs_specs(logs, quiet=True)
+    dest = specs.reify(envs(0))
+    planted = tmp_path / "planted"
+    planted.symlink_to(victim)
+    os.replace(planted, logs / "rank0.log")  # atomic: the log's name is now the link
+    with open(dest.stdouts[0], "w") as torch_opens:  # torch's SubprocessHandler: open(path, "w")
+        torch_opens.write("worker output\n")
+    assert victim.read_text() == "keep me\n"
 
 
 @pytest.mark.parametrize(("cores", "workers", "spare"),
