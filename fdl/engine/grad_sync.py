@@ -121,10 +121,12 @@ class GradSync:
         grad = param.grad
         if grad is None:
             part.zero_()
-        elif not _same_memory(grad, part):
-            torch.mul(grad.reshape(-1), 1.0 / self.ranks_with_data, out=part)
-        else:  # last step's view, accumulated into in place
+        elif _same_memory(grad, part):  # last step's view, accumulated into in place
             part.mul_(1.0 / self.ranks_with_data)
+        elif grad.device == part.device:
+            torch.mul(grad.reshape(-1), 1.0 / self.ranks_with_data, out=part)
+        else:  # a GPU's gradient into a host bucket (gloo): no mul across devices
+            part.copy_(grad.reshape(-1)).mul_(1.0 / self.ranks_with_data)
         self._copied[index] = True
 
     def _launch_ready(self) -> None:
