@@ -39,6 +39,7 @@ from fdl.bench.results import (
 )
 from fdl.errors import FdlError, UsageError
 from fdl.launch.child import check_out, run_from_scratch
+from fdl.launch.devices import usable_cores
 from fdl.ranges import WORKERS_PER_NODE
 from fdl.rundir.summary import has_summary
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
@@ -86,7 +87,7 @@ def plan_modes(*, slowdown: Sequence[float], gpus: int,
                   for b in ("cpu", "nccl") for p in POLICIES]
         return modes, [f"{gpus} GPUs: real speeds, no emulated slowdown"]
     factors = tuple(float(f) for f in slowdown)
-    threads = max(1, (cores or os.cpu_count() or 1) // len(factors))
+    threads = max(1, (cores or usable_cores()) // len(factors))
     distinct = list(dict.fromkeys(factors))
     modes = [Mode(f"solo@{format_factor(f)}x", "solo", None, 1, (f,), None, threads) for f in distinct]
     modes += [Mode(f"{p}-cpu", p, "cpu", len(factors), factors, None, threads) for p in POLICIES]

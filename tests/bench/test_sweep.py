@@ -4,6 +4,7 @@ fdl run command line of a cell, and which cells a resume skips."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,6 +57,13 @@ def test_cpu_host_plans_one_solo_per_factor_and_cpu_policies_only():
     assert all(m.world_size == 2 and m.slowdown == (1.0, 2.5) and m.backend == "cpu"
                for m in policies)
     assert any("nccl modes not planned" in note and "no GPU" in note for note in notes)
+
+
+def test_the_cores_shared_out_are_those_the_affinity_gives(monkeypatch):
+    """Under taskset or a cpuset the sweep's threads come from the cores it may use."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's, beyond the affinity
+    assert {m.threads for m in plan_modes(slowdown=(1.0, 2.5), gpus=0)[0]} == {3}
 
 
 def test_every_emulated_worker_gets_the_same_share_of_the_cores(monkeypatch):
