@@ -8,6 +8,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp  # before the group, as fdl.init does (see test_averaging)
 from common import build_model, build_optimizer, make_data, train_step
 from torch.nn.parallel import DistributedDataParallel
 
