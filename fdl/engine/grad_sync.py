@@ -4,17 +4,17 @@ fdl.Trainer calls the model through DDP, whose hooks all-reduce gradient buckets
 backward. A loop script calls its own model, so there is no DDP forward to hook. Instead fdl
 does what DDP's reducer does, through public autograd API: the parameters are laid out, in
 reverse order (about the order backward finishes them), in buckets of flat buffers (the first
-:data:`FIRST_BUCKET_BYTES`, then :data:`BUCKET_BYTES` each, DDP's sizes). Each parameter's post-
-accumulate-grad hook copies its gradient into its bucket, divided by the ranks with data in the
-same pass; a bucket whose gradients are all there has its all-reduce started (asynchronously, in
-bucket order on every rank), so it runs while backward still computes the earlier layers. When
-the backward has finished every gradient, the last hook waits for the all-reduces and points
-each gradient at its reduced part of the bucket (a view, as DDP's ``gradient_as_bucket_view``:
-no copy back, no second copy of the gradients). DDP's arithmetic, once per optimizer step (an
-accumulating loop reduces after the k-th batch, as DDP under ``no_sync``), and before the
-script's code after ``backward()`` runs, so clipping and an fp16 GradScaler's inf check see the
-mean on every rank, as under DDP (the scalers, starting alike and seeing the same gradients,
-stay alike).
+:data:`FIRST_BUCKET_BYTES`, then :data:`BUCKET_BYTES` each, DDP's sizes). Each parameter's
+post-accumulate-grad hook copies its gradient into its bucket, divided by the ranks with data in
+the same pass; a bucket whose gradients are all there has its all-reduce started
+(asynchronously, in bucket order on every rank), so it runs while backward still computes the
+earlier layers. When the backward has finished every gradient, the last hook waits for the
+all-reduces and points each gradient at its reduced part of the bucket (a view, as DDP's
+``gradient_as_bucket_view``: no copy back, no second copy of the gradients). DDP's arithmetic,
+once per optimizer step (an accumulating loop reduces after the k-th batch, as DDP under
+``no_sync``), and before the script's code after ``backward()`` runs, so clipping and an fp16
+GradScaler's inf check see the mean on every rank, as under DDP (the scalers, starting alike and
+seeing the same gradients, stay alike).
 
 The engine arms the sync before it hands out a step's last batch (:meth:`GradSync.arm`). A
 parameter that gets no gradient in that backward keeps its bucket from starting: then the
