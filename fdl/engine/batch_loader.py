@@ -41,7 +41,6 @@ below the loader every way of taking batches waited 0.25-0.42 ms a batch.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -246,8 +245,9 @@ class BatchLoader:
         line on stderr. Between passes the wait stays unbounded: two threads must never take
         from the DataLoader's one iterator."""
         if self._pass is not None and not self._pass.stop(wait_s=wait_s):
-            print(f"fdl: a DataLoader worker has not answered for {wait_s:g} s; the run ends "
-                  "without the batch it is making (is the dataset's __getitem__ stuck?)",
-                  file=sys.stderr, flush=True)
+            from fdl import console
+
+            console.warn(f"a DataLoader worker has not answered for {wait_s:g} s; the run ends "
+                         "without the batch it is making (is the dataset's __getitem__ stuck?)")
         self._pass = None
         self._loader = self._ahead = None
