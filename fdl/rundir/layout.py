@@ -229,6 +229,9 @@ def join_or_prepare_run_dir(run_dir: Path, *, spec: dict[str, Any], fdl_version:
 # launcher that died and is taken over.
 OVERWRITING = ".fdl-overwriting"
 CLAIM_STALE_S = 300.0
+# A claim is made, then its run id written into it: an empty one is read again for this long
+# before it counts as another run's (read at once, it once failed a node starting beside another).
+CLAIM_WRITE_S = 2.0
 
 
 def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
@@ -241,6 +244,10 @@ def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
                              | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             theirs = _claim_of(marker)
+            deadline = time.monotonic() + CLAIM_WRITE_S
+            while theirs == "" and time.monotonic() < deadline:  # made, its id still to come
+                time.sleep(0.01)
+                theirs = _claim_of(marker)
             if theirs is None:  # gone meanwhile, stale, or not a claim (a link, a FIFO)
                 with suppress(OSError):  # the entry itself, never a link's target
                     marker.unlink()

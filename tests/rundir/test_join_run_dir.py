@@ -216,3 +216,20 @@ def test_on_resume_the_node_that_made_a_shared_directory_rewrites_its_config(tmp
         assert (run_dir / "config.json").read_bytes() == before
     else:
         assert (written["args"], written["network"]["local_addr"]) == (["--x", "2"], resumed[0])
+
+
+def test_a_claim_read_before_its_run_id_is_written_is_read_again(tmp_path, monkeypatch):
+    """A node made the claim a moment ago and has not written its run id into it yet: the
+    node beside it reads it again (and joins, the run being the same), where an empty claim
+    read once counted as another run's (the overwrite race above failed that way once)."""
+    run_dir = trained_run(tmp_path / "run")
+    marker = run_dir / layout.OVERWRITING
+    marker.write_text("")
+    sleep = time.sleep
+
+    def the_id_lands(seconds: float) -> None:  # while the reader waits, the maker writes
+        marker.write_text(layout._run_id(spec()))
+        sleep(seconds)
+
+    monkeypatch.setattr(layout.time, "sleep", the_id_lands)
+    assert layout._claim_overwrite(run_dir, spec()) is False
