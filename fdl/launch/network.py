@@ -144,8 +144,7 @@ def node_identity() -> str | None:
             parts.append("")
     if not any(parts):
         return None
-    # fdl's own hash of the machine id, as systemd asks of applications: never the id itself
-    return hashlib.sha256("\0".join(["fdl node", *parts]).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def hostname_on_loopback() -> bool:
