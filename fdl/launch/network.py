@@ -35,7 +35,6 @@ every node has started.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,7 +71,6 @@ class NodeNetwork:
     # several nodes: this host's name resolves to loopback (torch left alone would advertise it)
     hostname_on_loopback: bool = False
     link_mbit: int | None = None  # the interface's rated speed (None: unknown), fdl report's
-    node_id: str | None = None  # this machine and network stack (node_identity), None: unknown
 
     def to_dict(self) -> dict[str, object]:
         return {"several_nodes": self.several_nodes, "family": self.family,
@@ -80,8 +78,7 @@ class NodeNetwork:
                 "hosts_rendezvous": self.hosts_rendezvous, "local_addr": self.local_addr,
                 "interface": self.interface, "env": dict(self.env),
                 "user_set": list(self.user_set),
-                "hostname_on_loopback": self.hostname_on_loopback, "link_mbit": self.link_mbit,
-                "node_id": self.node_id}
+                "hostname_on_loopback": self.hostname_on_loopback, "link_mbit": self.link_mbit}
 
 
 def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
@@ -124,27 +121,7 @@ def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
     exported[NODE_ADDR_ENV] = local  # the survivors of a lost node name it by this address
     return NodeNetwork(_family(family), endpoint_address, hosts, local, interface, exported,
                        user_set, hostname_on_loopback=hostname_on_loopback(),
-                       link_mbit=interface_speed_mbit(interface) if interface else None,
-                       node_id=node_identity())
-
-
-def node_identity() -> str | None:
-    """This node as an address cannot name it: its machine (``/etc/machine-id``) and its network
-    stack (the network namespace's inode: nodes sharing a machine in namespaces or containers
-    differ there), hashed. It outlives an address change (DHCP after a reboot), so a resumed
-    node still knows the shared run directory it made. None where neither can be read."""
-    import hashlib
-
-    parts = []
-    for read in (lambda: Path("/etc/machine-id").read_text().strip(),
-                 lambda: str(os.stat("/proc/self/ns/net").st_ino)):
-        try:
-            parts.append(read())
-        except (OSError, ValueError):  # absent, unreadable, not text
-            parts.append("")
-    if not any(parts):
-        return None
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+                       link_mbit=interface_speed_mbit(interface) if interface else None)
 
 
 def hostname_on_loopback() -> bool:

@@ -151,9 +151,8 @@ def joinable(run_dir: Path, *, spec: dict[str, Any], fdl_version: str) -> bool:
 
 def _made_by_another_node(run_dir: Path, spec: dict[str, Any]) -> bool:
     """Whether the config.json of the run being resumed is another node's: a shared directory
-    that node made (its network section names its own address, and its node id when it has one:
-    fdl.launch.network.node_identity, the same after an address change). That node rewrites it
-    on resume; this one joins, as it did when the run began, so one config stays, the maker's,
+    that node made (its network section names its own address). That node rewrites it on
+    resume; this one joins, as it did when the run began, so one config stays, the maker's,
     whichever node starts first. Unreadable or missing: this node writes it (the resume's own
     checks have read it already)."""
     try:
@@ -161,12 +160,8 @@ def _made_by_another_node(run_dir: Path, spec: dict[str, Any]) -> bool:
     except (OSError, UsageError):
         return False
     theirs, mine = document.get("network"), spec.get("network")
-    if not (isinstance(theirs, dict) and isinstance(mine, dict)):
-        return False
-    if theirs.get("local_addr") == mine.get("local_addr"):
-        return False
-    node = mine.get("node_id")  # the maker, its address changed since (DHCP): not another node
-    return not (isinstance(node, str) and node and theirs.get("node_id") == node)
+    return isinstance(theirs, dict) and isinstance(mine, dict) and \
+        theirs.get("local_addr") != mine.get("local_addr")
 
 
 def _workers_wrote(run_dir: Path) -> bool:

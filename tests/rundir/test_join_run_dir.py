@@ -189,35 +189,6 @@ def test_overwriting_an_empty_directory_on_several_nodes_makes_the_run(tmp_path)
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "logs"]
 
 
-def node(address: str, node_id: str | None) -> dict:
-    network = {"several_nodes": True, "local_addr": address}
-    return {"network": network if node_id is None else {**network, "node_id": node_id}}
-
-
-@pytest.mark.parametrize(("made", "resumed", "joins"), [
-    (("198.18.0.1", "a1"), ("198.18.0.1", "a1"), False),  # the maker, as it was
-    (("198.18.0.1", "a1"), ("198.18.0.7", "a1"), False),  # the maker, its address changed (DHCP)
-    (("198.18.0.1", "a1"), ("198.18.0.2", "b2"), True),  # the other node
-    (("198.18.0.1", None), ("198.18.0.2", "b2"), True),  # a config from before node ids
-    (("198.18.0.1", "a1"), ("198.18.0.2", None), True),  # a node that cannot name itself
-])
-def test_on_resume_the_node_that_made_a_shared_directory_rewrites_its_config(tmp_path, made,
-                                                                              resumed, joins):
-    """Only the maker rewrites config.json on --resume; the maker is known by its address or,
-    when that changed since, by its node id (machine and network stack)."""
-    run_dir = tmp_path / "run"
-    layout.prepare_run_dir(run_dir, spec=spec(**node(*made)), fdl_version=VERSION)
-    before = (run_dir / "config.json").read_bytes()
-    mine = spec(**node(*resumed), args=["--x", "2"])  # the resume's settings differ
-    assert layout.join_or_prepare_run_dir(run_dir, spec=mine, fdl_version=VERSION,
-                                          use="resume") is joins
-    written = json.loads((run_dir / "config.json").read_text())
-    if joins:
-        assert (run_dir / "config.json").read_bytes() == before
-    else:
-        assert (written["args"], written["network"]["local_addr"]) == (["--x", "2"], resumed[0])
-
-
 def test_a_claim_read_before_its_run_id_is_written_is_read_again(tmp_path, monkeypatch):
     """A node made the claim a moment ago and has not written its run id into it yet: the
     node beside it reads it again (and joins, the run being the same), where an empty claim
