@@ -243,6 +243,8 @@ def _claim_overwrite(run_dir: Path, spec: dict[str, Any]) -> bool:
             while theirs == "" and time.monotonic() < deadline:  # made, its id still to come
                 time.sleep(0.01)
                 theirs = _claim_of(marker)
+                if theirs is None:  # its maker has replaced the run meanwhile: join that
+                    return False
             if theirs is None:  # gone meanwhile, stale, or not a claim (a link, a FIFO)
                 with suppress(OSError):  # the entry itself, never a link's target
                     marker.unlink()

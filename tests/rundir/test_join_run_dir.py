@@ -204,3 +204,20 @@ def test_a_claim_read_before_its_run_id_is_written_is_read_again(tmp_path, monke
 
     monkeypatch.setattr(layout.time, "sleep", the_id_lands)
     assert layout._claim_overwrite(run_dir, spec()) is False
+
+
+def test_a_claim_seen_half_made_and_then_gone_is_joined_not_taken_over(tmp_path, monkeypatch):
+    """The maker replaced the run and removed its claim while this node waited for the claim's
+    run id: this node joins the run just made instead of replacing it again."""
+    run_dir = trained_run(tmp_path / "run")
+    marker = run_dir / layout.OVERWRITING
+    marker.write_text("")
+    sleep = time.sleep
+
+    def the_maker_finishes(seconds: float) -> None:
+        marker.unlink(missing_ok=True)
+        sleep(seconds)
+
+    monkeypatch.setattr(layout.time, "sleep", the_maker_finishes)
+    assert layout._claim_overwrite(run_dir, spec()) is False
+    assert not marker.exists()  # no claim of its own made
