@@ -34,11 +34,12 @@ from fdl.engine.peers import (
     posted_cause,
 )
 
-__all__ = ["PeerGone", "liveness", "store_clone", "wait_alive", "wait_for"]
+__all__ = ["PeerGone", "liveness", "stop_ticking", "store_clone", "wait_alive", "wait_for"]
 
 BEAT_S = 2.0  # between a rank's ticks (each a store round trip, from a thread)
 SILENT_S = 15.0  # a rank whose counter has not moved for this long is gone (7 beats)
 SLICE_S = 1.0  # a wait's slice, between looks at the counters
+STOP_WAIT_S = 5.0  # a run's end waits this long for a tick in flight (a store round trip)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Liveness:
     key: str
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank: (count, since)
     stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
     def start(self) -> Liveness:
         beats = self.store.clone()
@@ -63,8 +65,19 @@ class Liveness:
                     return
 
         beats.add(f"{self.key}{self.rank}", 1)  # on the clone: the caller's store is left alone
-        threading.Thread(target=tick, name="fdl-liveness", daemon=True).start()
+        self.thread = threading.Thread(target=tick, name="fdl-liveness", daemon=True)
+        self.thread.start()
         return self
+
+    def close(self, wait_s: float = STOP_WAIT_S) -> bool:
+        """Stop ticking and wait (at most ``wait_s``) for a tick in flight; whether the thread
+        is gone. A daemon thread still inside a store call when the interpreter shuts down
+        aborts the process as it returns from it (pybind11 cannot unwind the thread: SIGABRT,
+        "terminate called without an active exception"), after the run had finished well."""
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(wait_s)
+        return self.thread is None or not self.thread.is_alive()
 
     def silent(self, reader: Any, *, now: float | None = None) -> int | None:
         """A rank whose counter has not moved for :data:`SILENT_S` (None: all tick), read
@@ -96,6 +109,14 @@ def liveness(store: Any) -> Liveness:
         current = _CURRENT[key] = Liveness(store, int(os.environ.get("RANK", "0")),
                                            int(os.environ.get("WORLD_SIZE", "1")), key).start()
     return current
+
+
+def stop_ticking(wait_s: float = STOP_WAIT_S) -> bool:
+    """Stop this process's ticking threads (a run's end, a worker's exit); whether all are
+    gone within ``wait_s``. A later :func:`liveness` starts a new one."""
+    stopped = [current.close(wait_s) for current in _CURRENT.values()]
+    _CURRENT.clear()
+    return all(stopped)
 
 
 def wait_for(store: Any, key: str, *, alive: Liveness, waiting_for: str) -> None:

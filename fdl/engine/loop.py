@@ -66,7 +66,7 @@ from fdl.engine.epochs import EpochLog
 from fdl.engine.grad_sync import GradSync
 from fdl.engine.h2d import DeviceCopies
 from fdl.engine.heap import frozen_heap
-from fdl.engine.liveness import liveness
+from fdl.engine.liveness import liveness, stop_ticking
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
 from fdl.engine.peers import keep_store
@@ -656,6 +656,7 @@ class Run:
         if self._sampler is not None:
             self._sampler.stop()
             self._sampler = None
+        stop_ticking()  # no thread of fdl's left inside a store call at the interpreter's exit
         leave_group(self.group)
 
     def abandon(self) -> None:

@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+import fdl.engine.liveness as liveness_module
 from fdl.engine.liveness import SILENT_S, Liveness, PeerGone, wait_alive, wait_for
 
 
@@ -38,3 +39,16 @@ def test_a_wait_ends_when_the_key_is_set_or_a_peer_is_gone(store, monkeypatch):
     monkeypatch.setattr(Liveness, "silent", lambda self, reader, now=None: 1)  # rank 1 silent
     with pytest.raises(PeerGone, match=r"rank 1 stopped answering .* waited for the report"):
         wait_alive(threading.Event(), store, alive=alive, waiting_for="the report")
+
+
+def test_stopping_waits_for_the_ticking_thread_and_a_new_run_ticks_again(store, monkeypatch):
+    """A run's end stops its ticking thread and waits for it (a thread left inside a store
+    call aborts the worker at the interpreter's exit: tests/engine/test_loop.py)."""
+    monkeypatch.setattr(liveness_module, "BEAT_S", 0.001)  # a tick nearly always in flight
+    first = liveness_module.liveness(store)
+    assert first.thread is not None and first.thread.is_alive()
+    assert liveness_module.stop_ticking() is True
+    assert not first.thread.is_alive()
+    second = liveness_module.liveness(store)  # fdl.init again in the same process
+    assert second is not first and second.thread.is_alive()
+    assert liveness_module.stop_ticking() is True

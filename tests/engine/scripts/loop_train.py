@@ -3,11 +3,13 @@ LR on run.progress, an autocast region, run.log, run.state, run.evaluate. Settin
 fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what it saw).
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
-                     [--never-step]
+                     [--never-step] [--tick-every S]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
-a loop that forgets optimizer.step() (the engine must say so).
+a loop that forgets optimizer.step() (the engine must say so); ``--tick-every S``: the
+liveness thread ticks every S seconds instead of every 2 (a tick nearly always in flight when
+the worker exits).
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
 batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
@@ -18,12 +20,14 @@ import json
 import math
 import os
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
 from common import build_model, evaluate, make_data, native_threads
 
 import fdl
+import fdl.engine.liveness
 
 
 def flag(name, default):
@@ -44,6 +48,7 @@ class Counter:
 
 
 out, accumulate = sys.argv[1], flag("--accumulate", 1)
+fdl.engine.liveness.BEAT_S = flag("--tick-every", fdl.engine.liveness.BEAT_S)
 plain, never_step = "--plain" in sys.argv, "--never-step" in sys.argv
 run = fdl.init(seed=7)
 model = build_model("--batch-norm" in sys.argv).to(run.device)
@@ -96,5 +101,6 @@ torch.save(result.model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump({**seen, "steps": counter.steps, "metrics": result.metrics,
                "threads_after_finish": native_threads(),
+               "python_threads_after_finish": [t.name for t in threading.enumerate()],
                "history": result.history, "summary": result.summary,
                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}, handle)
