@@ -95,12 +95,14 @@ class EpochLog:
         elapsed, epoch_s = now - self.started - self.eval_s, now - self._epoch_started
         comm_ms = replica.totals.comm_ms[self._mark_syncs:]
         self._mark_syncs = len(replica.totals.comm_ms)
-        mine = self._mine(replica)
+        carried, replica.epoch_carried = replica.epoch_carried, False
+        mine = None if carried else self.figures(replica)
         self._epoch_started = now
 
         def finish() -> None:
             eval_before = self.eval_s
-            per_rank = self._exchange(mine, replica)
+            per_rank = self._carried(replica) if carried else \
+                self._exchange(mine, replica)  # type: ignore[arg-type]
             steps = sum(r.loss_steps for r in per_rank)
             self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
             self._evaluate(replica, state)
@@ -161,9 +163,11 @@ class EpochLog:
             self.tensorboard.close()
             self.tensorboard = None
 
-    def _mine(self, replica: Replica) -> RankFigures:
-        """This rank's figures for the epoch that just ended (samples, busy and averaging
-        time, the loss sums); the marks move to now."""
+    def figures(self, replica: Replica) -> RankFigures:
+        """This rank's figures for the epoch that is ending (samples, busy and averaging
+        time, the loss sums); the marks move to now. The round loop takes them as it packs the
+        epoch's last average, which carries every rank's (``Replica.epoch_figures``): its own
+        wait is then counted in the next epoch's, which no epoch record reads."""
         totals = replica.totals.figures()
         loss_sum, loss_steps = replica.rank_state.epoch_loss
         mine = replace(totals.minus(self._mark), loss_sum=loss_sum, loss_steps=loss_steps)
@@ -171,8 +175,17 @@ class EpochLog:
         replica.rank_state.epoch_loss = [0.0, 0]
         return mine
 
+    @staticmethod
+    def _carried(replica: Replica) -> list[RankFigures]:
+        """Every rank's figures for the epoch, as the epoch's last average brought them."""
+        rows, replica.epoch_rows = replica.epoch_rows, None
+        if rows is None:
+            raise AssertionError("the epoch's figures rode in an average that has not landed")
+        return rows
+
     def _exchange(self, mine: RankFigures, replica: Replica) -> list[RankFigures]:
-        """Every rank's figures for the epoch, in one collective."""
+        """Every rank's figures for the epoch, in one collective (no average carried them:
+        one rank alone)."""
         rows = exchange_rows(mine.to_row(), rank=replica.rank, world_size=self.world_size,
                              device=replica.device)
         return [RankFigures.from_row(row) for row in rows]

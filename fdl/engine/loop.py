@@ -492,6 +492,7 @@ class Run:
             base_lrs=[g["lr"] for g in optimizer.param_groups], dataset=data, config=config,
             timeline=Timeline(run_dir, rank=rank), averager=averager,
             on_epoch_end=self._epochs_log.epoch_end if self._epochs_log else _no_epoch_end,
+            epoch_figures=self._epochs_log.figures if self._epochs_log else None,
             slowdown=config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0,
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
             after_average=self._after_average, stream=stream, on_policy=self._chose,

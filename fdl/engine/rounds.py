@@ -66,6 +66,7 @@ from fdl.engine.policies import Policy, PolicyChoice
 from fdl.engine.round_messages import ElasticSignal, SharedPool
 from fdl.engine.speed import RunningMean, StepTimer
 from fdl.engine.state import (
+    FIGURE_FIELDS,
     NO_DISTANCE,
     REPORT_FIELDS,
     RankFigures,
@@ -78,7 +79,11 @@ from fdl.engine.steps import Logged, StepWatch
 from fdl.rundir.progress import ProgressFile
 from fdl.rundir.timeline import Timeline
 
-NUM_STATS = len(REPORT_FIELDS)
+# A rank's stats row in an average: its round's report, then, in the epoch's last average, its
+# figures for the epoch (zeros in the others): the epoch's end needs no collective of its own.
+NUM_REPORT = len(REPORT_FIELDS)
+NUM_STATS = NUM_REPORT + len(FIGURE_FIELDS)
+NO_FIGURES = [0.0] * len(FIGURE_FIELDS)
 SYNC_CLOCK_ROUNDS = 16  # under sync with max_time, the ranks compare clocks this often
 
 
@@ -133,6 +138,12 @@ class Replica:
     # An epoch ended: takes its figures and returns what needs the consensus (evaluation,
     # record), run at once after a blocking average or, under async, when the average lands.
     on_epoch_end: Callable[[int, Replica, PlanState], Callable[[], None]]
+    # This rank's figures for the epoch so far (fdl.engine.epochs), taken when the epoch's last
+    # average is packed: they ride in it, and the epoch's end reads every rank's from it.
+    epoch_figures: Callable[[Replica], RankFigures] | None = None
+    epoch_carried: bool = False  # the epoch now ending packed its figures into its average
+    figures_in_flight: bool = False  # the average in flight (or just landed) carries them
+    epoch_rows: list[RankFigures] | None = None  # every rank's, once that average landed
     checkpointer: CheckpointHook | None = None
     progress: ProgressFile | None = None  # rank 0's live progress, when fdl run shows it
     slowdown: float = 1.0
@@ -572,6 +583,7 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     rows = None
     if pending is not None:  # async: the average launched at the last boundary
         pending.wait()
+        rows = _landed_rows(replica, averager)
         rank_state.last_distance = averager.distance_from_average()
         averager.step_outer()
         if replica.epoch_in_flight is not None:  # it was an epoch's end: that is its consensus
@@ -581,24 +593,38 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
             replica.epoch_in_flight = None
             start += time.perf_counter() - begin  # the epoch's end (evaluation) is no average's
         averager.apply_delta()
-        rows = averager.stats()
-    averager.pack(weight=plan.weights()[replica.rank], stats=report.to_row(), keep_snapshot=True)
+    figures = replica.epoch_figures(replica) \
+        if plan.last_in_epoch and replica.epoch_figures is not None else None
+    averager.pack(weight=plan.weights()[replica.rank],
+                  stats=report.to_row() + (NO_FIGURES if figures is None else figures.to_row()),
+                  keep_snapshot=True)
+    replica.figures_in_flight = replica.epoch_carried = figures is not None
     if blocking:
         averager.all_reduce(async_op=False)
+        rows, pending = _landed_rows(replica, averager), None
         rank_state.last_distance = averager.distance_from_average()
         averager.step_outer()
         averager.load_average()
-        rows, pending = averager.stats(), None
     else:
         pending = averager.all_reduce(async_op=True)
     end = time.perf_counter()
     rank_state.after_sync((end - start) * 1000, blocking=blocking)
-    reports = None if rows is None else [RoundReport.from_row(row) for row in rows]
+    reports = None if rows is None else [RoundReport.from_row(row[:NUM_REPORT]) for row in rows]
     _record_sync(replica, plan, start, end, reports, blocking=blocking)
     if rows is not None:  # the replica's weights moved: an average landed
         for hook in replica.after_average:
             hook()
     return reports, pending
+
+
+def _landed_rows(replica: Replica, averager: Averager) -> list[list[float]]:
+    """Every rank's stats row of the average that just completed; when it carried an epoch's
+    figures, they are kept for the epoch's end (``replica.epoch_rows``)."""
+    rows = averager.stats()
+    if replica.figures_in_flight:
+        replica.epoch_rows = [RankFigures.from_row(row[NUM_REPORT:]) for row in rows]
+        replica.figures_in_flight = False
+    return rows
 
 
 def _chosen_policy(replica: Replica, state: PlanState, plan: RoundPlan) -> PlanState:

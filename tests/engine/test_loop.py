@@ -127,6 +127,19 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
     logged = [e for e in read_events(run_dir, 0) if e["kind"] == "scalars"]
     assert logged and all("loss" in e["values"] for e in logged)
     assert fast["history"][-1]["train_loss"] is not None
+    # every rank's figures for an epoch rode in its last average: no collective of its own,
+    # and the record adds up the ranks' steps and losses as the ranks' timelines have them
+    assert [r["epoch_exchanges"] for r in seen] == [0, 0]
+    rounds = [e for r in (0, 1) for e in read_events(run_dir, r) if e["kind"] == "round"]
+    losses = {(e["rank"], e["round"]): e["values"]["loss"] for r in (0, 1)
+              for e in read_events(run_dir, r) if e["kind"] == "scalars"}
+    for record in fast["history"]:
+        mine = [e for e in rounds if e["epoch"] == record["epoch"] - 1]
+        steps = sum(e["steps"] for e in mine)
+        expected = sum(losses[e["rank"], e["round"]] * e["steps"] for e in mine) / steps
+        assert record["train_loss"] == pytest.approx(expected, rel=1e-5)
+        assert sum(record["per_rank_samples_per_s"]) * record["epoch_s"] == \
+            pytest.approx(1024, rel=1e-4)  # each rank's samples: the epoch's, once
 
 
 def test_a_loop_s_own_state_is_checkpointed_and_back_on_resume(tmp_path):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from common import build_model, evaluate, make_data, native_threads
 
 import fdl
+import fdl.engine.epochs
 import fdl.engine.liveness
 
 
@@ -47,6 +48,10 @@ class Counter:
         self.steps = state["steps"]
 
 
+# a spy on the epoch end's own collective (fdl's epoch figures ride in the epoch's last average)
+exchanges = []
+_exchange_rows = fdl.engine.epochs.exchange_rows
+fdl.engine.epochs.exchange_rows = lambda *a, **k: exchanges.append(1) or _exchange_rows(*a, **k)
 out, accumulate = sys.argv[1], flag("--accumulate", 1)
 fdl.engine.liveness.BEAT_S = flag("--tick-every", fdl.engine.liveness.BEAT_S)
 plain, never_step = "--plain" in sys.argv, "--never-step" in sys.argv
@@ -102,5 +107,6 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump({**seen, "steps": counter.steps, "metrics": result.metrics,
                "threads_after_finish": native_threads(),
                "python_threads_after_finish": [t.name for t in threading.enumerate()],
+               "epoch_exchanges": len(exchanges),
                "history": result.history, "summary": result.summary,
                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}, handle)
