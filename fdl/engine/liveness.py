@@ -19,6 +19,7 @@ with its error.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -103,6 +104,9 @@ def liveness(store: Any) -> Liveness:
     attempt = group_attempt()
     key = f"fdl/alive/{attempt}/"
     current = _CURRENT.get(key)
+    if not _CURRENT and current is None:  # a script's exit without run.finish() (torchrun)
+        atexit.unregister(stop_ticking)
+        atexit.register(stop_ticking)  # atexit runs before the interpreter starts shutting down
     if current is None:  # one per attempt (a restarted group ticks under its own keys)
         for earlier in _CURRENT.values():
             earlier.stop.set()

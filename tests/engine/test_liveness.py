@@ -4,11 +4,14 @@ test kills a namespace node for real: tests/nodes)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from helpers import clean_env
 
 import fdl.engine.liveness as liveness_module
 from fdl.engine.liveness import SILENT_S, Liveness, PeerGone, wait_alive, wait_for
@@ -52,3 +55,24 @@ def test_stopping_waits_for_the_ticking_thread_and_a_new_run_ticks_again(store, 
     second = liveness_module.liveness(store)  # fdl.init again in the same process
     assert second is not first and second.thread.is_alive()
     assert liveness_module.stop_ticking() is True
+
+
+def test_a_process_that_exits_without_stopping_the_ticks_exits_cleanly(tmp_path):
+    """A script under torchrun that leaves without run.finish(): the ticking thread is stopped
+    at exit (atexit), not left inside a store call as the interpreter shuts down (SIGABRT)."""
+    script = tmp_path / "ticks.py"
+    script.write_text(
+        "from datetime import timedelta\n"
+        "import threading\n"
+        "import torch.distributed as dist\n"
+        "import fdl.engine.liveness as liveness\n"
+        "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=timedelta(seconds=30))\n"
+        "liveness.BEAT_S = 0.0\n"
+        "ticking = liveness.liveness(store)\n"
+        "seen = threading.Event()\n"
+        "while store.add(f'{ticking.key}0', 0) < 50:\n"
+        "    seen.wait(0.001)\n")
+    for _ in range(3):  # without the stop at exit, every run aborted (20 of 20)
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=60, env=clean_env())
+        assert proc.returncode == 0, proc.stderr[-2000:]
