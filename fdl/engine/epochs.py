@@ -95,14 +95,14 @@ class EpochLog:
         elapsed, epoch_s = now - self.started - self.eval_s, now - self._epoch_started
         comm_ms = replica.totals.comm_ms[self._mark_syncs:]
         self._mark_syncs = len(replica.totals.comm_ms)
-        carried, replica.epoch_carried = replica.epoch_carried, False
-        mine = None if carried else self.figures(replica)
+        # with an averager, the epoch's last average carried every rank's figures (every
+        # policy averages at an epoch's end: fdl.engine.rounds.average); a rank alone sums its own
+        mine = None if replica.averager is not None else self.figures(replica)
         self._epoch_started = now
 
         def finish() -> None:
             eval_before = self.eval_s
-            per_rank = self._carried(replica) if carried else \
-                self._exchange(mine, replica)  # type: ignore[arg-type]
+            per_rank = self._carried(replica) if mine is None else self._exchange(mine, replica)
             steps = sum(r.loss_steps for r in per_rank)
             self.last_loss = sum(r.loss_sum for r in per_rank) / steps if steps else None
             self._evaluate(replica, state)

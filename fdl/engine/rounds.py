@@ -141,7 +141,6 @@ class Replica:
     # This rank's figures for the epoch so far (fdl.engine.epochs), taken when the epoch's last
     # average is packed: they ride in it, and the epoch's end reads every rank's from it.
     epoch_figures: Callable[[Replica], RankFigures] | None = None
-    epoch_carried: bool = False  # the epoch now ending packed its figures into its average
     figures_in_flight: bool = False  # the average in flight (or just landed) carries them
     epoch_rows: list[RankFigures] | None = None  # every rank's, once that average landed
     checkpointer: CheckpointHook | None = None
@@ -598,7 +597,7 @@ def average(replica: Replica, plan: RoundPlan, report: RoundReport, pending: Any
     averager.pack(weight=plan.weights()[replica.rank],
                   stats=report.to_row() + (NO_FIGURES if figures is None else figures.to_row()),
                   keep_snapshot=True)
-    replica.figures_in_flight = replica.epoch_carried = figures is not None
+    replica.figures_in_flight = figures is not None
     if blocking:
         averager.all_reduce(async_op=False)
         rows, pending = _landed_rows(replica, averager), None
