@@ -104,7 +104,7 @@ def liveness(store: Any) -> Liveness:
     attempt = group_attempt()
     key = f"fdl/alive/{attempt}/"
     current = _CURRENT.get(key)
-    if not _CURRENT and current is None:  # a script's exit without run.finish() (torchrun)
+    if not _CURRENT and current is None:  # any exit: finished, failed, without run.finish()
         atexit.unregister(stop_ticking)
         atexit.register(stop_ticking)  # atexit runs before the interpreter starts shutting down
     if current is None:  # one per attempt (a restarted group ticks under its own keys)
@@ -116,7 +116,7 @@ def liveness(store: Any) -> Liveness:
 
 
 def stop_ticking(wait_s: float = STOP_WAIT_S) -> bool:
-    """Stop this process's ticking threads (a run's end, a worker's exit); whether all are
+    """Stop this process's ticking threads (a run's end, the process's exit); whether all are
     gone within ``wait_s``. A later :func:`liveness` starts a new one."""
     stopped = [current.close(wait_s) for current in _CURRENT.values()]
     _CURRENT.clear()

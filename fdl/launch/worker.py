@@ -63,28 +63,17 @@ def main(argv: list[str]) -> None:
     try:
         _run(argv)
     except SystemExit as exc:
-        _stop_ticking()
         if exc.code in (None, 0):
             exc.__traceback__ = None  # its frames hold the script's globals: free them first
             freeze_for_exit()
         raise
     except Exception as exc:
         _tell_peers(exc)
-        _stop_ticking()
         _exit_on_fdl_error(exc)
         _exit_on_lost_peer(exc, argv)
         _record_crash(exc, argv)
         raise
     freeze_for_exit()
-
-
-def _stop_ticking() -> None:
-    """Stop the engine's liveness thread, if it ticks (a script that failed, or never called
-    ``run.finish()``): a daemon thread inside a store call when the interpreter shuts down
-    aborts the worker with SIGABRT (fdl.engine.liveness)."""
-    liveness = sys.modules.get("fdl.engine.liveness")
-    if liveness is not None:
-        liveness.stop_ticking()
 
 
 def freeze_for_exit() -> None:
@@ -94,7 +83,6 @@ def freeze_for_exit() -> None:
     generation (``gc.freeze``). The interpreter's teardown still runs the ``atexit`` handlers
     and frees what is left by reference count; what it skips is walking torch's import-time
     objects in its full collections."""
-    _stop_ticking()
     gc.collect()
     gc.freeze()
 
