@@ -30,9 +30,9 @@ When: only under the slowdown emulation (``--simulate-slowdown`` with a factor o
 which must sleep on compute alone. The hook's Python callbacks cost about 5% of a step on gloo
 (fdl sync / torch DDP on 2 equal CPU workers, bench-elche's MLP at 16384 samples x 3 epochs,
 three interleaved A/B runs on 2026-11-26: 0.951, 0.951, 1.022 with it; 0.999, 0.999, 1.042
-without; then the hook divided with ``div_``, not measured since it multiplies), so otherwise DDP keeps its own C++ all-reduce and the all-reduce stays inside the
-step's time, as a plain DDP script measures it (``fdl report`` then shows no sync time for a
-sync run).
+without; then the hook divided with ``div_``, not measured since it multiplies), so otherwise
+DDP keeps its own C++ all-reduce and the all-reduce stays inside the step's time, as a plain
+DDP script measures it (``fdl report`` then shows no sync time for a sync run).
 
 Division: DDP's own (hook-less) all-reduce divides by the ranks that still have data when some
 rank has run out of it in a round (``join(divide_by_initial_world_size=False)``: an epoch's
