@@ -11,13 +11,24 @@
 Subprocesses get the same scrubbed environment from ``helpers.clean_env``.
 
 ``--deselect-gpu REASON`` (scripts/test passes it when torch sees no CUDA GPU) deselects the
-tests marked ``gpu`` and prints one line with how many and why; without it they skip."""
+tests marked ``gpu`` and prints one line with how many and why; without it they skip.
+
+On pytest-xdist's workers (scripts/test runs two test files at a time) a test marked ``alone``
+runs with no other test beside it: it reads how fast real workers ran (emulated slowdowns,
+the plan's shares, a schedule's last step), which another test's processes on the same cores
+would change. Each test takes a lock file that the whole run shares, ``alone`` ones
+exclusively, the others shared; a turnstile before it keeps a waiting ``alone`` test from
+being passed by the next ones."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
@@ -37,6 +48,7 @@ if TYPE_CHECKING:
 
 
 _GPU_DESELECTED = pytest.StashKey[int]()
+_GPU_DESELECTED_BY_WORKERS = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,15 +66,72 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
         config.hook.pytest_deselected(items=gpu)
     config.stash[_GPU_DESELECTED] = len(gpu)
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller says it
+        config.workeroutput["gpu_deselected"] = len(gpu)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
-    reason = config.getoption("--deselect-gpu")
-    if reason is None:
-        return []
-    count = config.stash.get(_GPU_DESELECTED, 0)
-    return [f"==> pytest: {count} gpu test{'' if count == 1 else 's'} deselected: {reason} "
-            "(scripts/test-gpu runs them)"]
+    if config.getoption("--deselect-gpu") is None or _GPU_DESELECTED not in config.stash:
+        return []  # under pytest-xdist the workers collect: the summary says it (below)
+    return [_gpu_line(config, config.stash[_GPU_DESELECTED])]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest has none
+def pytest_testnodedown(node, error) -> None:
+    count = getattr(node, "workeroutput", {}).get("gpu_deselected")
+    if count is not None:  # every worker collects every test: any one's count is the count
+        node.config.stash[_GPU_DESELECTED_BY_WORKERS] = count
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    count = config.stash.get(_GPU_DESELECTED_BY_WORKERS, None)
+    if count is not None and config.getoption("--deselect-gpu") is not None:
+        terminalreporter.write_line(_gpu_line(config, count))
+
+
+def _gpu_line(config: pytest.Config, count: int) -> str:
+    return (f"==> pytest: {count} gpu test{'' if count == 1 else 's'} deselected: "
+            f"{config.getoption('--deselect-gpu')} (scripts/test-gpu runs them)")
+
+
+_ALONE_LOCKS = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller, as it starts each worker
+def pytest_configure_node(node) -> None:
+    if _ALONE_LOCKS not in node.config.stash:
+        node.config.stash[_ALONE_LOCKS] = tempfile.mkdtemp(prefix="fdl-tests-")
+    node.workerinput["alone_locks"] = node.config.stash[_ALONE_LOCKS]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _ALONE_LOCKS in config.stash:  # the controller, once every worker is done
+        shutil.rmtree(config.stash[_ALONE_LOCKS], ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """The test's turn, around its setup (module fixtures included), call and teardown."""
+    folder = getattr(item.config, "workerinput", {}).get("alone_locks")
+    if folder is None:  # one process runs every test: nothing runs beside any
+        return (yield)
+    with alone_turn(folder, alone=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+@contextlib.contextmanager
+def alone_turn(folder: str, *, alone: bool) -> Iterator[None]:
+    with open(os.path.join(folder, "turnstile"), "a") as turnstile, \
+            open(os.path.join(folder, "tests"), "a") as tests:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(tests, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -39,3 +39,22 @@ def test_deselect_gpu_says_how_many_and_why():
            "(scripts/test-gpu runs them)" in proc.stdout.splitlines()
     assert "test_gpu.py::" not in proc.stdout and "test_simulator.py::" in proc.stdout
     assert f"({every} deselected)" in proc.stdout
+
+
+
+def test_the_suite_in_parallel_says_what_it_deselected_and_runs_alone_tests_alone():
+    """scripts/test runs the suite on pytest-xdist's workers, which collect in their own
+    processes: the controller still says how many gpu tests were deselected, and why; and a test
+    marked ``alone`` holds the run's lock by itself while any other shares it
+    (tests/fixtures/alone_probe.py)."""
+    every = collect("tests/engine/test_gpu.py").stdout.count("::test_")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-n", "2", "--deselect-gpu", "torch 9.9.9+cpu sees no CUDA GPU",
+                           "tests/engine/test_gpu.py", "tests/fixtures/alone_probe.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S,
+                          env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert every > 0
+    assert f"==> pytest: {every} gpu tests deselected: torch 9.9.9+cpu sees no CUDA GPU " \
+           "(scripts/test-gpu runs them)" in proc.stdout.splitlines(), proc.stdout
+    assert "2 passed" in proc.stdout, proc.stdout  # the probe's two tests

@@ -17,6 +17,10 @@ from helpers import clean_env, run_fdl, wait_until
 
 from fdl.bench.sweep import Cell, CellFailed, run_cell
 
+# the sweep's cells measure the workers' speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
+
 RECORD_FIELDS = {
     "model", "dataset", "mode", "policy", "backend", "seed", "world_size", "slowdown", "metric",
     "higher_is_better", "eval", "reference", "reference_source", "wall_s", "samples",

@@ -26,6 +26,10 @@ from fdl.rundir.report import run_report
 from fdl.rundir.timeline import read_events
 from fdl.rundir.timeline_merge import merge_timeline
 
+# the plan's shares and the policies' rounds follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
+
 SCRIPTS = Path(__file__).parent / "scripts"
 EXAMPLES = Path(__file__).parents[2] / "examples"
 TORCHRUN = Path(sys.executable).parent / "torchrun"

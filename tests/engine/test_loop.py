@@ -20,6 +20,10 @@ from helpers import clean_env, run_fdl
 from fdl.rundir.checkpoints import latest_checkpoint
 from fdl.rundir.timeline import read_events
 
+# the plan's shares, round ends and run.progress follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 

@@ -30,6 +30,10 @@ from fdl.engine.policies import (
 )
 from fdl.rundir.timeline import read_events
 
+# auto chooses from the workers' measured speed and averaging cost:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
+
 SCRIPT = Path(__file__).parent / "scripts" / "auto_policy.py"
 
 

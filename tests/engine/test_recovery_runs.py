@@ -19,11 +19,16 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from helpers import clean_env, run_fdl, started, wait_until
 from trace_checks import check_against, check_format, load_strict
 
 from fdl.rundir.timeline import read_events
+
+# a schedule's last step and the elastic rounds follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FLAGS = ("--nproc-per-node", "2", "--checkpoint-every", "1", "--max-restarts", "1",

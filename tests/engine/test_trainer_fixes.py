@@ -14,6 +14,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import clean_env, run_fdl, started
 
@@ -34,6 +35,10 @@ from fdl.rundir.timeline import read_events
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from common import build_model, build_optimizer, make_data, train_step  # noqa: E402
+
+# the plan's shares and timed checkpoints follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
 
 
 def fdl_run(tmp_path: Path, script: str, *args: str, flags: tuple[str, ...] = (),

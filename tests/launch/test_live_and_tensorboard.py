@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 from helpers import GUARD_S, clean_env, end_process_tree, run_fdl, wait_until
 
+# the live figures are the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
+
 SCRIPT = Path(__file__).parent / "scripts" / "watched_train.py"
 STATUS = "samples/s  loss"  # the live display's second line; the epoch lines have one space
 
