@@ -41,7 +41,6 @@ def test_deselect_gpu_says_how_many_and_why():
     assert f"({every} deselected)" in proc.stdout
 
 
-
 def test_the_suite_in_parallel_says_what_it_deselected_and_runs_alone_tests_alone():
     """scripts/test runs the suite on pytest-xdist's workers, which collect in their own
     processes: the controller still says how many gpu tests were deselected, and why; and a test
