@@ -28,6 +28,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -142,6 +143,18 @@ def no_launcher_variables(monkeypatch):
     in-process Trainer or resolver does. A test that wants one sets it with monkeypatch."""
     for name in [name for name in os.environ if is_launcher_variable(name)]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def no_liveness_left() -> Iterator[None]:
+    """Stop the liveness thread a test started in this process (``ElasticSignal``,
+    ``SharedPool``: fdl.engine.liveness) with the test: left ticking on the test's store, it
+    hit the store once the test had closed it, c10d printed a warning and a stack into a later
+    test's output, and the thread lived on until then."""
+    yield
+    module = sys.modules.get("fdl.engine.liveness")
+    if module is not None:
+        module.stop_ticking()
 
 
 @pytest.fixture
