@@ -1,6 +1,7 @@
 """Shared fixtures.
 
-* every test starts without fdl's, torchelastic's and torchrun's variables (autouse);
+* every test starts without fdl's, torchelastic's and torchrun's variables (autouse), and a
+  liveness thread it started in this process stops with it (autouse);
 * ``flodl_home``: an empty FLODL_HOME in tmp_path, ``store``: the libtorch store in it;
 * ``http_server``: a real HTTP server on 127.0.0.1 (port 0) that can be told to misbehave
   (statuses, cut connections, delays, pauses until released, redirects), for download tests.
