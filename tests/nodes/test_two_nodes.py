@@ -183,12 +183,8 @@ def test_a_killed_node_stops_its_peer_naming_it(tmp_path, policy):
                                if t.is_dir() for p in t.glob("rank*.jsonl")),
                    "both nodes training", proc=procs[0], timeout=DEADLINE_S)
         end_process_tree(procs[1])  # node 1 is gone, its workers with its launcher
-        try:
-            out, _ = procs[0].communicate(timeout=STOP_S)
-        except subprocess.TimeoutExpired:
-            end_process_tree(procs[0])
-            pytest.fail(f"node 0 still running {STOP_S} s after node 1 was killed; it said:\n"
-                        + procs[0].communicate()[0][-3000:])
+        # node 0 still running STOP_S later is stopped (a negative code) and its output shown
+        [out] = wait_all([procs[0]], time.monotonic() + STOP_S)
     assert procs[0].returncode == 1, out[-3000:]
     assert "error: the run lost a peer: " in out, out[-3000:]
     assert "rank 1 (node 1, " in out and f", {node1.address})" in out, out[-3000:]
