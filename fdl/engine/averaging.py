@@ -312,20 +312,25 @@ class Averager:
         replica's tensors, which a blocking average has not overwritten yet. Call after the
         reduction completed (and, without a snapshot, before :meth:`load_average`)."""
         average = self.flat[:self.numel]
-        norm = float(average.norm())
+        norm = float(torch.linalg.vector_norm(average))
         if norm == 0:
             return 0.0
         # A NaN or infinite average (a replica blew up) reads as NaN: divergence, not calm.
         if self.snapshot is not None:
-            return float((self.snapshot - average).norm()) / norm
-        squares, offset = 0.0, 0
+            return float(torch.dist(self.snapshot, average)) / norm
+        # one norm kernel per tensor, summed where the tensors live and read once per device:
+        # a float() per tensor waited for the device at every tensor (a CUDA replica's dozens
+        # of parameters), and subtracting then squaring wrote two full-size temporaries
+        squares: dict[torch.device, torch.Tensor] = {}
+        offset = 0
         for tensor, residual in zip(self.tensors, self.residuals, strict=True):
             count = tensor.numel()
             exact = tensor if residual is None else tensor.float() + residual
             part = average[offset:offset + count].to(tensor.device)
-            squares += float((exact.reshape(-1).to(part.dtype) - part).square().sum())
+            square = torch.dist(exact.reshape(-1).to(part.dtype), part).square()
+            squares[part.device] = squares.get(part.device, 0) + square
             offset += count
-        return squares ** 0.5 / norm
+        return sum(float(total) for total in squares.values()) ** 0.5 / norm
 
     def memory_bytes(self) -> tuple[int, int]:
         """fdl's own memory for this replica, (on the model's device, in host memory): the
