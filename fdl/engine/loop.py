@@ -339,7 +339,11 @@ class Run:
         step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
         optimizer's step."""
         if self.replica is not None:
-            raise UsageError("run.batches(...) runs once per run")
+            raise UsageError(
+                "run.batches(...) runs once per run: this run's batches were already asked for",
+                hint="for phases (pretraining, then fine-tuning), loop over one run.batches(...) "
+                     "and switch on run.progress or the epoch; or train each phase as its own "
+                     "fdl run")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
         train = None if _streaming(data) else TrainData.of(data)

@@ -303,6 +303,26 @@ def test_an_evaluation_every_zero_steps_is_refused():
         run.evaluate([], lambda model, batch: {}, every=0)
 
 
+def test_a_second_run_batches_is_refused_with_what_to_do_instead(tmp_path, monkeypatch):
+    """Two phases as two loops over run.batches: one clear error, saying how to have them."""
+    import fdl
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    run = fdl.init()
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.zeros(4), 0)] * 16
+    for features, labels in run.batches(data, model=model, optimizer=optimizer, batch_size=8,
+                                        epochs=1):
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with pytest.raises(fdl.errors.UsageError, match="once per run") as refused:
+        run.batches(data, model=model, optimizer=optimizer, batch_size=8, epochs=1)
+    assert "run.progress" in refused.value.hint
+    assert run.finish().summary["samples"] == 16  # the run itself is unharmed
+
+
 @pytest.mark.parametrize("never_step", [False, True], ids=["finished", "failed"])
 def test_a_worker_exits_cleanly_with_its_liveness_thread_ticking(tmp_path, never_step):
     """A daemon thread still inside a store call when the interpreter shuts down aborts the
