@@ -346,6 +346,7 @@ class Run:
                      "fdl run")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        _check_unwrapped(model)
         train = None if _streaming(data) else TrainData.of(data)
         options = {"num_workers": num_workers, "collate_fn": collate_fn,
                    "pin_memory": pin_memory, "prefetch": prefetch}
@@ -680,6 +681,27 @@ class Run:
     def evaluate_fn(self) -> Any:
         return self._evaluation.fn if self._evaluation else None
 
+
+
+#: wrappers that run collectives of their own in forward or backward (torch's DDP and FSDP)
+COLLECTIVE_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule")
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    """Refuse a model that is, or holds, a DDP or FSDP wrapper (a torchrun script's leftover):
+    its all-reduce in every backward would meet another rank's only while every rank steps
+    alike, so cadence and async (ranks step unequally) hang there, and under sync the
+    gradients would be averaged twice. Read by class name, so FSDP is never imported."""
+    for module in model.modules():
+        wrapper = next((cls.__name__ for cls in type(module).__mro__
+                        if cls.__name__ in COLLECTIVE_WRAPPERS), None)
+        if wrapper is not None:
+            raise UsageError(
+                f"the model is wrapped in {wrapper}: fdl averages the replicas itself, and the "
+                f"wrapper's all-reduce in every backward would hang cadence and async (ranks "
+                f"take different numbers of steps)",
+                hint="build the model without the wrapper (its .module), and call that one "
+                     "in the loop")
 
 
 def _streaming(data: Any) -> bool:

@@ -323,6 +323,31 @@ def test_a_second_run_batches_is_refused_with_what_to_do_instead(tmp_path, monke
     assert run.finish().summary["samples"] == 16  # the run itself is unharmed
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["wrapped", "holding-a-wrapped-part"])
+def test_a_model_wrapped_in_ddp_is_refused_before_any_step(tmp_path, monkeypatch, nested):
+    """A torchrun script's leftover: DDP's all-reduce in each backward hangs cadence and
+    async, whose ranks step unequally (a 2-worker cadence run of such a script sat silent
+    until killed). One UsageError instead, naming the wrapper, before any batch."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import fdl
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    run = fdl.init()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(torch.nn.Linear(4, 2))
+        model = torch.nn.Sequential(wrapped, torch.nn.ReLU()) if nested else wrapped
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(fdl.errors.UsageError, match="wrapped in DistributedDataParallel"):
+            run.batches([(torch.zeros(4), 0)] * 16, model=model, optimizer=optimizer,
+                        batch_size=8, epochs=1)
+    finally:
+        dist.destroy_process_group()
+    run.abandon()
+
+
 @pytest.mark.parametrize("never_step", [False, True], ids=["finished", "failed"])
 def test_a_worker_exits_cleanly_with_its_liveness_thread_ticking(tmp_path, never_step):
     """A daemon thread still inside a store call when the interpreter shuts down aborts the
