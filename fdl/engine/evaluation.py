@@ -20,6 +20,7 @@ from torch import nn
 
 from fdl.engine.collectives import collective_device
 from fdl.engine.data import TrainData, batch_size_of, fetch_batches, index_batches, to_device
+from fdl.engine.user_collectives import refused
 
 
 def weighted_shard(size: int, *, weights: Sequence[float], rank: int,
@@ -73,8 +74,10 @@ def evaluate_model(model: nn.Module, data: Any,
     equal = [1.0] * world_size
     start, stop = weighted_shard(len(data), weights=equal if weights is None else weights,
                                  rank=rank, batch_size=batch_size)
-    sums, counts = _shard_sums(model, data, evaluate, device=device, batches=index_batches(
-        torch.arange(len(data)), start=start, stop=stop, batch_size=batch_size))
+    with refused(lambda: "an evaluation runs (each rank evaluates a shard of its own size)"
+                 if world_size > 1 else None):
+        sums, counts = _shard_sums(model, data, evaluate, device=device, batches=index_batches(
+            torch.arange(len(data)), start=start, stop=stop, batch_size=batch_size))
     if world_size > 1:
         sums, counts = _summed_over_ranks(sums, counts, device=device, world_size=world_size)
     return {key: sums[key] / counts[key] for key in sorted(sums) if counts[key]}

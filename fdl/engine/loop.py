@@ -78,6 +78,7 @@ from fdl.engine.round_messages import group_store
 from fdl.engine.rounds import NUM_STATS, Replica, rounds
 from fdl.engine.state import RankFigures
 from fdl.engine.steps import CountingScaler, StepWatch
+from fdl.engine.user_collectives import refused
 from fdl.errors import UsageError
 from fdl.rundir import config as run_config
 from fdl.rundir import metrics
@@ -461,7 +462,7 @@ class Run:
         self._started = time.perf_counter()
         self._epochs_log.begin(replica)
         try:
-            with frozen_heap():
+            with frozen_heap(), refused(lambda: _unequal_steps(replica)):
                 self._final = yield from rounds(replica, state)
         finally:
             self._epochs_log.close()
@@ -699,7 +700,7 @@ def _check_unwrapped(model: nn.Module) -> None:
             raise UsageError(
                 f"the model is wrapped in {wrapper}: fdl averages the replicas itself, and the "
                 f"wrapper's all-reduce in every backward would hang cadence and async (ranks "
-                f"take different numbers of steps)",
+                f"take different numbers of steps) and average sync's gradients twice",
                 hint="build the model without the wrapper (its .module), and call that one "
                      "in the loop")
 
@@ -721,6 +722,15 @@ def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> Callable[[]
 
 
 def _nothing() -> None:
+    return None
+
+
+def _unequal_steps(replica: Replica) -> str | None:
+    """Why a collective in a step cannot pair up now (fdl.engine.user_collectives), or None:
+    under sync, and alone, every rank's steps meet."""
+    if replica.world_size > 1 and replica.policy.local_steps:
+        return (f"--policy {replica.policy.name} trains (its ranks take different numbers of "
+                f"steps between averages)")
     return None
 
 

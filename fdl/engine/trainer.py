@@ -49,9 +49,10 @@ class Trainer:
     * ``train_step(model, batch) -> loss``: a scalar tensor that requires grad; fdl runs
       backward, clipping (``max_grad_norm``) and the optimizer step. Under ``cadence`` and
       ``async`` the ranks run different numbers of steps between averages, so nothing in a
-      step may wait for the other ranks: no collective in ``train_step``, no ``SyncBatchNorm``
+      step may wait for the other ranks: no collective in ``train_step`` (one called through
+      ``torch.distributed`` stops the run with an error naming its line), no ``SyncBatchNorm``
       in the model, no ``ZeroRedundancyOptimizer`` (fdl refuses the last two before training;
-      ``sync`` allows them, as plain DDP does).
+      ``sync`` allows all three, as plain DDP does).
     * ``train_step`` may also return a dict of scalars with a ``loss``: the loss is trained
       on, every entry logged (``run.log``: the timeline, TensorBoard's ``step/<name>``).
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's

@@ -348,6 +348,32 @@ def test_a_model_wrapped_in_ddp_is_refused_before_any_step(tmp_path, monkeypatch
     run.abandon()
 
 
+@pytest.mark.parametrize("policy", ["cadence", "sync"])
+def test_an_all_reduce_in_the_step_stops_cadence_at_once_and_is_fine_under_sync(tmp_path,
+                                                                                policy):
+    """A torchrun script's all-reduce of its loss, left in the loop: under cadence the ranks'
+    calls cannot pair up (a run of it sat silent until killed), so the first one is a usage
+    error naming the script's line; under sync every rank steps alike and it trains."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_fdl("run", "--nproc-per-node", "2", "--policy", policy, "--simulate-slowdown",
+                   "1,2.5", "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "loop_train.py"),
+                   str(out), "--samples", "512", "--epochs", "1", "--all-reduce-loss",
+                   cwd=tmp_path, timeout=240)
+    shown = proc.stdout + proc.stderr
+    if policy == "sync":
+        assert proc.returncode == 0, shown[-3000:]
+        assert json.loads((out / "rank1.json").read_text())["steps"] > 0
+        return
+    assert proc.returncode == 2, shown[-3000:]
+    line = next(number for number, text in enumerate(
+        (SCRIPTS / "loop_train.py").read_text().splitlines(), start=1)
+        if "torch.distributed.all_reduce(loss" in text)
+    assert (f"torch.distributed.all_reduce called at {SCRIPTS / 'loop_train.py'}:{line} while "
+            "--policy cadence trains") in shown, shown[-3000:]
+    assert not (out / "rank0.json").exists()
+
+
 @pytest.mark.parametrize("never_step", [False, True], ids=["finished", "failed"])
 def test_a_worker_exits_cleanly_with_its_liveness_thread_ticking(tmp_path, never_step):
     """A daemon thread still inside a store call when the interpreter shuts down aborts the

@@ -3,13 +3,14 @@ LR on run.progress, an autocast region, run.log, run.state, run.evaluate. Settin
 fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what it saw).
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
-                     [--never-step] [--tick-every S]
+                     [--never-step] [--tick-every S] [--all-reduce-loss]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
 a loop that forgets optimizer.step() (the engine must say so); ``--tick-every S``: the
 liveness thread ticks every S seconds instead of every 2 (a tick nearly always in flight when
-the worker exits).
+the worker exits); ``--all-reduce-loss``: an all-reduce of the loss in every step, as a
+torchrun script logs it.
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
 batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
@@ -87,6 +88,8 @@ for index, (features, labels) in enumerate(run.batches(
     loss = F.cross_entropy(logits.float(), labels)
     (loss / accumulate).backward()
     run.log(loss=loss)
+    if "--all-reduce-loss" in sys.argv:  # a torchrun script's logging, left in
+        torch.distributed.all_reduce(loss.detach().clone())
     seen["batches"] += 1
     seen["samples"] += len(labels)
     if len(labels) not in seen["batch_sizes"]:

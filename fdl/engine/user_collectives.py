@@ -1,0 +1,98 @@
+"""One error, not a hang, when the script's own code calls a collective where the ranks' calls
+cannot pair up: in a step under cadence and async (the ranks take different numbers of steps
+between averages) and in an evaluation's function (each rank evaluates a shard of its own size,
+under every policy). Such a call waits for one that another rank never makes, and the run sat
+silent until killed (a 2-worker cadence run of a loop that all-reduced its loss for logging,
+as torchrun scripts do).
+
+While :func:`refused` holds, torch.distributed's functions that wait for other ranks
+(:data:`WAITING`) are replaced, as attributes of the ``torch.distributed`` package, by guards
+that look at who called them, past torch's own frames (a helper such as
+``torch.distributed.nn``'s calls on somebody's behalf): fdl's calls (the averages, the
+evaluation's sums) go through; any other raises :class:`~fdl.errors.UsageError` naming the
+function and that caller's file and line, while a reason is active. Only the package's attributes change:
+a function bound before (``from torch.distributed import all_reduce``) is not guarded, and
+torch's module ``distributed_c10d`` is left as it is. The originals are put back when the last
+:func:`refused` ends, unless something else replaced them meanwhile."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fdl.errors import UsageError
+
+#: torch.distributed's functions that wait for other ranks (absent ones are skipped)
+WAITING = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+           "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
+           "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
+           "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+           "scatter", "scatter_object_list", "send")
+
+#: what each :func:`refused` now holding refuses for (None: nothing, at the moment)
+_reasons: list[Callable[[], str | None]] = []
+_installed: dict[str, tuple[Any, Any]] = {}  # name: (torch's function, its guard)
+
+
+@contextlib.contextmanager
+def refused(reason: Callable[[], str | None]) -> Iterator[None]:
+    """While the body runs, a collective called from outside fdl and torch raises UsageError
+    whenever ``reason()`` says why it cannot pair up (None: it may, at that moment)."""
+    if not _reasons:
+        _install()
+    _reasons.append(reason)
+    try:
+        yield
+    finally:
+        _reasons.remove(reason)
+        if not _reasons:
+            _uninstall()
+
+
+def _install() -> None:
+    import torch.distributed as dist
+
+    for name in WAITING:
+        original = getattr(dist, name, None)
+        if callable(original):
+            guard = _guard(name, original)
+            setattr(dist, name, guard)
+            _installed[name] = (original, guard)
+
+
+def _uninstall() -> None:
+    import torch.distributed as dist
+
+    for name, (original, guard) in _installed.items():
+        if getattr(dist, name, None) is guard:
+            setattr(dist, name, original)
+    _installed.clear()
+
+
+def _guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        while caller.f_back is not None and _package(caller) == "torch":
+            caller = caller.f_back  # torch's helper (torch.distributed.nn): whose call is it?
+        if _package(caller) != "fdl":
+            why = next(filter(None, (reason() for reason in reversed(_reasons))), None)
+            if why is not None:
+                raise UsageError(
+                    f"torch.distributed.{name} called at {caller.f_code.co_filename}:"
+                    f"{caller.f_lineno} while {why}: it would wait for a call another rank "
+                    f"never makes, and the run would hang there",
+                    hint="log a step's values with run.log(...) and evaluate with "
+                         "run.evaluate(...) (fdl combines the ranks' values); collectives "
+                         "before run.batches(...) and after run.finish() are fine")
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+def _package(frame: Any) -> str:
+    """The top-level package of the module whose code ``frame`` runs."""
+    return str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
