@@ -348,6 +348,7 @@ class Run:
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
         _check_unwrapped(model)
+        _check_optimized(model, optimizer)
         train = None if _streaming(data) else TrainData.of(data)
         options = {"num_workers": num_workers, "collate_fn": collate_fn,
                    "pin_memory": pin_memory, "prefetch": prefetch}
@@ -703,6 +704,25 @@ def _check_unwrapped(model: nn.Module) -> None:
                 f"take different numbers of steps) and average sync's gradients twice",
                 hint="build the model without the wrapper (its .module), and call that one "
                      "in the loop")
+
+
+def _check_optimized(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that steps parameters outside ``model`` (a learnable temperature or
+    a head kept beside it): fdl averages, checkpoints and restores the model's parameters
+    only, so the ranks' copies of those would drift apart, silently (a 2-worker cadence run
+    ended with two different temperatures)."""
+    own = {id(parameter) for parameter in model.parameters()}
+    outside = [parameter for group in getattr(optimizer, "param_groups", [])
+               for parameter in group["params"] if id(parameter) not in own]
+    if outside:
+        shapes = ", ".join(str(list(parameter.shape)) for parameter in outside[:3])
+        raise UsageError(
+            f"the optimizer steps {len(outside)} parameter(s) outside the model (shape "
+            f"{shapes}{', ...' if len(outside) > 3 else ''}): fdl averages, checkpoints and "
+            f"restores the model's parameters only, so each rank's copy would drift apart",
+            hint="give run.batches a module that holds them all, e.g. "
+                 "nn.ModuleDict({'net': model, 'loss': loss_module}), or register them on the "
+                 "model (model.register_parameter)")
 
 
 def _streaming(data: Any) -> bool:

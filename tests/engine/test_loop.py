@@ -348,6 +348,26 @@ def test_a_model_wrapped_in_ddp_is_refused_before_any_step(tmp_path, monkeypatch
     run.abandon()
 
 
+def test_an_optimizer_stepping_a_parameter_outside_the_model_is_refused(tmp_path, monkeypatch):
+    """A learnable temperature beside the model: fdl would average the model only, and a
+    2-worker cadence run ended with a different temperature on each rank. Refused, alone as
+    with workers (the script must not change between them), before any batch."""
+    import fdl
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    run = fdl.init()
+    model = torch.nn.Linear(4, 2)
+    temperature = torch.nn.Parameter(torch.ones(()))
+    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    with pytest.raises(fdl.errors.UsageError,
+                       match=r"the optimizer steps 1 parameter\(s\) outside the model \(shape \[\]\)"
+                       ) as refused:
+        run.batches([(torch.zeros(4), 0)] * 16, model=model, optimizer=optimizer, batch_size=8,
+                    epochs=1)
+    assert "nn.ModuleDict" in refused.value.hint
+    run.abandon()
+
+
 @pytest.mark.parametrize("policy", ["cadence", "sync"])
 def test_an_all_reduce_in_the_step_stops_cadence_at_once_and_is_fine_under_sync(tmp_path,
                                                                                 policy):
