@@ -26,6 +26,7 @@ and every environment scrub derive from these tables.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -129,9 +130,13 @@ def parse_momentum(value: Any) -> float:
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """``value`` as one of ``allowed`` (any case, spaces around it); a UsageError naming them,
+    and the one a typo most likely meant (``cadance``: did you mean ``cadence``?)."""
     text = value.strip().lower() if isinstance(value, str) else None
     if text is None or text not in allowed:
-        raise UsageError(f"unknown {name} {shortened(value)}",
+        meant = difflib.get_close_matches(text, allowed, n=1, cutoff=0.75) if text else []
+        raise UsageError(f"unknown {name} {shortened(value)}"
+                         + (f" (did you mean {meant[0]!r}?)" if meant else ""),
                          hint=f"use one of: {', '.join(allowed)}")
     return text
 

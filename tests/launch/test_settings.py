@@ -45,6 +45,16 @@ def test_parse_policy_names_the_value_and_the_policies() -> None:
     assert caught.value.exit_code == 2
 
 
+@pytest.mark.parametrize(("parse", "typo", "meant"), [(parse_policy, "cadance", "cadence"),
+                                                      (parse_policy, "Asynch", "async"),
+                                                      (parse_backend, "ncl", "nccl")])
+def test_a_typo_of_a_choice_is_told_the_one_it_meant(parse, typo, meant) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse(typo)
+    assert caught.value.message.endswith(f" (did you mean {meant!r}?)")
+    assert caught.value.hint.startswith("use one of: ")
+
+
 @pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("NCCL", "nccl"), (" cpu", "cpu")])
 def test_parse_backend_accepts_known_backends(text: str, value: str) -> None:
     assert parse_backend(text) == value
