@@ -79,7 +79,10 @@ def fdl_run(run_dir: Path, nproc: int, slowdown: str | None, policy: str,
         argv += ["--simulate-slowdown", slowdown]
     _run([*argv, str(EXAMPLE), *model_args, *([loop] if loop else [])])
     summary = json.loads((run_dir / "summary.json").read_text())
+    from fdl.rundir.report import run_report  # the checkout's fdl (PYTHONPATH), as the runs'
+
     return {"samples_per_s": summary["throughput"]["samples_per_s"],
+            "in_run": run_report(run_dir)["efficiency"],
             "per_rank": summary["throughput"]["per_rank_samples_per_s"],
             "accuracy": summary["eval"].get("accuracy"), "wall_s": summary["wall_s"],
             "sync_overhead": summary["sync"]["overhead"], "syncs": summary["sync"]["rounds"],
@@ -193,6 +196,11 @@ def render(rows: dict[str, dict], args: argparse.Namespace,
                  f"{rows['async']['samples_per_s'] / ideal:.1%}); loop sync / torch DDP on "
                  f"equal workers = {loop_eq / ddp:.3f} "
                  f"({paired_ratios(runs, 'loop: sync, equal workers')})")
+    lines.append("in the run itself (its samples/s over the sum of each rank's own rate in "
+                 "that run, fdl report's efficiency: what averaging and waiting cost, the "
+                 "host's drift between runs left out; data loading counts as lost): "
+                 + "; ".join(f"{name} {in_run(runs[name])}" for name in
+                             ("cadence", "async", "loop: cadence", "loop: async")))
     for name, fixed in (("auto", ("sync", "cadence", "async")),
                         ("auto, equal workers", ("sync, equal workers",))):
         picks = sorted({str(result["policy"]) for result in runs[name]})
@@ -208,6 +216,12 @@ def render(rows: dict[str, dict], args: argparse.Namespace,
                      f"{row['final_anchor']}; {row['samples_per_s'] / at_once:.1%} of the two "
                      "solo runs at once")
     return "\n".join(lines)
+
+
+def in_run(results: list[dict]) -> str:
+    """The runs' own efficiencies (fdl report's): their median, and the least and most."""
+    values = sorted(result["in_run"] for result in results)
+    return f"{values[len(values) // 2]:.3f} [{values[0]:.3f}-{values[-1]:.3f}]"
 
 
 def paired_ratios(runs: dict[str, list[dict]], name: str) -> str:
