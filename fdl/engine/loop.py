@@ -434,6 +434,8 @@ class Run:
             config = self.config = replace(config, policy=CADENCE)
         replica = self.replica = self._replica(loader, model, optimizer, accumulate=accumulate,
                                                ddp=ddp, stream=stream)
+        if self.rank == 0 and self.world_size > 1:
+            _warn_of_a_scheduler(optimizer, config.policy)
         step_size = config.batch_size * accumulate
         budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
                                 world_size=self.world_size, batch_size=config.batch_size,
@@ -743,6 +745,23 @@ def _no_epoch_end(epoch: int, replica: Replica, state: PlanState) -> Callable[[]
 
 def _nothing() -> None:
     return None
+
+
+def _warn_of_a_scheduler(optimizer: torch.optim.Optimizer, policy: Policy) -> None:
+    """Say (once, rank 0) that a torch LR scheduler made on ``optimizer`` runs at each rank's
+    own pace when the ranks step unequally (cadence, async, auto's calibration): stepped
+    every batch, the fast rank runs through its schedule sooner, and a OneCycleLR sized by the
+    batches of one rank raises on the fast rank once it passes its total. torch's schedulers
+    leave ``initial_lr`` in every param group they are made on (the optimizer's state_dict
+    holds it): a scheduler stepped at epoch ends, which every rank reaches alike, is fine."""
+    if (policy.local_steps or policy.decides) and any(
+            "initial_lr" in group for group in getattr(optimizer, "param_groups", [])):
+        _console().warn(
+            f"an LR scheduler was made on the optimizer: under --policy {policy.name} each rank "
+            "steps at its own pace, so a scheduler stepped every batch runs through its "
+            "schedule sooner on the fast rank (and OneCycleLR stops it once it passes its "
+            "total): step it at epoch ends (run.at_epoch_end), or set the LR from "
+            "run.progress, which every rank shares")
 
 
 def _unequal_steps(replica: Replica) -> str | None:

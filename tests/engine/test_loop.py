@@ -394,6 +394,24 @@ def test_an_all_reduce_in_the_step_stops_cadence_at_once_and_is_fine_under_sync(
     assert not (out / "rank0.json").exists()
 
 
+@pytest.mark.parametrize("policy", ["cadence", "sync"])
+def test_a_scheduler_on_the_optimizer_is_warned_of_where_ranks_step_unequally(tmp_path, policy):
+    """A torch LR scheduler stepped every batch runs at each rank's pace under cadence (a
+    OneCycleLR sized by one rank's batches stopped the fast rank with "Tried to step 129
+    times"): rank 0 says so once at the start; under sync the ranks step alike, and nothing is
+    said."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_fdl("run", "--nproc-per-node", "2", "--policy", policy, "--run-dir",
+                   str(tmp_path / "run"), str(SCRIPTS / "loop_train.py"), str(out),
+                   "--samples", "256", "--epochs", "1", "--scheduler", cwd=tmp_path, timeout=240)
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode == 0, shown[-3000:]
+    warning = "warning: an LR scheduler was made on the optimizer: under --policy cadence"
+    assert shown.count(warning) == (1 if policy == "cadence" else 0), shown[-3000:]
+    assert ("LR scheduler" in shown) == (policy == "cadence"), shown[-3000:]
+
+
 @pytest.mark.parametrize("never_step", [False, True], ids=["finished", "failed"])
 def test_a_worker_exits_cleanly_with_its_liveness_thread_ticking(tmp_path, never_step):
     """A daemon thread still inside a store call when the interpreter shuts down aborts the

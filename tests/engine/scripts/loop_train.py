@@ -3,14 +3,15 @@ LR on run.progress, an autocast region, run.log, run.state, run.evaluate. Settin
 fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what it saw).
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
-                     [--never-step] [--tick-every S] [--all-reduce-loss]
+                     [--never-step] [--tick-every S] [--all-reduce-loss] [--scheduler]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
 a loop that forgets optimizer.step() (the engine must say so); ``--tick-every S``: the
 liveness thread ticks every S seconds instead of every 2 (a tick nearly always in flight when
 the worker exits); ``--all-reduce-loss``: an all-reduce of the loss in every step, as a
-torchrun script logs it.
+torchrun script logs it; ``--scheduler``: a torch LR scheduler made on the optimizer (never
+stepped).
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
 batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
@@ -59,6 +60,8 @@ plain, never_step = "--plain" in sys.argv, "--never-step" in sys.argv
 run = fdl.init(seed=7)
 model = build_model("--batch-norm" in sys.argv).to(run.device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+if "--scheduler" in sys.argv:  # made, never stepped: the LR stays the loop's own
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=10**6)
 counter = Counter()
 run.state(counter=counter)
 run.evaluate(make_data(256, seed=2), evaluate)
