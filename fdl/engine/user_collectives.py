@@ -39,8 +39,9 @@ _installed: dict[str, tuple[Any, Any]] = {}  # name: (torch's function, its guar
 
 @contextlib.contextmanager
 def refused(reason: Callable[[], str | None]) -> Iterator[None]:
-    """While the body runs, a collective called from outside fdl and torch raises UsageError
-    whenever ``reason()`` says why it cannot pair up (None: it may, at that moment)."""
+    """While the body runs, a collective whose caller (past torch's own frames) is not fdl
+    raises UsageError whenever ``reason()`` says why it cannot pair up (None: it may, at that
+    moment)."""
     if not _reasons:
         _install()
     _reasons.append(reason)
