@@ -766,10 +766,19 @@ def _warn_of_a_scheduler(optimizer: torch.optim.Optimizer, policy: Policy) -> No
 
 def _unequal_steps(replica: Replica) -> str | None:
     """Why a collective in a step cannot pair up now (fdl.engine.user_collectives), or None:
-    under sync, and alone, every rank's steps meet."""
-    if replica.world_size > 1 and replica.policy.local_steps:
+    alone, and under sync in a round cut evenly, every rank's steps meet. Sync's round that
+    ends an epoch whose batches do not split evenly gives a rank one step fewer (it joins
+    DDP's all-reduce, as torch's join does, but a collective of the script's is left alone)."""
+    if replica.world_size == 1:
+        return None
+    if replica.policy.local_steps:
         return (f"--policy {replica.policy.name} trains (its ranks take different numbers of "
                 f"steps between averages)")
+    plan = replica.round_plan
+    if plan is not None and len({piece.steps for piece in plan.slices}) > 1:
+        steps = ", ".join(str(piece.steps) for piece in plan.slices)
+        return (f"this round of --policy {replica.policy.name} is cut unevenly (its ranks take "
+                f"{steps} steps: the epoch's batches do not split evenly)")
     return None
 
 

@@ -176,6 +176,7 @@ class Replica:
     epoch_in_flight: Callable[[], None] | None = None  # async: an epoch's end awaiting its average
     # auto's choice was made (fdl.engine.loop rebuilds the step and the averaging for it)
     on_policy: Callable[[Replica, PolicyChoice], None] | None = None
+    round_plan: RoundPlan | None = None  # the round running now (set by :func:`rounds`)
     _orders: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -203,7 +204,7 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
     pending, last_reports = None, []
     while not state.finished:
         policy = replica.policy  # auto's choice changes it once
-        plan = next_round(state)
+        plan = replica.round_plan = next_round(state)
         done = yield from run_slice(replica, plan, state)
         _fetch_ahead(replica, plan, state, done)
         reports: list[RoundReport] | None = None
