@@ -9,7 +9,8 @@ While :func:`refused` holds, torch.distributed's functions that wait for other r
 (:data:`WAITING`) are replaced, as attributes of the ``torch.distributed`` package, by guards
 that look at who called them, past torch's own frames (a helper such as
 ``torch.distributed.nn``'s calls on somebody's behalf): fdl's calls (the averages, the
-evaluation's sums) go through; any other raises :class:`~fdl.errors.UsageError` naming the
+evaluation's sums) and those of fdl's DDP (its join, called from the script's forward) go
+through; any other raises :class:`~fdl.errors.UsageError` naming the
 function and that caller's file and line, while a reason is active. Only the package's attributes change:
 a function bound before (``from torch.distributed import all_reduce``) is not guarded, and
 torch's module ``distributed_c10d`` is left as it is. The originals are put back when the last
@@ -31,6 +32,11 @@ WAITING = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_red
            "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
            "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
            "scatter", "scatter_object_list", "send")
+
+#: torch's modules whose collectives are DDP's, which only fdl's wrapper runs (a model the
+#: script wrapped itself is refused before any step): its join in sync's unevenly cut round
+#: all-reduces from the script's forward
+DDPS_OWN = ("torch.nn.parallel.", "torch.distributed.algorithms.join")
 
 #: what each :func:`refused` now holding refuses for (None: nothing, at the moment)
 _reasons: list[Callable[[], str | None]] = []
@@ -78,6 +84,8 @@ def _guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
         while caller.f_back is not None and _package(caller) == "torch":
+            if _module(caller).startswith(DDPS_OWN):
+                return original(*args, **kwargs)  # fdl's DDP (a script's own is refused)
             caller = caller.f_back  # torch's helper (torch.distributed.nn): whose call is it?
         if _package(caller) != "fdl":
             why = next(filter(None, (reason() for reason in reversed(_reasons))), None)
@@ -94,6 +102,11 @@ def _guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+def _module(frame: Any) -> str:
+    """The module whose code ``frame`` runs."""
+    return str(frame.f_globals.get("__name__", ""))
+
+
 def _package(frame: Any) -> str:
     """The top-level package of the module whose code ``frame`` runs."""
-    return str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
+    return _module(frame).split(".", 1)[0]

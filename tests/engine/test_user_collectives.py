@@ -113,3 +113,14 @@ def test_a_torch_helper_is_judged_by_whoever_called_it(group):
         line = sys._getframe().f_lineno + 2
         with pytest.raises(UsageError, match=f"all_reduce called at {__file__}:{line} "):
             helper(torch.ones(2))
+
+
+def test_ddps_own_collectives_go_through_from_the_scripts_forward(group):
+    """fdl's DDP joins in sync's unevenly cut round: torch's Join all-reduces from inside the
+    script's forward. DDP's and Join's modules are fdl's doing (a script's own DDP is refused
+    before any step), so their calls pass."""
+    for module in ("torch.distributed.algorithms.join", "torch.nn.parallel.distributed"):
+        joined = _module_function(module, "def notify(t):\n    dist.all_reduce(t)\n    return t\n",
+                                  "notify", dist=dist)
+        with refused(lambda: "this round of --policy sync is cut unevenly"):
+            assert torch.equal(joined(torch.ones(2)), torch.ones(2))
