@@ -52,7 +52,8 @@ class Trainer:
       step may wait for the other ranks: no collective in ``train_step`` (one called through
       ``torch.distributed`` stops the run with an error naming its line), no ``SyncBatchNorm``
       in the model, no ``ZeroRedundancyOptimizer`` (fdl refuses the last two before training;
-      ``sync`` allows all three, as plain DDP does).
+      ``sync`` allows all three, as plain DDP does, but for a collective of ``train_step``'s in
+      the round that ends an epoch whose batches do not split evenly over the ranks).
     * ``train_step`` may also return a dict of scalars with a ``loss``: the loss is trained
       on, every entry logged (``run.log``: the timeline, TensorBoard's ``step/<name>``).
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
