@@ -1,7 +1,7 @@
 """One error, not a hang, when the script's own code calls a collective where the ranks' calls
 cannot pair up: in a step under cadence and async (the ranks take different numbers of steps
-between averages) and in an evaluation's function (each rank evaluates a shard of its own size,
-under every policy). Such a call waits for one that another rank never makes, and the run sat
+between averages) or in sync's round that ends an epoch cut unevenly over the ranks, and in an
+evaluation's function (each rank evaluates a shard of its own size, under every policy). Such a call waits for one that another rank never makes, and the run sat
 silent until killed (a 2-worker cadence run of a loop that all-reduced its loss for logging,
 as torchrun scripts do).
 
@@ -10,9 +10,9 @@ While :func:`refused` holds, torch.distributed's functions that wait for other r
 that look at who called them, past torch's own frames (a helper such as
 ``torch.distributed.nn``'s calls on somebody's behalf): fdl's calls (the averages, the
 evaluation's sums) and those of fdl's DDP (its join, called from the script's forward) go
-through; any other raises :class:`~fdl.errors.UsageError` naming the
-function and that caller's file and line, while a reason is active. Only the package's attributes change:
-a function bound before (``from torch.distributed import all_reduce``) is not guarded, and
+through; any other raises :class:`~fdl.errors.UsageError` naming the function and that
+caller's file and line, while a reason is active. Only the package's attributes change: a
+function bound before (``from torch.distributed import all_reduce``) is not guarded, and
 torch's module ``distributed_c10d`` is left as it is. The originals are put back when the last
 :func:`refused` ends, unless something else replaced them meanwhile."""
 
