@@ -1,9 +1,10 @@
 """One error, not a hang, when the script's own code calls a collective where the ranks' calls
 cannot pair up: in a step under cadence and async (the ranks take different numbers of steps
 between averages) or in sync's round that ends an epoch cut unevenly over the ranks, and in an
-evaluation's function (each rank evaluates a shard of its own size, under every policy). Such a call waits for one that another rank never makes, and the run sat
-silent until killed (a 2-worker cadence run of a loop that all-reduced its loss for logging,
-as torchrun scripts do).
+evaluation's function (each rank evaluates a shard of its own size, under every policy). Such
+a call waits for one that another rank never makes, and the run sat silent until killed (a
+2-worker cadence run of a loop that all-reduced its loss for logging, as torchrun scripts
+do).
 
 While :func:`refused` holds, torch.distributed's functions that wait for other ranks
 (:data:`WAITING`) are replaced, as attributes of the ``torch.distributed`` package, by guards
