@@ -12,16 +12,20 @@ that look at who called them, past torch's own frames (a helper such as
 ``torch.distributed.nn``'s calls on somebody's behalf): fdl's calls (the averages, the
 evaluation's sums) and those of fdl's DDP (its join, called from the script's forward) go
 through; any other raises :class:`~fdl.errors.UsageError` naming the function and that
-caller's file and line, while a reason is active. Only the package's attributes change: a
-function bound before (``from torch.distributed import all_reduce``) is not guarded, and
-torch's module ``distributed_c10d`` is left as it is. The originals are put back when the last
-:func:`refused` ends, unless something else replaced them meanwhile."""
+caller's file and line, while a reason is active. The script's own modules bound such a
+function by name too (``from torch.distributed import all_reduce``): in ``__main__`` and every
+module loaded from outside the interpreter's installed paths (the standard library,
+site-packages), such a name is a guard as well. Installed packages' names and torch's module
+``distributed_c10d`` are left as they are. The originals are put back when the last
+:func:`refused` ends, wherever nothing else replaced them meanwhile."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import sys
+import sysconfig
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +46,8 @@ DDPS_OWN = ("torch.nn.parallel.", "torch.distributed.algorithms.join")
 #: what each :func:`refused` now holding refuses for (None: nothing, at the moment)
 _reasons: list[Callable[[], str | None]] = []
 _installed: dict[str, tuple[Any, Any]] = {}  # name: (torch's function, its guard)
+#: (a script module's namespace, the name it bound, torch's function, its guard)
+_rebound: list[tuple[dict[str, Any], str, Any, Any]] = []
 
 
 @contextlib.contextmanager
@@ -69,6 +75,13 @@ def _install() -> None:
             guard = _guard(name, original)
             setattr(dist, name, guard)
             _installed[name] = (original, guard)
+    guards = {id(original): guard for original, guard in _installed.values()}
+    for namespace in _script_namespaces():
+        for name, value in list(namespace.items()):
+            guard = guards.get(id(value))
+            if guard is not None and value is guard.__wrapped__:
+                namespace[name] = guard
+                _rebound.append((namespace, name, value, guard))
 
 
 def _uninstall() -> None:
@@ -78,6 +91,26 @@ def _uninstall() -> None:
         if getattr(dist, name, None) is guard:
             setattr(dist, name, original)
     _installed.clear()
+    for namespace, name, original, guard in _rebound:
+        if namespace.get(name) is guard:
+            namespace[name] = original
+    _rebound.clear()
+
+
+def _script_namespaces() -> Iterator[dict[str, Any]]:
+    """The namespaces of the script's own modules: ``__main__`` and the modules loaded from a
+    file outside the interpreter's installed paths (its standard library, site-packages), but
+    torch's and fdl's (installing the guards takes 0.6-1.9 ms over the 1172 modules a worker
+    that imported torch and fdl holds, on a 2-core VM)."""
+    installed = tuple(path + "/" for path in {
+        sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+    for name, module in list(sys.modules.items()):
+        if not isinstance(module, types.ModuleType) or name.split(".", 1)[0] in ("torch", "fdl"):
+            continue
+        namespace = object.__getattribute__(module, "__dict__")  # a lazy module stays unloaded
+        where = namespace.get("__file__")
+        if name == "__main__" or (isinstance(where, str) and not where.startswith(installed)):
+            yield namespace
 
 
 def _guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -368,22 +368,28 @@ def test_an_optimizer_stepping_a_parameter_outside_the_model_is_refused(tmp_path
     run.abandon()
 
 
-@pytest.mark.parametrize(("policy", "samples", "refused"), [
-    ("cadence", 512, "--policy cadence trains"), ("sync", 512, None),
-    ("sync", 528, "this round of --policy sync is cut unevenly (its ranks take 1, 0 steps")],
-    ids=["cadence", "sync", "sync-uneven"])
+@pytest.mark.parametrize(("policy", "samples", "refused", "call"), [
+    ("cadence", 512, "--policy cadence trains", "torch.distributed.all_reduce(loss"),
+    ("cadence", 512, "--policy cadence trains", "all_reduce(loss"),
+    ("sync", 512, None, "torch.distributed.all_reduce(loss"),
+    ("sync", 528, "this round of --policy sync is cut unevenly (its ranks take 1, 0 steps",
+     "torch.distributed.all_reduce(loss")],
+    ids=["cadence", "cadence-by-name", "sync", "sync-uneven"])
 def test_an_all_reduce_in_the_step_stops_a_run_whose_steps_cannot_pair_up(tmp_path, policy,
-                                                                           samples, refused):
+                                                                           samples, refused,
+                                                                           call):
     """A torchrun script's all-reduce of its loss, left in the loop: under cadence the ranks'
     calls cannot pair up (a run of it sat silent until killed), so the first one is a usage
-    error naming the script's line; under sync every rank steps alike and it trains, unless
-    the epoch's batches do not split evenly (528 samples: 17 batches of 32), where a rank takes
-    a step fewer in the last round and the run hung there."""
+    error naming the script's line, also through a name the script imported before the run
+    (``from torch.distributed import all_reduce``); under sync every rank steps alike and it
+    trains, unless the epoch's batches do not split evenly (528 samples: 17 batches of 32),
+    where a rank takes a step fewer in the last round and the run hung there."""
     out = tmp_path / "out"
     out.mkdir()
     proc = run_fdl("run", "--nproc-per-node", "2", "--policy", policy, "--simulate-slowdown",
                    "1,2.5", "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "loop_train.py"),
-                   str(out), "--samples", str(samples), "--epochs", "1", "--all-reduce-loss",
+                   str(out), "--samples", str(samples), "--epochs", "1",
+                   "--all-reduce-loss" if call.startswith("torch.") else "--all-reduce-by-name",
                    cwd=tmp_path, timeout=240)
     shown = proc.stdout + proc.stderr
     if refused is None:
@@ -393,7 +399,7 @@ def test_an_all_reduce_in_the_step_stops_a_run_whose_steps_cannot_pair_up(tmp_pa
     assert proc.returncode == 2, shown[-3000:]
     line = next(number for number, text in enumerate(
         (SCRIPTS / "loop_train.py").read_text().splitlines(), start=1)
-        if "torch.distributed.all_reduce(loss" in text)
+        if text.strip().startswith(call))
     assert (f"torch.distributed.all_reduce called at {SCRIPTS / 'loop_train.py'}:{line} while "
             f"{refused}") in shown, shown[-3000:]
     assert not (out / "rank0.json").exists()

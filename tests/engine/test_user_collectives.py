@@ -6,7 +6,10 @@ group. tests/engine/test_loop.py runs it in real 2-worker runs."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -124,3 +127,51 @@ def test_ddps_own_collectives_go_through_from_the_scripts_forward(group):
                                   "notify", dist=dist)
         with refused(lambda: "this round of --policy sync is cut unevenly"):
             assert torch.equal(joined(torch.ones(2)), torch.ones(2))
+
+
+def _module_at(tmp_path, monkeypatch, name: str, source: str, where=None):
+    """A module ``name`` loaded from a file of ``source`` in ``tmp_path`` (its ``__file__`` then
+    said to be ``where``, when given), in sys.modules for the test's time."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if where is not None:
+        module.__file__ = where
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+SCRIPT_MODULE = ("from torch.distributed import all_reduce\n\n"
+                 "def mean(t):\n    all_reduce(t)\n    return t\n")
+
+
+def test_a_function_the_scripts_modules_imported_by_name_is_guarded_too(group, tmp_path,
+                                                                          monkeypatch):
+    """``from torch.distributed import all_reduce`` before the run binds torch's function in
+    the script's module: that name is a guard while the run steps, torch's again after; an
+    installed package's name (site-packages) is left alone."""
+    original = dist.all_reduce
+    script = _module_at(tmp_path, monkeypatch, "fdl_test_script_helpers", SCRIPT_MODULE)
+    installed = _module_at(tmp_path, monkeypatch, "fdl_test_installed", SCRIPT_MODULE,
+                           where=f"{sysconfig.get_path('purelib')}/fdl_test_installed.py")
+    with refused(lambda: "--policy cadence trains"):
+        with pytest.raises(UsageError, match=r"torch\.distributed\.all_reduce called at "
+                                             rf"{re.escape(str(tmp_path))}/"
+                                             r"fdl_test_script_helpers\.py:4 while --policy"):
+            script.mean(torch.ones(2))
+        assert installed.all_reduce is original
+    assert script.all_reduce is original
+    assert torch.equal(script.mean(torch.ones(2)), torch.ones(2))
+
+
+def test_a_name_the_script_rebound_meanwhile_is_left_as_it_is(group, tmp_path, monkeypatch):
+    script = _module_at(tmp_path, monkeypatch, "fdl_test_script_rebinds", SCRIPT_MODULE)
+
+    def own(t):
+        return t
+
+    with refused(lambda: None):
+        script.all_reduce = own
+    assert script.all_reduce is own

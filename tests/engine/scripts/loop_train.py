@@ -4,13 +4,15 @@ fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what 
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
                      [--never-step] [--tick-every S] [--all-reduce-loss] [--scheduler]
+                     [--all-reduce-by-name]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
 a loop that forgets optimizer.step() (the engine must say so); ``--tick-every S``: the
 liveness thread ticks every S seconds instead of every 2 (a tick nearly always in flight when
 the worker exits); ``--all-reduce-loss``: an all-reduce of the loss in every step, as a
-torchrun script logs it; ``--scheduler``: a torch LR scheduler made on the optimizer (never
+torchrun script logs it (``--all-reduce-by-name``: through ``all_reduce`` imported by name
+before the run); ``--scheduler``: a torch LR scheduler made on the optimizer (never
 stepped).
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
@@ -27,6 +29,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from common import build_model, evaluate, make_data, native_threads
+from torch.distributed import all_reduce
 
 import fdl
 import fdl.engine.epochs
@@ -93,6 +96,8 @@ for index, (features, labels) in enumerate(run.batches(
     run.log(loss=loss)
     if "--all-reduce-loss" in sys.argv:  # a torchrun script's logging, left in
         torch.distributed.all_reduce(loss.detach().clone())
+    if "--all-reduce-by-name" in sys.argv:  # the same, through the name imported above
+        all_reduce(loss.detach().clone())
     seen["batches"] += 1
     seen["samples"] += len(labels)
     if len(labels) not in seen["batch_sizes"]:
