@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from fdl.engine import averaging
 from fdl.engine.averaging import Averager, checksum
 from fdl.engine.collectives import broadcast_from_rank0
 
@@ -179,6 +180,29 @@ def counted_average(rank: int) -> dict[str, Any]:
             "num_batches_tracked": int(model[1].num_batches_tracked)}
 
 
+def exchanged_in_parts(rank: int) -> dict[str, Any]:
+    """A blocking average of random replicas whose exchange goes in messages of 5 values (the
+    buffer holds 26: six messages, the last of one), beside gloo's all-reduce of the same
+    packed buffer."""
+    model = build_model(rank)
+    generator = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    saved, averaging.EXCHANGE_FLOATS = averaging.EXCHANGE_FLOATS, 5
+    try:
+        averager = make_averager(model, rank)
+    finally:
+        averaging.EXCHANGE_FLOATS = saved
+    averager.pack(weight=WEIGHTS[rank], stats=stats_row(rank), keep_snapshot=True)
+    reduced = averager.flat.clone()
+    dist.all_reduce(reduced)
+    averager.all_reduce(async_op=False)
+    return {"values": averager.flat.numel(), "message": averager.received[0].numel(),
+            "as_all_reduce": torch.equal(averager.flat, reduced),
+            "sum": averager.flat.tolist(), "stats": averager.stats()}
+
+
 def subgroups(rank: int) -> dict[str, Any]:
     """Each rank alone in its own group: averaging and broadcasting over it must not mix in
     the other rank's values (they would over the default group)."""
@@ -207,7 +231,8 @@ def broadcast(rank: int) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "blocking": blocking_average, "async": async_average, "buffers_only": buffers_only,
     "lean_blocking": lean_blocking_average,
-    "counted": counted_average, "subgroups": subgroups, "broadcast": broadcast,
+    "counted": counted_average, "exchanged_in_parts": exchanged_in_parts,
+    "subgroups": subgroups, "broadcast": broadcast,
     "consensus_view": consensus_view}
 
 
@@ -330,13 +355,24 @@ def test_params_false_averages_buffers_and_leaves_parameters_alone(ranks):
         assert result["num_batches_tracked"] == max(NUM_BATCHES_TRACKED)
 
 
-def test_a_blocking_average_issues_exactly_one_collective(ranks):
+def test_a_blocking_average_of_two_ranks_is_one_exchange(ranks):
+    """Each rank sends its buffer and receives the other's (gloo's all-reduce took 3-7 ms for
+    a 340 KB buffer where this takes mostly under 1.3 ms on a 2-core VM)."""
     first, second = scenario(ranks, "counted")
-    assert first["calls"] == second["calls"] == ["all_reduce"]
-    # integer buffers rode along in that one collective: max taken, replicas bitwise equal
+    assert first["calls"] == second["calls"] == ["isend", "irecv"]
+    # integer buffers rode along in that one exchange: max taken, replicas bitwise equal
     assert first["num_batches_tracked"] == second["num_batches_tracked"] == \
         max(NUM_BATCHES_TRACKED)
     assert first["checksum"] == second["checksum"]
+
+
+def test_the_exchange_in_parts_sums_the_same_bits_as_an_all_reduce_on_both_ranks(ranks):
+    first, second = scenario(ranks, "exchanged_in_parts")
+    assert first["values"] == second["values"] == 26
+    assert first["message"] == second["message"] == 5
+    assert first["as_all_reduce"] and second["as_all_reduce"]
+    assert first["sum"] == second["sum"]
+    assert first["stats"] == second["stats"] == [stats_row(0), stats_row(1)]
 
 
 def test_averaging_and_broadcast_run_over_the_given_group(ranks):
