@@ -66,8 +66,9 @@ measured it and before anything loads it: what a blocking average loads, what as
   buffers instead: each sends its own and adds the other's (in messages of at most
   ``EXCHANGE_FLOATS`` values, two received ahead, their receives posted before the sends). ``a + b == b + a`` in
   IEEE arithmetic, so both hold the same bits, as after the all-reduce, and the same bytes cross
-  the link; gloo's all-reduce of the 340 KB buffer of ``fdl bench``'s mlp took 3-7 ms after the
-  last rank arrived in 2-worker runs on a 2-core VM, this exchange mostly 0.3-1.3 ms.
+  the link. On a 2-core VM, two processes, the slow one sleeping between bursts of compute: a
+  340 KB buffer (``fdl bench``'s mlp) in 0.54-0.56 ms on average against gloo's all-reduce's
+  1.34-1.52 ms, which every few averages waits 3-4 ms; 9.9 MB in 7.5 against 9.4 ms.
 * ``nccl``: the flat buffer lives on the GPU and is reduced by NCCL.
 
 ``group`` (a ``ProcessGroup``, default the default group) carries every collective; ``rank``

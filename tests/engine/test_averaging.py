@@ -356,9 +356,9 @@ def test_params_false_averages_buffers_and_leaves_parameters_alone(ranks):
 
 
 def test_a_blocking_average_of_two_ranks_is_one_exchange(ranks):
-    """Each rank sends its buffer and receives the other's (gloo's all-reduce took 3-7 ms for
-    a 340 KB buffer where this takes mostly under 1.3 ms on a 2-core VM), the receive posted
-    first (sent first, the exchange took twice the all-reduce's time on a capped link)."""
+    """Each rank sends its buffer and receives the other's (fdl.engine.averaging says what
+    it saves), the receive posted first (sent first, the exchange took twice the
+    all-reduce's time on a capped link)."""
     first, second = scenario(ranks, "counted")
     assert first["calls"] == second["calls"] == ["irecv", "isend"]
     # integer buffers rode along in that one exchange: max taken, replicas bitwise equal
