@@ -68,7 +68,7 @@ measured it and before anything loads it: what a blocking average loads, what as
   IEEE arithmetic, so both hold the same bits, as after the all-reduce, and the same bytes cross
   the link. On a 2-core VM, two processes, the slow one sleeping between bursts of compute: a
   340 KB buffer (``fdl bench``'s mlp) in 0.54-0.56 ms on average against gloo's all-reduce's
-  1.34-1.52 ms, which every few averages waits 3-4 ms; 9.9 MB in 7.5 against 9.4 ms.
+  1.34-1.52 ms (its slowest tenth 3.4 ms and more); 9.9 MB in 7.5 against 9.4 ms.
 * ``nccl``: the flat buffer lives on the GPU and is reduced by NCCL.
 
 ``group`` (a ``ProcessGroup``, default the default group) carries every collective; ``rank``
