@@ -77,7 +77,7 @@ from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_at
 from fdl.engine.round_messages import group_store
 from fdl.engine.rounds import NUM_STATS, Replica, rounds
 from fdl.engine.state import RankFigures
-from fdl.engine.steps import CountingScaler, StepWatch
+from fdl.engine.steps import CountingScaler, DrivenScheduler, StepWatch
 from fdl.engine.user_collectives import refused
 from fdl.errors import UsageError
 from fdl.rundir import config as run_config
@@ -318,7 +318,7 @@ class Run:
                 num_workers: int | None = None,
                 collate_fn: Callable[[list[Any]], Any] | None = None,
                 pin_memory: bool | None = None, prefetch: int | None = None,
-                ddp: bool = False) -> Iterator[Any]:
+                scheduler: Any = None, ddp: bool = False) -> Iterator[Any]:
         """This rank's batches of every round, on ``run.device``; ``model`` is averaged
         between rounds. ``accumulate=k``: the loop steps the optimizer every k batches (a
         step, and the plan's unit, is k batches). A budget ends the run before ``epochs`` do:
@@ -336,6 +336,10 @@ class Run:
         and collate this rank's batches ahead of the step, kept from round to round;
         ``collate_fn``; ``pin_memory`` (default: on for a CUDA device), so the copy to the
         device does not block; ``prefetch`` batches per worker.
+        ``scheduler``: a torch LR scheduler made on ``optimizer``, stepped by the engine once
+        per global step (as ``max_steps`` counts them) before each step, so the script does
+        not call its ``step()``; size it as a DDP script does (``epochs x len(data) //
+        (world_size x batch_size x accumulate)`` steps). It goes into checkpoints.
         ``ddp=True`` (fdl.Trainer): under sync the
         step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
         optimizer's step."""
@@ -366,8 +370,11 @@ class Run:
         stream = self._stream(data, open_shard) if train is None else None
         if train is not None:
             self.check_data(train, accumulate=accumulate)
+        driven = None if scheduler is None else DrivenScheduler.of(
+            scheduler, optimizer,
+            samples_per_step=self.world_size * self.config.batch_size * accumulate)
         return self._rounds(train, model, optimizer, accumulate=accumulate, ddp=ddp,
-                            stream=stream)
+                            stream=stream, scheduler=driven)
 
     def _stream(self, data: Any, open_shard: Callable[[Any], Any] | None) -> Any:
         """The stream of batches of data without ``len()`` (:func:`_streaming` said so)."""
@@ -416,7 +423,8 @@ class Run:
                              f"{self.world_size} worker(s)")
 
     def _rounds(self, data: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                accumulate: int, ddp: bool, stream: Any) -> Iterator[Any]:
+                accumulate: int, ddp: bool, stream: Any,
+                scheduler: DrivenScheduler | None = None) -> Iterator[Any]:
         config, run_dir = self.config, self.config.run_dir
         if run_dir is not None and self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -434,7 +442,10 @@ class Run:
             config = self.config = replace(config, policy=CADENCE)
         replica = self.replica = self._replica(loader, model, optimizer, accumulate=accumulate,
                                                ddp=ddp, stream=stream)
-        if self.rank == 0 and self.world_size > 1:
+        replica.scheduler = scheduler
+        if scheduler is not None:  # its count goes into checkpoints, and comes back
+            self.state_objects["fdl_lr_scheduler"] = scheduler.scheduler
+        elif self.rank == 0 and self.world_size > 1:
             _warn_of_a_scheduler(optimizer, config.policy)
         step_size = config.batch_size * accumulate
         budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
@@ -760,8 +771,9 @@ def _warn_of_a_scheduler(optimizer: torch.optim.Optimizer, policy: Policy) -> No
             f"an LR scheduler was made on the optimizer: under --policy {policy.name} each rank "
             "steps at its own pace, so a scheduler stepped every batch runs through its "
             "schedule sooner on the fast rank (and OneCycleLR stops it once it passes its "
-            "total): step it at epoch ends (run.at_epoch_end), or set the LR from "
-            "run.progress, which every rank shares")
+            "total): hand it to run.batches(..., scheduler=) and fdl steps it once per global "
+            "step on every rank, step it at epoch ends (run.at_epoch_end), or set the LR "
+            "from run.progress, which every rank shares")
 
 
 def _unequal_steps(replica: Replica) -> str | None:

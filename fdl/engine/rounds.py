@@ -75,7 +75,7 @@ from fdl.engine.state import (
     largest_distance,
     round_stats,
 )
-from fdl.engine.steps import Logged, StepWatch
+from fdl.engine.steps import DrivenScheduler, Logged, StepWatch
 from fdl.rundir.progress import ProgressFile
 from fdl.rundir.timeline import Timeline
 
@@ -150,6 +150,7 @@ class Replica:
     # optimizer's pre-step all-reduce (a loop script; fdl.engine.grad_sync).
     comm_meter: DdpCommMeter | GradSync | None = None
     steps: StepWatch | None = None  # the optimizer steps the user's code took
+    scheduler: DrivenScheduler | None = None  # run.batches(scheduler=): stepped by the engine
     accumulate: int = 1  # batches per optimizer step
     logged: Logged = field(default_factory=Logged)  # run.log's scalars, summed on the device
     position: float = 0.0  # samples of the run done, as this rank's share of the round stands
@@ -220,6 +221,8 @@ def rounds(replica: Replica, state: PlanState) -> Generator[Any, None, PlanState
         stats = round_stats(reports) if reports else RoundStats.unknown(replica.world_size)
         advanced = advance(state, plan, stats, elastic_used=done.elastic_used,
                            pool_used=done.pool_used)
+        if replica.scheduler is not None:  # every rank's count alike at the round's end
+            replica.scheduler.advance(advanced.samples_seen)
         if advanced.anchor != state.anchor:
             replica.timeline.event("anchor", round=plan.round_index, anchor=advanced.anchor,
                                   previous=state.anchor, reason=advanced.anchor_history[-1][2])
@@ -482,6 +485,8 @@ def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: Roun
     clock = tally.warmup if warm else tally.timer
     clock.start()
     replica.position = progress
+    if replica.scheduler is not None:  # the step's LR: the global steps before it
+        replica.scheduler.advance(progress)
     arm = getattr(replica.comm_meter, "arm", None)  # a loop's sync: reduce after the last
     for part in range(parts):
         fetched = time.perf_counter()

@@ -8,6 +8,10 @@ after each one the watch checks the optimizer stepped exactly after the k-th. It
 ``optimizer.step()`` through the optimizer's public step hook and, under fp16, the
 ``GradScaler.update()`` of ``run.scaler`` (a step the scaler skipped for an inf gradient still
 ends the step).
+
+A torch LR scheduler handed to ``run.batches(..., scheduler=...)`` is stepped by the engine
+(:class:`DrivenScheduler`): a rank's own ``scheduler.step()`` per optimizer step would run
+ahead on the fast rank under cadence and async.
 """
 
 from __future__ import annotations
@@ -72,6 +76,56 @@ class CountingScaler(torch.amp.GradScaler):
         super().update(new_scale)
         if self.watch is not None:
             self.watch.step_ended()
+
+
+@dataclass
+class DrivenScheduler:
+    """A torch LR scheduler that the engine steps once per global step of the run
+    (``world_size x batch_size x accumulate`` samples, as ``max_steps`` and a plain DDP script
+    count them), however each rank's own steps fall: before each of a rank's steps it is
+    stepped until it has counted the global steps before that step's position (the rank's
+    estimate within a round), and at each round's end to the round's end, which every rank
+    knows alike (so checkpoints and the run's end hold the same count everywhere). Under
+    sync that is once per step, as a DDP script's ``scheduler.step()`` after
+    ``optimizer.step()``; under cadence and async the fast rank's steps each cover less of
+    the run and the slow rank's more. The count never goes back (a rank whose estimate ran
+    ahead of a round's real end waits for the run to catch up)."""
+
+    scheduler: Any
+    samples_per_step: int  # one global step's samples
+    _count: int | None = None  # scheduler.last_epoch as the engine left it (None: not yet)
+
+    @classmethod
+    def of(cls, scheduler: Any, optimizer: torch.optim.Optimizer, *,
+           samples_per_step: int) -> DrivenScheduler:
+        """``scheduler`` checked: a torch LR scheduler stepped per step, made on
+        ``optimizer``."""
+        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+        if isinstance(scheduler, ReduceLROnPlateau) or not isinstance(scheduler, LRScheduler):
+            raise UsageError(
+                f"run.batches(..., scheduler=) takes a torch LR scheduler stepped once per "
+                f"step (torch.optim.lr_scheduler.LRScheduler), got {type(scheduler).__name__}",
+                hint="step ReduceLROnPlateau on a metric at epoch ends (run.at_epoch_end); "
+                     "for a schedule of your own, set the LR from run.progress")
+        if scheduler.optimizer is not optimizer:
+            raise UsageError("the scheduler given to run.batches(..., scheduler=) was made on "
+                             "another optimizer than the one given with optimizer=",
+                             hint="make the scheduler on the optimizer the loop steps")
+        return cls(scheduler, samples_per_step)
+
+    def advance(self, position: float) -> None:
+        """Before a step at ``position`` (the run's samples done, as this rank estimates)."""
+        scheduler = self.scheduler
+        if self._count is not None and scheduler.last_epoch != self._count:
+            raise UsageError("scheduler.step() was called by the script, and the engine steps "
+                             "the scheduler given to run.batches(..., scheduler=): it would "
+                             "count each step twice",
+                             hint="remove the script's scheduler.step() call")
+        target = int(position // self.samples_per_step)
+        while scheduler.last_epoch < target:
+            scheduler.step()
+        self._count = scheduler.last_epoch
 
 
 @dataclass

@@ -57,7 +57,9 @@ class Trainer:
     * ``train_step`` may also return a dict of scalars with a ``loss``: the loss is trained
       on, every entry logged (``run.log``: the timeline, TensorBoard's ``step/<name>``).
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
-      fraction done (equal on every rank).
+      fraction done (equal on every rank); or ``scheduler(optimizer) -> LRScheduler``, a
+      torch LR scheduler the engine steps once per global step (``world_size x batch_size``
+      samples, as ``max_steps`` counts them; ``run.batches(..., scheduler=)``).
     * ``callbacks``: objects with any of ``on_epoch_end(record)`` (the epoch's
       ``metrics.jsonl`` record, after the evaluation; the model holds the epoch's consensus,
       under async a round into the next epoch), ``on_average(model)`` (an average just
@@ -95,6 +97,7 @@ class Trainer:
     epochs: int = ENGINE_DEFAULTS["epochs"]
     max_grad_norm: float | None = None
     schedule: Callable[[float], float] | None = None
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # a torch LR scheduler's factory
     policy: str = ENGINE_DEFAULTS["policy"]
     backend: str = ENGINE_DEFAULTS["backend"]
     seed: int = ENGINE_DEFAULTS["seed"]
@@ -148,7 +151,8 @@ class Trainer:
                                  max_steps=self.max_steps, max_samples=self.max_samples,
                                  max_time=self.max_time, num_workers=self.num_workers,
                                  collate_fn=self.collate_fn, pin_memory=self.pin_memory,
-                                 prefetch=self.prefetch, ddp=True):
+                                 prefetch=self.prefetch, ddp=True,
+                                 scheduler=self.scheduler(optimizer) if self.scheduler else None):
             if self.schedule is not None:
                 scale = self.schedule(run.progress)
                 for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
@@ -233,6 +237,12 @@ class Trainer:
             raise UsageError("model, optimizer and train_step must be callables",
                              hint="model=lambda: nn.Linear(4, 1), optimizer=lambda p: "
                                   "torch.optim.SGD(p, lr=0.1), train_step=fn(model, batch)")
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise UsageError("scheduler takes a factory of the optimizer",
+                             hint="scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR("
+                                  "opt, max_lr=0.1, total_steps=N)")
+        if self.scheduler is not None and self.schedule is not None:
+            raise UsageError("schedule and scheduler both set the learning rate: give one")
         if (self.eval_data is None) != (self.evaluate is None):
             raise UsageError("eval_data and evaluate go together: give both or neither")
 

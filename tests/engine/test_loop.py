@@ -148,17 +148,26 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
 
 
 def test_a_loop_s_own_state_is_checkpointed_and_back_on_resume(tmp_path):
+    """The script's counter and the scheduler it handed to run.batches (a OneCycleLR of 48
+    global steps: 3 epochs) go into the epoch-1 checkpoint, at its 16th step, and the resumed
+    run takes both up there and ends the schedule at its 48th."""
+    driven = ("--driven", "--sched-steps", "48")
     _, run_dir, first = loop_run(tmp_path, "--policy", "cadence", "--checkpoint-every", "1",
-                                 "--epochs", "2")
+                                 "--epochs", "2", script_args=driven)
     checkpoint, _ = latest_checkpoint(run_dir)
     assert checkpoint is not None
-    saved = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=True)["user"]
-             ["counter"]["steps"] for r in (0, 1)]
+    users = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=True)["user"]
+             for r in (0, 1)]
+    saved = [user["counter"]["steps"] for user in users]
     assert 0 < saved[0] < first[0]["steps"]  # the epoch-1 checkpoint, mid-run
+    assert [user["fdl_lr_scheduler"]["last_epoch"] for user in users] == [16, 16]
     _, _, resumed = loop_run(tmp_path, "--resume", str(run_dir), "--epochs", "3",
-                             name="again")
+                             script_args=driven, name="again")
     assert [r["resumed_steps"] for r in resumed] == saved
     assert resumed[0]["history"][-1]["epoch"] == 3
+    schedule = one_cycle(48)
+    for record in resumed:
+        assert record["lrs"][0] == schedule[16] and record["scheduler_count"] == 48
 
 
 def test_a_loop_that_never_steps_is_told_on_its_first_batch(tmp_path):
@@ -421,6 +430,62 @@ def test_a_scheduler_on_the_optimizer_is_warned_of_where_ranks_step_unequally(tm
     warning = "warning: an LR scheduler was made on the optimizer: under --policy cadence"
     assert shown.count(warning) == (1 if policy == "cadence" else 0), shown[-3000:]
     assert ("LR scheduler" in shown) == (policy == "cadence"), shown[-3000:]
+
+
+def one_cycle(total: int) -> list[float]:
+    """The LR of each of the ``total`` steps of loop_train.py's OneCycleLR, stepped alone."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def in_order_within(lrs: list[float], schedule: list[float]) -> bool:
+    """Whether ``lrs`` are values of ``schedule``, each at or after the last one's place."""
+    place = 0
+    for lr in lrs:
+        while place < len(schedule) and schedule[place] != lr:
+            place += 1
+        if place == len(schedule):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("policy", ["cadence", "sync"])
+def test_a_scheduler_handed_to_the_loop_counts_global_steps_on_every_rank(tmp_path, policy):
+    """run.batches(scheduler=) with a OneCycleLR sized as a DDP script sizes it (32 steps of 2
+    x 32 samples over 2 epochs of 1024): the engine steps it, so under cadence the fast rank's
+    many steps and the slow rank's few each take the schedule's LR at the run's position, in
+    order, and both end at its 32nd step; stepped per own step, the fast rank would pass 32 and
+    OneCycleLR would stop it. Under sync every step is one: the schedule, step by step."""
+    out, _, seen = loop_run(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",
+                            script_args=("--driven",))
+    schedule = one_cycle(32)
+    for record in seen:
+        assert record["scheduler_count"] == 32
+        assert in_order_within(record["lrs"], schedule), record["lrs"]
+    same_models(out)
+    if policy == "sync":
+        assert [record["lrs"] for record in seen] == [schedule, schedule]
+    else:
+        assert seen[0]["steps"] > 32 > seen[1]["steps"]
+
+
+def test_a_script_that_steps_the_scheduler_it_handed_over_is_told(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_fdl("run", "--nproc-per-node", "2", "--policy", "cadence", "--run-dir",
+                   str(tmp_path / "run"), str(SCRIPTS / "loop_train.py"), str(out),
+                   "--samples", "256", "--epochs", "1", "--driven", "--also-step",
+                   cwd=tmp_path, timeout=240)
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode != 0, shown[-3000:]
+    assert "scheduler.step() was called by the script" in shown, shown[-3000:]
+    assert not (out / "rank0.json").exists()
 
 
 @pytest.mark.parametrize("never_step", [False, True], ids=["finished", "failed"])

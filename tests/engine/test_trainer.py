@@ -118,6 +118,47 @@ def test_schedule_is_indexed_by_global_samples():
     assert result.history[-1]["train_loss"] is not None
 
 
+def test_a_scheduler_factory_is_stepped_once_per_global_step():
+    """``scheduler=``: the engine steps the torch scheduler once per step of the run (alone,
+    each step is one), after the last step too, as a script's ``scheduler.step()`` after each
+    ``optimizer.step()`` would: the LR of each step is the schedule's at the steps before it."""
+    schedulers, lrs = [], []
+
+    def make(optimizer):
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 / (1 + k)))
+        return schedulers[-1]
+
+    def step(model, batch):
+        lrs.append(schedulers[0].optimizer.param_groups[0]["lr"])
+        return train_step(model, batch)
+
+    trainer(scheduler=make, train_step=step, epochs=2).fit()
+    steps = 2 * 512 // 32
+    assert schedulers[0].last_epoch == steps
+    assert lrs == pytest.approx([0.1 / (1 + k) for k in range(steps)])  # common's lr is 0.1
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    ({"scheduler": lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)},
+     "LR scheduler stepped once per step"),
+    ({"scheduler": lambda optimizer: torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 1)},
+     "made on another optimizer"),
+    ({"scheduler": lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1),
+      "schedule": lambda progress: 1.0}, "both set the learning rate"),
+])
+def test_a_scheduler_the_engine_cannot_step_is_refused_before_any_step(overrides, needle):
+    steps: list[int] = []
+
+    def counting_step(model, batch):
+        steps.append(1)
+        return train_step(model, batch)
+
+    with pytest.raises(UsageError, match=needle):
+        trainer(train_step=counting_step, **overrides).fit()
+    assert steps == []
+
+
 # --- the optimizer factory ------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what 
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
                      [--never-step] [--tick-every S] [--all-reduce-loss] [--scheduler]
-                     [--all-reduce-by-name]
+                     [--all-reduce-by-name] [--driven [--sched-steps N] [--also-step]]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
@@ -13,7 +13,10 @@ liveness thread ticks every S seconds instead of every 2 (a tick nearly always i
 the worker exits); ``--all-reduce-loss``: an all-reduce of the loss in every step, as a
 torchrun script logs it (``--all-reduce-by-name``: through ``all_reduce`` imported by name
 before the run); ``--scheduler``: a torch LR scheduler made on the optimizer (never
-stepped).
+stepped); ``--driven``: a OneCycleLR sized as a DDP script sizes it (``--sched-steps``, by
+default epochs x samples // (world_size x 32 x accumulate)) handed to
+``run.batches(scheduler=)`` instead of the cosine on run.progress, which the script never steps
+(``--also-step``: it steps it too, as it did before).
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
 batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
@@ -65,18 +68,23 @@ model = build_model("--batch-norm" in sys.argv).to(run.device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 if "--scheduler" in sys.argv:  # made, never stepped: the LR stays the loop's own
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=10**6)
+driven = None
+if "--driven" in sys.argv:
+    total = flag("--sched-steps", flag("--epochs", 2) * flag("--samples", 1024)
+                 // (run.world_size * 32 * accumulate))
+    driven = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
 counter = Counter()
 run.state(counter=counter)
 run.evaluate(make_data(256, seed=2), evaluate)
 seen = {"batches": 0, "mid_step_changes": 0, "progress_back": 0, "resumed_steps": None,
         "autocast_dtypes": [], "averages": 0, "epoch_ends": 0, "samples": 0,
-        "batch_sizes": []}
+        "batch_sizes": [], "lrs": []}
 run.after_average(lambda: seen.update(averages=seen["averages"] + 1))
 run.at_epoch_end(lambda record: seen.update(epoch_ends=record["epoch"]))
 last_progress, after = 0.0, None
 for index, (features, labels) in enumerate(run.batches(
         make_data(flag("--samples", 1024), seed=1), model=model, optimizer=optimizer, batch_size=32,
-        epochs=flag("--epochs", 2), accumulate=accumulate)):
+        epochs=flag("--epochs", 2), accumulate=accumulate, scheduler=driven)):
     if seen["resumed_steps"] is None:
         seen["resumed_steps"] = counter.steps
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -85,8 +93,12 @@ for index, (features, labels) in enumerate(run.batches(
     if run.progress < last_progress:
         seen["progress_back"] += 1
     last_progress = run.progress
-    for group in optimizer.param_groups:
-        group["lr"] = 0.1 if plain else 0.1 * 0.5 * (1 + math.cos(math.pi * run.progress))
+    if driven is not None:  # the step's LR, as the engine set it
+        if index % accumulate == 0:
+            seen["lrs"].append(optimizer.param_groups[0]["lr"])
+    else:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 if plain else 0.1 * 0.5 * (1 + math.cos(math.pi * run.progress))
     with run.autocast():
         logits = model(features)
         if len(seen["autocast_dtypes"]) < 1:
@@ -110,12 +122,15 @@ for index, (features, labels) in enumerate(run.batches(
         optimizer.step()
         optimizer.zero_grad()
         counter.steps += 1
+        if "--also-step" in sys.argv:
+            driven.step()
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 result = run.finish()
 rank = os.environ.get("RANK", "0")
 torch.save(result.model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump({**seen, "steps": counter.steps, "metrics": result.metrics,
+               "scheduler_count": driven.last_epoch if driven is not None else None,
                "threads_after_finish": native_threads(),
                "python_threads_after_finish": [t.name for t in threading.enumerate()],
                "epoch_exchanges": len(exchanges),
