@@ -362,11 +362,9 @@ class Run:
             raise UsageError(f"loader options ({', '.join(k for k, v in options.items() if v is not None)}) "
                              f"are for a map-style dataset; streaming data makes its batches "
                              f"as it reads", hint="give the stream's own loader its workers")
-        if batch_size is None and train is not None and train.batch_size is not None:
-            batch_size = train.batch_size  # a DataLoader's batch size is the script's value
-        given = {"batch_size": batch_size, "epochs": epochs, "max_steps": max_steps,
-                 "max_samples": max_samples, "max_time": max_time}
-        self.config = self._configured(**{k: v for k, v in given.items() if v is not None})
+        self.config = self._settings(train, batch_size=batch_size, epochs=epochs,
+                                     max_steps=max_steps, max_samples=max_samples,
+                                     max_time=max_time)
         stream = self._stream(data, open_shard) if train is None else None
         if train is not None:
             self.check_data(train, accumulate=accumulate)
@@ -375,6 +373,41 @@ class Run:
             samples_per_step=self.world_size * self.config.batch_size * accumulate)
         return self._rounds(train, model, optimizer, accumulate=accumulate, ddp=ddp,
                             stream=stream, scheduler=driven)
+
+    def total_steps(self, data: Any, *, batch_size: int | None = None,
+                    epochs: int | None = None, max_steps: int | None = None,
+                    max_samples: int | None = None, accumulate: int = 1) -> int:
+        """The global steps (``world_size x batch_size x accumulate`` samples each, as
+        ``max_steps`` counts them) that ``run.batches`` given the same ``data`` and settings
+        will run, ``fdl run``'s ``--epochs``/``--batch-size``/``--max-steps``/``--max-samples``
+        applied: the count a scheduler handed to ``run.batches(scheduler=)`` reaches at the
+        run's end, so size it with this (a OneCycleLR's ``total_steps``). A time budget may
+        end the run sooner; streaming data needs a step or sample budget."""
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        train = None if _streaming(data) else TrainData.of(data)
+        config = self._settings(train, batch_size=batch_size, epochs=epochs,
+                                max_steps=max_steps, max_samples=max_samples, max_time=None)
+        budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
+                                world_size=self.world_size, batch_size=config.batch_size,
+                                accumulate=accumulate)
+        if train is None and budget is None:
+            raise UsageError("streaming data (shards or an IterableDataset) has no length: "
+                             "its steps come from a step or sample budget",
+                             hint="pass max_steps=N or max_samples=N here and to run.batches")
+        samples = budget if train is None else PlanConfig(
+            world_size=self.world_size, batch_size=config.batch_size * accumulate,
+            dataset_size=len(train), epochs=config.epochs, max_samples=budget,
+            policy=config.policy).num_samples
+        return samples // (self.world_size * config.batch_size * accumulate)
+
+    def _settings(self, train: TrainData | None, **given: Any) -> EngineConfig:
+        """The run's settings for ``run.batches``' values (those given; a DataLoader's batch
+        size stands for the script's), under fdl run's flags, FDL_* and fdl.toml."""
+        if given.get("batch_size") is None and train is not None and \
+                train.batch_size is not None:
+            given["batch_size"] = train.batch_size  # a DataLoader's batch size: the script's
+        return self._configured(**{k: v for k, v in given.items() if v is not None})
 
     def _stream(self, data: Any, open_shard: Callable[[Any], Any] | None) -> Any:
         """The stream of batches of data without ``len()`` (:func:`_streaming` said so)."""

@@ -123,8 +123,15 @@ class DrivenScheduler:
                              "count each step twice",
                              hint="remove the script's scheduler.step() call")
         target = int(position // self.samples_per_step)
-        while scheduler.last_epoch < target:
-            scheduler.step()
+        while (step := scheduler.last_epoch + 1) <= target:
+            try:
+                scheduler.step()
+            except ValueError as exc:  # OneCycleLR past its total_steps
+                raise UsageError(f"the scheduler given to run.batches(..., scheduler=) refused "
+                                 f"global step {step}: {exc}",
+                                 hint="size it with run.total_steps(data, batch_size=..., "
+                                      "epochs=...), which applies fdl run's --epochs and "
+                                      "budgets") from None
         self._count = scheduler.last_epoch
 
 

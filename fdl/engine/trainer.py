@@ -59,7 +59,10 @@ class Trainer:
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
       fraction done (equal on every rank); or ``scheduler(optimizer) -> LRScheduler``, a
       torch LR scheduler the engine steps once per global step (``world_size x batch_size``
-      samples, as ``max_steps`` counts them; ``run.batches(..., scheduler=)``).
+      samples, as ``max_steps`` counts them; ``run.batches(..., scheduler=)``); a factory
+      with a parameter named ``total_steps`` also gets the run's global steps
+      (``run.total_steps``: ``fdl run``'s ``--epochs`` and budgets applied), to size it with:
+      ``scheduler=lambda opt, total_steps: OneCycleLR(opt, 0.1, total_steps=total_steps)``.
     * ``callbacks``: objects with any of ``on_epoch_end(record)`` (the epoch's
       ``metrics.jsonl`` record, after the evaluation; the model holds the epoch's consensus,
       under async a round into the next epoch), ``on_average(model)`` (an average just
@@ -152,7 +155,7 @@ class Trainer:
                                  max_time=self.max_time, num_workers=self.num_workers,
                                  collate_fn=self.collate_fn, pin_memory=self.pin_memory,
                                  prefetch=self.prefetch, ddp=True,
-                                 scheduler=self.scheduler(optimizer) if self.scheduler else None):
+                                 scheduler=self._scheduler(run, optimizer)):
             if self.schedule is not None:
                 scale = self.schedule(run.progress)
                 for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
@@ -231,6 +234,20 @@ class Trainer:
                 run.after_average(lambda hook=hooks[1]: hook(model))
             if callable(getattr(callback, "state_dict", None)):
                 run.state(**{f"callback{index}": callback})
+
+    def _scheduler(self, run: Run, optimizer: torch.optim.Optimizer) -> Any:
+        """The torch LR scheduler the factory makes (None without one), given the run's
+        global steps when it asks for ``total_steps``."""
+        if self.scheduler is None:
+            return None
+        try:
+            names = inspect.signature(self.scheduler).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: the optimizer only
+            names = {}
+        if "total_steps" not in names:
+            return self.scheduler(optimizer)
+        return self.scheduler(optimizer, total_steps=run.total_steps(
+            self.train_data, max_steps=self.max_steps, max_samples=self.max_samples))
 
     def _validate(self) -> None:
         if not callable(self.model) or not callable(self.optimizer) or not callable(self.train_step):

@@ -475,6 +475,50 @@ def test_a_scheduler_handed_to_the_loop_counts_global_steps_on_every_rank(tmp_pa
         assert seen[0]["steps"] > 32 > seen[1]["steps"]
 
 
+@pytest.mark.parametrize("sized_by", ["total_steps", "the script's epochs"])
+def test_total_steps_is_where_a_handed_scheduler_ends_under_fdl_run_s_overrides(
+        tmp_path, monkeypatch, sized_by):
+    """``run.total_steps`` applies fdl run's settings (FDL_EPOCHS=3, as ``fdl run --epochs 3``
+    passes it) over the script's values, as run.batches does: a OneCycleLR sized with it ends
+    the run at its last step; one sized by the script's own 2 epochs is refused at the step
+    past its total, with one line saying what to size it with."""
+    import fdl
+
+    sys.path.insert(0, str(SCRIPTS))
+    from common import make_data
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("FDL_EPOCHS", "3")
+    data = make_data(1000, seed=1)
+    run = fdl.init(seed=1)
+    assert run.total_steps(data, batch_size=32, epochs=2) == 3 * 1000 // 32
+    assert run.total_steps(data, batch_size=32, epochs=2, max_steps=10) == 10
+    assert run.total_steps(data, batch_size=32, epochs=2, accumulate=2) == 3 * 1000 // 64
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = run.total_steps(data, batch_size=32, epochs=2) if sized_by == "total_steps" \
+        else 2 * 1000 // 32
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+
+    def train() -> None:
+        for features, labels in run.batches(data, model=model, optimizer=optimizer,
+                                            batch_size=32, epochs=2, scheduler=scheduler):
+            torch.nn.functional.cross_entropy(model(features), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        run.finish()
+
+    if sized_by == "total_steps":
+        train()
+        assert scheduler.last_epoch == 3 * 1000 // 32
+    else:
+        with pytest.raises(fdl.errors.UsageError, match=f"refused global step {total + 1}: "
+                                                        "Tried to step") as refused:
+            train()
+        assert "run.total_steps" in refused.value.hint
+        run.abandon()
+
+
 def test_a_script_that_steps_the_scheduler_it_handed_over_is_told(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -138,6 +138,23 @@ def test_a_scheduler_factory_is_stepped_once_per_global_step():
     assert lrs == pytest.approx([0.1 / (1 + k) for k in range(steps)])  # common's lr is 0.1
 
 
+def test_a_scheduler_factory_asking_for_total_steps_gets_the_run_s(monkeypatch):
+    """A factory with a ``total_steps`` parameter gets the run's global steps, fdl run's
+    settings applied (FDL_EPOCHS=3 over the Trainer's 2), and its OneCycleLR ends there."""
+    monkeypatch.setenv("FDL_EPOCHS", "3")
+    schedulers, totals = [], []
+
+    def make(optimizer, total_steps):
+        totals.append(total_steps)
+        schedulers.append(torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1,
+                                                              total_steps=total_steps))
+        return schedulers[-1]
+
+    trainer(scheduler=make, epochs=2).fit()
+    assert totals == [3 * 512 // 32]
+    assert schedulers[0].last_epoch == 3 * 512 // 32
+
+
 @pytest.mark.parametrize(("overrides", "needle"), [
     ({"scheduler": lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)},
      "LR scheduler stepped once per step"),

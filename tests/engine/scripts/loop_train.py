@@ -13,8 +13,7 @@ liveness thread ticks every S seconds instead of every 2 (a tick nearly always i
 the worker exits); ``--all-reduce-loss``: an all-reduce of the loss in every step, as a
 torchrun script logs it (``--all-reduce-by-name``: through ``all_reduce`` imported by name
 before the run); ``--scheduler``: a torch LR scheduler made on the optimizer (never
-stepped); ``--driven``: a OneCycleLR sized as a DDP script sizes it (``--sched-steps``, by
-default epochs x samples // (world_size x 32 x accumulate)) handed to
+stepped); ``--driven``: a OneCycleLR of ``run.total_steps`` steps (``--sched-steps N``: N) handed to
 ``run.batches(scheduler=)`` instead of the cosine on run.progress, which the script never steps
 (``--also-step``: it steps it too, as it did before).
 
@@ -68,10 +67,11 @@ model = build_model("--batch-norm" in sys.argv).to(run.device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 if "--scheduler" in sys.argv:  # made, never stepped: the LR stays the loop's own
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=10**6)
-driven = None
+train_set, driven = make_data(flag("--samples", 1024), seed=1), None
 if "--driven" in sys.argv:
-    total = flag("--sched-steps", flag("--epochs", 2) * flag("--samples", 1024)
-                 // (run.world_size * 32 * accumulate))
+    total = flag("--sched-steps", run.total_steps(train_set, batch_size=32,
+                                                  epochs=flag("--epochs", 2),
+                                                  accumulate=accumulate))
     driven = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
 counter = Counter()
 run.state(counter=counter)
@@ -83,7 +83,7 @@ run.after_average(lambda: seen.update(averages=seen["averages"] + 1))
 run.at_epoch_end(lambda record: seen.update(epoch_ends=record["epoch"]))
 last_progress, after = 0.0, None
 for index, (features, labels) in enumerate(run.batches(
-        make_data(flag("--samples", 1024), seed=1), model=model, optimizer=optimizer, batch_size=32,
+        train_set, model=model, optimizer=optimizer, batch_size=32,
         epochs=flag("--epochs", 2), accumulate=accumulate, scheduler=driven)):
     if seen["resumed_steps"] is None:
         seen["resumed_steps"] = counter.steps
