@@ -338,8 +338,9 @@ class Run:
         device does not block; ``prefetch`` batches per worker.
         ``scheduler``: a torch LR scheduler made on ``optimizer``, stepped by the engine once
         per global step (as ``max_steps`` counts them) before each step, so the script does
-        not call its ``step()``; size it as a DDP script does (``epochs x len(data) //
-        (world_size x batch_size x accumulate)`` steps). It goes into checkpoints.
+        not call its ``step()``; size it with :meth:`total_steps` (as a DDP script sizes it,
+        ``epochs x len(data) // (world_size x batch_size x accumulate)``, with fdl run's
+        overrides). It goes into checkpoints.
         ``ddp=True`` (fdl.Trainer): under sync the
         step calls ``run.step_model``, DDP's wrapper, instead of averaging gradients in the
         optimizer's step."""

@@ -100,7 +100,7 @@ class Trainer:
     epochs: int = ENGINE_DEFAULTS["epochs"]
     max_grad_norm: float | None = None
     schedule: Callable[[float], float] | None = None
-    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # a torch LR scheduler's factory
+    scheduler: Callable[..., Any] | None = None  # a torch LR scheduler's factory (optimizer[, total_steps])
     policy: str = ENGINE_DEFAULTS["policy"]
     backend: str = ENGINE_DEFAULTS["backend"]
     seed: int = ENGINE_DEFAULTS["seed"]
