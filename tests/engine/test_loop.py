@@ -494,6 +494,10 @@ def test_total_steps_is_where_a_handed_scheduler_ends_under_fdl_run_s_overrides(
     assert run.total_steps(data, batch_size=32, epochs=2) == 3 * 1000 // 32
     assert run.total_steps(data, batch_size=32, epochs=2, max_steps=10) == 10
     assert run.total_steps(data, batch_size=32, epochs=2, accumulate=2) == 3 * 1000 // 64
+    shards = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]  # streamed: only a budget counts
+    assert run.total_steps(shards, batch_size=32, max_samples=200) == 200 // 32
+    with pytest.raises(fdl.errors.UsageError, match="step or sample budget"):
+        run.total_steps(shards, batch_size=32, epochs=2)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     total = run.total_steps(data, batch_size=32, epochs=2) if sized_by == "total_steps" \
