@@ -70,7 +70,14 @@ from fdl.engine.liveness import liveness, stop_ticking
 from fdl.engine.micro_batches import MicroBatches, micro_for_rank
 from fdl.engine.p2p import P2PChoice
 from fdl.engine.peers import keep_store
-from fdl.engine.plan import PlanConfig, PlanState, auto_undecided, initial_state, samples_budget
+from fdl.engine.plan import (
+    PlanConfig,
+    PlanState,
+    auto_undecided,
+    global_step_samples,
+    initial_state,
+    samples_budget,
+)
 from fdl.engine.policies import CADENCE, Policy, PolicyChoice
 from fdl.engine.precision import autocast, precision_for_rank, resolve_precision
 from fdl.engine.recovery import Checkpointer, find_resume_checkpoint, restart_attempt, resume
@@ -350,8 +357,7 @@ class Run:
                 hint="for phases (pretraining, then fine-tuning), loop over one run.batches(...) "
                      "and switch on run.progress or the epoch; or train each phase as its own "
                      "fdl run")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        _check_accumulate(accumulate)
         _check_unwrapped(model)
         _check_optimized(model, optimizer)
         train = None if _streaming(data) else TrainData.of(data)
@@ -371,7 +377,7 @@ class Run:
             self.check_data(train, accumulate=accumulate)
         driven = None if scheduler is None else DrivenScheduler.of(
             scheduler, optimizer,
-            samples_per_step=self.world_size * self.config.batch_size * accumulate)
+            samples_per_step=self._global_step(accumulate))
         return self._rounds(train, model, optimizer, accumulate=accumulate, ddp=ddp,
                             stream=stream, scheduler=driven)
 
@@ -384,8 +390,7 @@ class Run:
         applied: the count a scheduler handed to ``run.batches(scheduler=)`` reaches at the
         run's end, so size it with this (a OneCycleLR's ``total_steps``). A time budget may
         end the run sooner; streaming data needs a step or sample budget."""
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+        _check_accumulate(accumulate)
         train = None if _streaming(data) else TrainData.of(data)
         config = self._settings(train, batch_size=batch_size, epochs=epochs,
                                 max_steps=max_steps, max_samples=max_samples, max_time=None)
@@ -400,7 +405,14 @@ class Run:
             world_size=self.world_size, batch_size=config.batch_size * accumulate,
             dataset_size=len(train), epochs=config.epochs, max_samples=budget,
             policy=config.policy).num_samples
-        return samples // (self.world_size * config.batch_size * accumulate)
+        return samples // global_step_samples(world_size=self.world_size,
+                                              batch_size=config.batch_size,
+                                              accumulate=accumulate)
+
+    def _global_step(self, accumulate: int) -> int:
+        """One global step's samples under the run's settings (:func:`global_step_samples`)."""
+        return global_step_samples(world_size=self.world_size,
+                                   batch_size=self.config.batch_size, accumulate=accumulate)
 
     def _settings(self, train: TrainData | None, **given: Any) -> EngineConfig:
         """The run's settings for ``run.batches``' values (those given; a DataLoader's batch
@@ -445,7 +457,7 @@ class Run:
         """Raise UsageError unless ``data`` (a dataset, a DataLoader: what it holds) can feed
         every worker a step of this run."""
         size = len(data if isinstance(data, TrainData) else TrainData.of(data))
-        needed = self.world_size * self.config.batch_size * accumulate
+        needed = self._global_step(accumulate)
         if size < needed:
             raise UsageError(f"the training data has {size} samples, fewer than one batch per "
                              f"worker ({self.world_size} x {self.config.batch_size}"
@@ -551,7 +563,7 @@ class Run:
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
             after_average=self._after_average, stream=stream, on_policy=self._chose,
             copies=DeviceCopies.for_device(device) if stream is None else None,
-            evaluate_every=(self._evaluation.every * world_size * config.batch_size * accumulate
+            evaluate_every=(self._evaluation.every * self._global_step(accumulate)
                             if self._evaluation and self._evaluation.every else None),
             on_evaluate=self._epochs_log.evaluate_now if self._epochs_log else None,
             verify=_verify(),
@@ -734,6 +746,11 @@ class Run:
 
 #: wrappers that run collectives of their own in forward or backward (torch's DDP and FSDP)
 COLLECTIVE_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule")
+
+
+def _check_accumulate(accumulate: Any) -> None:
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
 
 
 def _check_unwrapped(model: nn.Module) -> None:

@@ -176,6 +176,12 @@ def epoch_size(config: PlanConfig, epoch: int) -> int:
     return min(config.dataset_size, config.num_samples - epoch * config.dataset_size)
 
 
+def global_step_samples(*, world_size: int, batch_size: int, accumulate: int = 1) -> int:
+    """The samples of one global step, one step of plain DDP: what ``max_steps``,
+    ``run.evaluate(every=)`` and a scheduler handed to ``run.batches`` count in."""
+    return world_size * batch_size * accumulate
+
+
 def samples_budget(*, max_steps: int | None, max_samples: int | None, world_size: int,
                    batch_size: int, accumulate: int = 1) -> int | None:
     """``PlanConfig.max_samples`` for a run given a step budget, a sample budget or both: one
@@ -190,7 +196,9 @@ def samples_budget(*, max_steps: int | None, max_samples: int | None, world_size
             _check_int(name, value, 1, why="or None")
     budgets = [] if max_samples is None else [max_samples]
     if max_steps is not None:
-        budgets.append(max_steps * world_size * batch_size * accumulate)
+        budgets.append(max_steps * global_step_samples(world_size=world_size,
+                                                       batch_size=batch_size,
+                                                       accumulate=accumulate))
     return min(budgets, default=None)
 
 

@@ -240,11 +240,7 @@ class Trainer:
         global steps when it asks for ``total_steps``."""
         if self.scheduler is None:
             return None
-        try:
-            names = inspect.signature(self.scheduler).parameters
-        except (TypeError, ValueError):  # a builtin without a signature: the optimizer only
-            names = {}
-        if "total_steps" not in names:
+        if "total_steps" not in _parameter_names(self.scheduler):
             return self.scheduler(optimizer)
         return self.scheduler(optimizer, total_steps=run.total_steps(
             self.train_data, max_steps=self.max_steps, max_samples=self.max_samples))
@@ -281,8 +277,13 @@ def build_optimizer(factory: Any, model: nn.Module) -> torch.optim.Optimizer:
     may walk more than once (nanoGPT's ``configure_optimizers`` walks them twice, decay for
     matrices and none for the rest: given a one-shot generator, its second group came out
     empty and those parameters never trained, silently)."""
-    try:
-        names = list(inspect.signature(factory).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature: parameters, as before
-        names = []
+    names = _parameter_names(factory)
     return factory(model if names[:1] == ["model"] else list(model.parameters()))
+
+
+def _parameter_names(factory: Any) -> list[str]:
+    """The names of ``factory``'s parameters (none for a builtin without a signature)."""
+    try:
+        return list(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return []

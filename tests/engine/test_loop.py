@@ -462,8 +462,8 @@ def test_a_scheduler_handed_to_the_loop_counts_global_steps_on_every_rank(tmp_pa
     many steps and the slow rank's few each take the schedule's LR at the run's position, in
     order, and both end at its 32nd step; stepped per own step, the fast rank would pass 32 and
     OneCycleLR would stop it. Under sync every step is one: the schedule, step by step."""
-    out, _, seen = loop_run(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",
-                            script_args=("--driven",))
+    out, run_dir, seen = loop_run(tmp_path, "--policy", policy, "--simulate-slowdown", "1,2.5",
+                                  script_args=("--driven",))
     schedule = one_cycle(32)
     for record in seen:
         assert record["scheduler_count"] == 32
@@ -473,6 +473,10 @@ def test_a_scheduler_handed_to_the_loop_counts_global_steps_on_every_rank(tmp_pa
         assert [record["lrs"] for record in seen] == [schedule, schedule]
     else:
         assert seen[0]["steps"] > 32 > seen[1]["steps"]
+        # stepped within rounds, not only at their ends: the fast rank's steps take more LRs
+        # than the run has rounds
+        rounds = [e for e in read_events(run_dir, 0) if e["kind"] == "round"]
+        assert len(set(seen[0]["lrs"])) > len(rounds) + 1, (seen[0]["lrs"], len(rounds))
 
 
 @pytest.mark.parametrize("sized_by", ["total_steps", "the script's epochs"])
