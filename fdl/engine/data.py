@@ -3,11 +3,12 @@
 ``train_data`` (and ``eval_data``) may be a map-style dataset (``len()`` and ``data[i]``: a
 torch ``Dataset``, a ``TensorDataset``, a list of samples) or a ``DataLoader`` over one.
 :meth:`TrainData.of` reads either into a :class:`TrainData`: the dataset, and of a loader its
-``batch_size``, ``collate_fn`` and worker options. fdl draws its own batches: the loader's
-sampler and batching are replaced (the rules are in :meth:`TrainData.of`).
+``batch_size``, ``drop_last``, ``collate_fn`` and worker options. fdl draws its own batches:
+the loader's sampler and batching are replaced (the rules are in :meth:`TrainData.of`).
 
 Epoch ``e`` visits the training set in the order ``torch.randperm(n)`` drawn from a generator
-seeded with ``seed + e`` (DistributedSampler's convention). A round's plan gives rank r the
+seeded with ``seed + e`` (DistributedSampler's convention); with ``drop_last`` an epoch is that
+order's first ``n - n % batch_size`` positions. A round's plan gives rank r the
 stream positions ``[start, stop)``; :func:`slice_batches` yields them as batches of
 ``batch_size`` (the last one possibly partial), collated with the data's ``collate_fn``, by
 direct indexing for a ``TensorDataset`` under the default collate (same result, much faster),
@@ -47,12 +48,14 @@ ACCEPTED = ("a map-style dataset (len() and data[i]: a torch Dataset, a TensorDa
 @dataclass(frozen=True, kw_only=True)
 class TrainData:
     """A dataset and how its batches are made: of a DataLoader, its ``batch_size`` (None for a
-    plain dataset: the engine's batch size applies), ``collate_fn`` and worker options. With
-    ``num_workers > 0`` the workers fetch and collate, and ``pin_memory`` pins their batches
-    (on a CUDA host); without, batches are made unpinned in the training process."""
+    plain dataset: the engine's batch size applies), ``collate_fn``, ``drop_last`` and worker
+    options. With ``num_workers > 0`` the workers fetch and collate, and ``pin_memory`` pins
+    their batches (on a CUDA host); without, batches are made unpinned in the training
+    process. ``drop_last``: every batch is whole (:meth:`epoch_samples`)."""
 
     dataset: Any
     batch_size: int | None = None
+    drop_last: bool = False
     collate_fn: Callable[[list[Any]], Any] = default_collate
     num_workers: int = 0
     pin_memory: bool = False
@@ -65,12 +68,12 @@ class TrainData:
         """``data`` read as fdl uses it; ``name`` is the argument named in errors.
 
         * A ``TrainData`` is itself; a map-style dataset is itself with the defaults.
-        * A ``DataLoader`` gives its ``dataset``, ``batch_size``, ``collate_fn``,
-          ``num_workers``, ``pin_memory``, ``worker_init_fn``, ``prefetch_factor`` and
-          ``multiprocessing_context``. Its order is not kept: fdl visits every sample once per
-          epoch in its own seeded order, split between the ranks by speed, so the default
-          sequential or random sampler is replaced (``shuffle=False`` is shuffled too) and
-          ``drop_last`` is ignored. A ``DistributedSampler`` is replaced with a warning (fdl
+        * A ``DataLoader`` gives its ``dataset``, ``batch_size``, ``drop_last``,
+          ``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``,
+          ``prefetch_factor`` and ``multiprocessing_context``. Its order is not kept: fdl
+          visits every sample once per epoch in its own seeded order, split between the ranks
+          by speed, so the default sequential or random sampler is replaced (``shuffle=False``
+          is shuffled too). A ``DistributedSampler`` is replaced with a warning (fdl
           shards the data itself). A sampler that picks or weights samples
           (``WeightedRandomSampler``, ``SubsetRandomSampler``, any other), a ``batch_sampler``
           other than a plain ``BatchSampler`` (its batches vary: fdl's do not) and
@@ -104,7 +107,7 @@ class TrainData:
                              hint="give the DataLoader a batch_size, or pass the dataset")
         _check_sampler(batches.sampler if batches is not None else loader.sampler,
                        loader.dataset, name=name)
-        return cls(dataset=loader.dataset, batch_size=batch_size,
+        return cls(dataset=loader.dataset, batch_size=batch_size, drop_last=loader.drop_last,
                    collate_fn=loader.collate_fn, num_workers=loader.num_workers,
                    pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
                    prefetch_factor=loader.prefetch_factor,
@@ -112,13 +115,18 @@ class TrainData:
 
     def with_options(self, *, device: torch.device, num_workers: int | None = None,
                      collate_fn: Callable[[list[Any]], Any] | None = None,
-                     pin_memory: bool | None = None, prefetch: int | None = None) -> TrainData:
+                     pin_memory: bool | None = None, prefetch: int | None = None,
+                     drop_last: bool | None = None) -> TrainData:
         """This data with the loader options a script gave ``run.batches`` (they win over a
         DataLoader's): ``num_workers`` loader processes, ``collate_fn``, ``pin_memory`` (None:
-        on when ``device`` is CUDA or the DataLoader pinned) and ``prefetch`` batches per
-        worker (DataLoader's ``prefetch_factor``; needs workers). ``UsageError`` for a value
-        that cannot be used."""
+        on when ``device`` is CUDA or the DataLoader pinned), ``prefetch`` batches per
+        worker (DataLoader's ``prefetch_factor``; needs workers) and ``drop_last``.
+        ``UsageError`` for a value that cannot be used."""
         changes: dict[str, Any] = {}
+        if drop_last is not None:
+            if not isinstance(drop_last, bool):
+                raise UsageError(f"drop_last must be True or False, got {drop_last!r}")
+            changes["drop_last"] = drop_last
         if num_workers is not None:
             if isinstance(num_workers, bool) or not isinstance(num_workers, int) or \
                     not 0 <= num_workers <= MAX_WORKERS:
@@ -148,6 +156,14 @@ class TrainData:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def epoch_samples(self, batch_size: int) -> int:
+        """The samples an epoch trains on in batches of ``batch_size``: every one, or with
+        ``drop_last`` the whole batches' (the rest, a different set each epoch, is left out:
+        the epoch's order is drawn over the whole dataset and cut, as DataLoader's shuffle
+        with ``drop_last`` does)."""
+        size = len(self.dataset)
+        return size - size % batch_size if self.drop_last else size
 
     @property
     def indexes_tensors(self) -> bool:

@@ -325,7 +325,8 @@ class Run:
                 num_workers: int | None = None,
                 collate_fn: Callable[[list[Any]], Any] | None = None,
                 pin_memory: bool | None = None, prefetch: int | None = None,
-                scheduler: Any = None, ddp: bool = False) -> Iterator[Any]:
+                drop_last: bool | None = None, scheduler: Any = None,
+                ddp: bool = False) -> Iterator[Any]:
         """This rank's batches of every round, on ``run.device``; ``model`` is averaged
         between rounds. ``accumulate=k``: the loop steps the optimizer every k batches (a
         step, and the plan's unit, is k batches). A budget ends the run before ``epochs`` do:
@@ -342,7 +343,10 @@ class Run:
         Loader options (they win over a DataLoader's): ``num_workers`` processes that fetch
         and collate this rank's batches ahead of the step, kept from round to round;
         ``collate_fn``; ``pin_memory`` (default: on for a CUDA device), so the copy to the
-        device does not block; ``prefetch`` batches per worker.
+        device does not block; ``prefetch`` batches per worker; ``drop_last`` (a DataLoader's
+        by default): every batch whole, an epoch's last partial batch left out (a different
+        remainder each epoch) and a sample budget cut to whole batches, for a model that
+        refuses a batch of one (BatchNorm) or a compiled one that should see one size.
         ``scheduler``: a torch LR scheduler made on ``optimizer``, stepped by the engine once
         per global step (as ``max_steps`` counts them) before each step, so the script does
         not call its ``step()``; size it with :meth:`total_steps` (as a DDP script sizes it,
@@ -362,7 +366,7 @@ class Run:
         _check_optimized(model, optimizer)
         train = None if _streaming(data) else TrainData.of(data)
         options = {"num_workers": num_workers, "collate_fn": collate_fn,
-                   "pin_memory": pin_memory, "prefetch": prefetch}
+                   "pin_memory": pin_memory, "prefetch": prefetch, "drop_last": drop_last}
         if train is not None:
             train = train.with_options(device=self.device, **options)
         elif any(value is not None for value in options.values()):
@@ -383,7 +387,8 @@ class Run:
 
     def total_steps(self, data: Any, *, batch_size: int | None = None,
                     epochs: int | None = None, max_steps: int | None = None,
-                    max_samples: int | None = None, accumulate: int = 1) -> int:
+                    max_samples: int | None = None, accumulate: int = 1,
+                    drop_last: bool | None = None) -> int:
         """The global steps (``world_size x batch_size x accumulate`` samples each, as
         ``max_steps`` counts them) that ``run.batches`` given the same ``data`` and settings
         will run, ``fdl run``'s ``--epochs``/``--batch-size``/``--max-steps``/``--max-samples``
@@ -392,19 +397,22 @@ class Run:
         end the run sooner; streaming data needs a step or sample budget."""
         _check_accumulate(accumulate)
         train = None if _streaming(data) else TrainData.of(data)
+        if train is not None:
+            train = train.with_options(device=self.device, drop_last=drop_last)
         config = self._settings(train, batch_size=batch_size, epochs=epochs,
                                 max_steps=max_steps, max_samples=max_samples, max_time=None)
-        budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
-                                world_size=self.world_size, batch_size=config.batch_size,
-                                accumulate=accumulate)
+        budget = _whole_batches(samples_budget(
+            max_steps=config.max_steps, max_samples=config.max_samples,
+            world_size=self.world_size, batch_size=config.batch_size, accumulate=accumulate),
+            train, config.batch_size)
         if train is None and budget is None:
             raise UsageError("streaming data (shards or an IterableDataset) has no length: "
                              "its steps come from a step or sample budget",
                              hint="pass max_steps=N or max_samples=N here and to run.batches")
         samples = budget if train is None else PlanConfig(
             world_size=self.world_size, batch_size=config.batch_size * accumulate,
-            dataset_size=len(train), epochs=config.epochs, max_samples=budget,
-            policy=config.policy).num_samples
+            dataset_size=train.epoch_samples(config.batch_size), epochs=config.epochs,
+            max_samples=budget, policy=config.policy).num_samples
         return samples // global_step_samples(world_size=self.world_size,
                                               batch_size=config.batch_size,
                                               accumulate=accumulate)
@@ -456,11 +464,12 @@ class Run:
     def check_data(self, data: Any, *, accumulate: int = 1) -> None:
         """Raise UsageError unless ``data`` (a dataset, a DataLoader: what it holds) can feed
         every worker a step of this run."""
-        size = len(data if isinstance(data, TrainData) else TrainData.of(data))
-        needed = self._global_step(accumulate)
+        train = data if isinstance(data, TrainData) else TrainData.of(data)
+        size, needed = train.epoch_samples(self.config.batch_size), self._global_step(accumulate)
         if size < needed:
-            raise UsageError(f"the training data has {size} samples, fewer than one batch per "
-                             f"worker ({self.world_size} x {self.config.batch_size}"
+            whole = " in whole batches (drop_last)" if train.drop_last else ""
+            raise UsageError(f"the training data has {size} samples{whole}, fewer than one "
+                             f"batch per worker ({self.world_size} x {self.config.batch_size}"
                              + (f" x {accumulate}" if accumulate > 1 else "") + f" = {needed})",
                              hint="use a smaller batch_size or more data")
         slowdown = self.config.simulate_slowdown
@@ -494,15 +503,16 @@ class Run:
         elif self.rank == 0 and self.world_size > 1:
             _warn_of_a_scheduler(optimizer, config.policy)
         step_size = config.batch_size * accumulate
-        budget = samples_budget(max_steps=config.max_steps, max_samples=config.max_samples,
-                                world_size=self.world_size, batch_size=config.batch_size,
-                                accumulate=accumulate)
+        budget = _whole_batches(samples_budget(
+            max_steps=config.max_steps, max_samples=config.max_samples,
+            world_size=self.world_size, batch_size=config.batch_size, accumulate=accumulate),
+            data, config.batch_size)
         if stream is not None:  # one "epoch" of the budget (a time alone: as good as endless)
             size, epochs = budget or STREAM_WITHOUT_SAMPLE_BUDGET, 1
             budget = None
             self.state_objects["fdl_stream"] = stream  # its position goes into checkpoints
         else:
-            size, epochs = len(data), config.epochs
+            size, epochs = data.epoch_samples(config.batch_size), config.epochs
         plan_config = self._plan_config = PlanConfig(
             world_size=self.world_size, batch_size=step_size, dataset_size=size,
             epochs=epochs, max_samples=budget, policy=config.policy,
@@ -746,6 +756,18 @@ class Run:
 
 #: wrappers that run collectives of their own in forward or backward (torch's DDP and FSDP)
 COLLECTIVE_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule")
+
+
+def _whole_batches(budget: int | None, train: TrainData | None, batch_size: int) -> int | None:
+    """A sample budget cut to whole batches when ``train`` drops the last partial batch (its
+    last step would otherwise take the rest); UsageError when none is left."""
+    if budget is None or train is None or not train.drop_last:
+        return budget
+    if budget < batch_size:
+        raise UsageError(f"a budget of {budget} samples holds no whole batch of {batch_size}, "
+                         "and drop_last trains on whole batches only",
+                         hint="raise max_samples, or leave drop_last off")
+    return budget - budget % batch_size
 
 
 def _check_accumulate(accumulate: Any) -> None:

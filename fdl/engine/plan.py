@@ -5,9 +5,9 @@ batches and every other rank as many *samples* as it can process in the same tim
 
     n_r = round(anchor * batch_size * ms_slow / ms_r)      (ms per sample, not per step)
 
-so a fast device does more work instead of waiting, and no rank idles on the rounding of a
-step count (a rank's last batch in a round may be partial). Each averaging event also exchanges
-every rank's timing, so all ranks hold the same ``PlanState`` and compute the same ``RoundPlan``
+so a fast device does more work instead of waiting (in whole batches: only the round that
+ends an epoch, or a sample budget, may hold a partial one: the samples left). Each averaging
+event also exchanges every rank's timing, so all ranks hold the same ``PlanState`` and compute the same ``RoundPlan``
 from it: no coordinator, no extra messages. Nothing here does I/O, reads a clock or draws a
 random number::
 

@@ -76,6 +76,8 @@ class Trainer:
     * ``num_workers``, ``collate_fn``, ``pin_memory`` (default: on for CUDA) and ``prefetch``
       (batches per worker): how each rank's batches are made, ahead of its steps, by loader
       processes kept for the whole run (a DataLoader given as ``train_data`` brings its own).
+      ``drop_last=True`` (or a DataLoader's): whole batches only, each epoch's remainder left
+      out (a model with BatchNorm refuses a batch of one sample).
     * ``precision`` (``auto``, ``fp32``, ``bf16``, ``fp16`` or one per rank: ``"bf16,fp32"``)
       and the budgets ``max_steps`` (global steps of ``world_size x batch_size`` samples),
       ``max_samples`` and ``max_time`` (seconds or ``"10m"``) end the run before ``epochs``.
@@ -114,11 +116,13 @@ class Trainer:
     checkpoint_every: int | str | None = None  # N epochs, or a time: "10m", "90s", "2h"
     tensorboard: str | None = None  # "on" (RUN_DIR/tensorboard) or a directory
     callbacks: list[Any] = field(default_factory=list)
-    # Loader options (run.batches'): worker processes, collate_fn, pinned batches, prefetch.
+    # Loader options (run.batches'): worker processes, collate_fn, pinned batches, prefetch,
+    # whole batches only.
     num_workers: int | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     pin_memory: bool | None = None
     prefetch: int | None = None
+    drop_last: bool | None = None
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
     def fit(self) -> TrainResult:
@@ -154,7 +158,7 @@ class Trainer:
                                  max_steps=self.max_steps, max_samples=self.max_samples,
                                  max_time=self.max_time, num_workers=self.num_workers,
                                  collate_fn=self.collate_fn, pin_memory=self.pin_memory,
-                                 prefetch=self.prefetch, ddp=True,
+                                 prefetch=self.prefetch, drop_last=self.drop_last, ddp=True,
                                  scheduler=self._scheduler(run, optimizer)):
             if self.schedule is not None:
                 scale = self.schedule(run.progress)
@@ -243,7 +247,8 @@ class Trainer:
         if "total_steps" not in _parameter_names(self.scheduler):
             return self.scheduler(optimizer)
         return self.scheduler(optimizer, total_steps=run.total_steps(
-            self.train_data, max_steps=self.max_steps, max_samples=self.max_samples))
+            self.train_data, max_steps=self.max_steps, max_samples=self.max_samples,
+            drop_last=self.drop_last))
 
     def _validate(self) -> None:
         if not callable(self.model) or not callable(self.optimizer) or not callable(self.train_step):

@@ -148,6 +148,52 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
             pytest.approx(1024, rel=1e-4)  # each rank's samples: the epoch's, once
 
 
+def test_a_dataloader_s_drop_last_keeps_a_batch_norm_model_off_a_one_sample_batch(tmp_path):
+    """1057 samples in batches of 32 leave one over each epoch: a batch of one sample, which
+    BatchNorm refuses in training (the run stopped with "Expected more than 1 value per
+    channel"). The script's DataLoader has drop_last=True, as it would under DDP: every batch
+    is whole, on both ranks, and each epoch trains on 1056 samples."""
+    out, _, seen = loop_run(tmp_path, "--policy", "cadence", "--simulate-slowdown", "1,2.5",
+                            script_args=("--batch-norm", "--drop-last", "--samples", "1057"))
+    same_models(out)
+    assert [r["batch_sizes"] for r in seen] == [[32], [32]]
+    assert sum(r["samples"] for r in seen) == seen[0]["summary"]["samples"] == 2 * 1056
+
+
+def test_drop_last_leaves_a_different_remainder_out_each_epoch_and_cuts_budgets():
+    """Of 97 samples in batches of 32 an epoch trains on 96: the order is drawn over all 97
+    each epoch and cut, so the sample left out changes (not always the last one, which a cut
+    dataset would leave out for good). ``run.total_steps`` and a sample budget count whole
+    batches alike."""
+    import fdl
+
+    ids = torch.arange(97)
+    data = torch.utils.data.TensorDataset(ids.float().unsqueeze(1), ids)
+    run = fdl.init(seed=3)
+    assert run.total_steps(data, batch_size=32, epochs=3) == 3 * 97 // 32 == 9
+    assert run.total_steps(data, batch_size=32, epochs=3, drop_last=True) == 3 * 96 // 32
+    assert run.total_steps(data, batch_size=32, epochs=3, max_samples=100,
+                           drop_last=True) == 3
+    with pytest.raises(fdl.errors.UsageError, match="holds no whole batch of 32"):
+        run.total_steps(data, batch_size=32, max_samples=31, drop_last=True)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for features, index in run.batches(data, model=model, optimizer=optimizer, batch_size=32,
+                                       epochs=4, drop_last=True):
+        assert len(index) == 32
+        seen.append(index)
+        model(features).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert run.finish().summary["samples"] == 4 * 96
+    epochs = [torch.cat(seen[e * 3:(e + 1) * 3]) for e in range(4)]
+    left_out = [set(range(97)) - set(epoch.tolist()) for epoch in epochs]
+    assert all(len(left) == 1 and len(epoch.unique()) == 96
+               for left, epoch in zip(left_out, epochs, strict=True))
+    assert len({min(left) for left in left_out}) > 1, left_out
+
+
 def test_a_loop_s_own_state_is_checkpointed_and_back_on_resume(tmp_path):
     """The script's counter and the scheduler it handed to run.batches (a OneCycleLR of 48
     global steps: 3 epochs) go into the epoch-1 checkpoint, at its 16th step, and the resumed

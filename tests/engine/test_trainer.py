@@ -155,6 +155,31 @@ def test_a_scheduler_factory_asking_for_total_steps_gets_the_run_s(monkeypatch):
     assert schedulers[0].last_epoch == 3 * 512 // 32
 
 
+def test_drop_last_trains_a_batch_norm_model_on_whole_batches_and_sizes_its_scheduler():
+    """513 samples leave one over each epoch: BatchNorm refuses that batch of one (ValueError)
+    unless ``drop_last=True`` (or a DataLoader's) leaves it out. A ``total_steps`` factory
+    counts whole batches too (540 samples, 3 epochs: 48 steps, not 1620 // 32 = 50), and a
+    sample budget is cut to whole batches (100: 96)."""
+    totals = []
+
+    def make(optimizer, total_steps):
+        totals.append(total_steps)
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1,
+                                                   total_steps=total_steps)
+
+    with_batch_norm = lambda: build_model(True)  # noqa: E731
+    data = make_data(513, seed=1)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        trainer(model=with_batch_norm, train_data=data).fit()
+    result = trainer(model=with_batch_norm, train_data=data, drop_last=True).fit()
+    assert result.summary["samples"] == 3 * 512
+    trainer(train_data=make_data(540, seed=1), drop_last=True, scheduler=make).fit()
+    assert totals == [3 * 512 // 32]
+    loader = torch.utils.data.DataLoader(data, batch_size=32, drop_last=True)
+    result = trainer(model=with_batch_norm, train_data=loader, max_samples=100).fit()
+    assert result.summary["samples"] == 96
+
+
 @pytest.mark.parametrize(("overrides", "needle"), [
     ({"scheduler": lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)},
      "LR scheduler stepped once per step"),

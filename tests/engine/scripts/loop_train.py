@@ -3,6 +3,7 @@ LR on run.progress, an autocast region, run.log, run.state, run.evaluate. Settin
 fdl run. Writes OUT/rank<r>.pt (the consensus model) and OUT/rank<r>.json (what it saw).
 
 Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-norm] [--plain]
+                     [--drop-last]
                      [--never-step] [--tick-every S] [--all-reduce-loss] [--scheduler]
                      [--all-reduce-by-name] [--driven [--sched-steps N] [--also-step]]
 
@@ -15,7 +16,8 @@ torchrun script logs it (``--all-reduce-by-name``: through ``all_reduce`` import
 before the run); ``--scheduler``: a torch LR scheduler made on the optimizer (never
 stepped); ``--driven``: a OneCycleLR of ``run.total_steps`` steps (``--sched-steps N``: N) handed to
 ``run.batches(scheduler=)`` instead of the cosine on run.progress, which the script never steps
-(``--also-step``: it steps it too, as it did before).
+(``--also-step``: it steps it too, as it did before); ``--drop-last``: the data is a
+``DataLoader(batch_size=32, shuffle=True, drop_last=True)``, as a script with BatchNorm has it.
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
 batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
@@ -68,6 +70,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 if "--scheduler" in sys.argv:  # made, never stepped: the LR stays the loop's own
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=10**6)
 train_set, driven = make_data(flag("--samples", 1024), seed=1), None
+if "--drop-last" in sys.argv:
+    train_set = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True,
+                                            drop_last=True)
 if "--driven" in sys.argv:
     total = flag("--sched-steps", run.total_steps(train_set, batch_size=32,
                                                   epochs=flag("--epochs", 2),
