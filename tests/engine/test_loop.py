@@ -170,10 +170,11 @@ def test_drop_last_leaves_a_different_remainder_out_each_epoch_and_cuts_budgets(
     ids = torch.arange(97)
     data = torch.utils.data.TensorDataset(ids.float().unsqueeze(1), ids)
     run = fdl.init(seed=3)
-    assert run.total_steps(data, batch_size=32, epochs=3) == 3 * 97 // 32 == 9
-    assert run.total_steps(data, batch_size=32, epochs=3, drop_last=True) == 3 * 96 // 32
-    assert run.total_steps(data, batch_size=32, epochs=3, max_samples=100,
-                           drop_last=True) == 3
+    wider = torch.utils.data.TensorDataset(torch.zeros(126, 1))  # 30 over each epoch
+    assert run.total_steps(wider, batch_size=32, epochs=3) == 3 * 126 // 32 == 11
+    assert run.total_steps(wider, batch_size=32, epochs=3, drop_last=True) == 3 * 96 // 32
+    loader = torch.utils.data.DataLoader(wider, batch_size=32, drop_last=True)
+    assert run.total_steps(loader, epochs=3) == 9  # a DataLoader's drop_last, as run.batches
     with pytest.raises(fdl.errors.UsageError, match="holds no whole batch of 32"):
         run.total_steps(data, batch_size=32, max_samples=31, drop_last=True)
     model = torch.nn.Linear(1, 1)
