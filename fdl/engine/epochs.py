@@ -45,6 +45,7 @@ class Script(Protocol):
 
     eval_data: Any
     evaluate_fn: Any
+    eval_derive: Any
     history: list[dict[str, Any]]
 
 
@@ -132,7 +133,7 @@ class EpochLog:
             self.last_eval = evaluate_model(
                 replica.model, self.trainer.eval_data, self.trainer.evaluate_fn,
                 batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
-                world_size=self.world_size,
+                world_size=self.world_size, derive=self.trainer.eval_derive,
                 # sharded by measured speed (the same on every rank): the fast rank takes more
                 weights=[1 / ms for ms in state.ms_per_sample] if state.calibrated else None)
         self.eval_s += time.perf_counter() - begin

@@ -10,7 +10,7 @@ proportional to ``weights[r]`` (its measured samples/s), in whole batches.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 from fdl.engine.collectives import collective_device
 from fdl.engine.data import TrainData, batch_size_of, fetch_batches, index_batches, to_device
 from fdl.engine.user_collectives import refused
+from fdl.errors import UsageError
 
 
 def weighted_shard(size: int, *, weights: Sequence[float], rank: int,
@@ -63,12 +64,15 @@ def _batch_counts(num_batches: int, weights: Sequence[float]) -> list[int]:
 def evaluate_model(model: nn.Module, data: Any,
                    evaluate: Callable[[nn.Module, Any], dict[str, float]], *, batch_size: int,
                    device: torch.device, rank: int, world_size: int,
-                   weights: Sequence[float] | None = None) -> dict[str, float]:
+                   weights: Sequence[float] | None = None,
+                   derive: Callable[[dict[str, float]], Any] | None = None) -> dict[str, float]:
     """The mean of each of ``evaluate``'s metrics over every sample of ``data`` (a dataset, a
     DataLoader, a TrainData), each rank evaluating its :func:`weighted_shard` (``weights``:
     the same on every rank; None: equal). A DataLoader's batch size wins over ``batch_size``,
     and its collate_fn and workers are used. Each metric is averaged over the samples of the
-    batches that returned it."""
+    batches that returned it. ``derive(means) -> {name: number}`` adds metrics computed from
+    those means over the whole set (F1 from the rates of true and false positives: a mean of
+    each batch's F1 is not the set's), the same on every rank."""
     data = TrainData.of(data, name="eval_data")
     batch_size = data.batch_size or batch_size
     equal = [1.0] * world_size
@@ -80,7 +84,29 @@ def evaluate_model(model: nn.Module, data: Any,
             torch.arange(len(data)), start=start, stop=stop, batch_size=batch_size))
     if world_size > 1:
         sums, counts = _summed_over_ranks(sums, counts, device=device, world_size=world_size)
-    return {key: sums[key] / counts[key] for key in sorted(sums) if counts[key]}
+    means = {key: sums[key] / counts[key] for key in sorted(sums) if counts[key]}
+    return means if derive is None else {**means, **derived(derive, means)}
+
+
+def derived(derive: Callable[[dict[str, float]], Any], means: dict[str, float]) -> dict[str, float]:
+    """``derive``'s metrics from ``means`` (a copy: it cannot change them), checked: a mapping
+    of names to real numbers (a one-element tensor is read), or UsageError naming what it
+    returned."""
+    found = derive(dict(means))
+    if not isinstance(found, Mapping):
+        raise UsageError(f"run.evaluate's derive returned {type(found).__name__}; it returns "
+                         "a dict of metric names to numbers", hint="derive=lambda means: "
+                         "{'f1': ...}")
+    values = {}
+    for key, value in found.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(key, str) or isinstance(value, bool) or \
+                not isinstance(value, (int, float)):
+            raise UsageError(f"run.evaluate's derive returned {key!r}: {value!r}; it returns "
+                             "metric names (str) with numbers")
+        values[key] = float(value)
+    return values
 
 
 def _shard_sums(model: nn.Module, data: TrainData,

@@ -157,6 +157,7 @@ class _Evaluation:
     data: Any
     fn: Callable[[nn.Module, Any], dict[str, float]]
     every: int | None = None  # global steps between evaluations within an epoch
+    derive: Callable[[dict[str, float]], Any] | None = None  # metrics of the whole set's means
 
 
 @dataclass(eq=False)
@@ -173,9 +174,10 @@ class Run:
       max_samples=, max_time=)``: the engine (its docstring says what ``data`` may be).
     * ``log(**scalars)``: per-step scalars (the ``loss`` is the epoch's train loss and shown
       live); summed on the device and read once per round.
-    * ``evaluate(data, fn, every=None)``: evaluate the consensus model at every epoch's end
-      (and every N global steps), sharded over the ranks by their measured speed;
-      ``fn(model, batch) -> {name: mean over the batch}``.
+    * ``evaluate(data, fn, every=None, derive=None)``: evaluate the consensus model at every
+      epoch's end (and every N global steps), sharded over the ranks by their measured speed;
+      ``fn(model, batch) -> {name: mean over the batch}``; ``derive(means)`` adds metrics of
+      the whole set (F1 from the rates of true and false positives).
     * ``after_average(fn)``, ``at_epoch_end(fn)``: call ``fn`` when an average lands in the
       model, and with each epoch's record (the model then holds the epoch's consensus; under
       async, which runs through epoch ends, when the epoch's average lands, a round later).
@@ -270,23 +272,30 @@ class Run:
             self.replica.logged.add(name, value)
 
     def evaluate(self, data: Any, fn: Callable[[nn.Module, Any], dict[str, float]], *,
-                 every: int | None = None) -> None:
+                 every: int | None = None,
+                 derive: Callable[[dict[str, float]], Any] | None = None) -> None:
         """Evaluate the consensus model on ``data`` (a dataset or a DataLoader) with ``fn`` at
         every epoch's end and, with ``every=N``, also each N global steps (each ``world_size x
         batch_size x accumulate`` samples, as ``max_steps`` counts them) at the first average
         after them (async makes that one blocking; sync evaluates the replicas DDP keeps
         identical). Call it before ``batches`` starts. Each rank evaluates a share of
         ``data`` in proportion to its measured speed; the means over every sample go to the
-        epoch's record, the timeline (``eval`` events), TensorBoard and ``result.metrics``."""
+        epoch's record, the timeline (``eval`` events), TensorBoard and ``result.metrics``.
+        ``derive(means) -> {name: number}`` adds metrics of the whole set computed from those
+        means, on every rank: a metric that is no mean of per-batch values (F1) comes from
+        means that are (the rates of true positives, false positives and false negatives)."""
         if not callable(fn):
             raise UsageError("run.evaluate(data, fn) takes fn(model, batch) -> dict of means")
+        if derive is not None and not callable(derive):
+            raise UsageError("run.evaluate(..., derive=fn) takes fn(means) -> dict of metrics, "
+                             f"got {type(derive).__name__}")
         if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                   or every < 1):
             raise UsageError(f"run.evaluate(..., every=N) takes a whole number of steps >= 1, "
                              f"got {every!r}")
         if self.replica is not None:
             raise UsageError("call run.evaluate(...) before run.batches(...) starts")
-        self._evaluation = _Evaluation(data, fn, every)
+        self._evaluation = _Evaluation(data, fn, every, derive)
 
     def after_average(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` each time an average has landed in this rank's model (every policy; a
@@ -751,6 +760,10 @@ class Run:
     @property
     def evaluate_fn(self) -> Any:
         return self._evaluation.fn if self._evaluation else None
+
+    @property
+    def eval_derive(self) -> Any:
+        return self._evaluation.derive if self._evaluation else None
 
 
 

@@ -56,6 +56,10 @@ class Trainer:
       the round that ends an epoch whose batches do not split evenly over the ranks).
     * ``train_step`` may also return a dict of scalars with a ``loss``: the loss is trained
       on, every entry logged (``run.log``: the timeline, TensorBoard's ``step/<name>``).
+    * ``evaluate(model, batch) -> {name: mean over the batch}`` on ``eval_data``, at every
+      epoch's end, the means taken over every sample; ``eval_derive(means) -> {name: number}``
+      adds metrics of the whole set (``run.evaluate(..., derive=)``: F1 from the means of
+      true-positive, false-positive and false-negative indicators).
     * ``schedule(progress) -> multiplier`` of each param group's LR, ``progress`` the run's
       fraction done (equal on every rank); or ``scheduler(optimizer) -> LRScheduler``, a
       torch LR scheduler the engine steps once per global step (``world_size x batch_size``
@@ -96,6 +100,7 @@ class Trainer:
     train_data: Any
     eval_data: Any = None
     evaluate: Callable[[nn.Module, Any], dict[str, float]] | None = None
+    eval_derive: Callable[[dict[str, float]], Any] | None = None  # whole-set metrics of the means
     # Defaults of the settings contract (fdl.settings): "a script value equal to the default
     # counts as default", so fdl.toml and FDL_* can still set them.
     batch_size: int = ENGINE_DEFAULTS["batch_size"]
@@ -150,7 +155,7 @@ class Trainer:
         optimizer = build_optimizer(self.optimizer, model)
         base_lrs = [group["lr"] for group in optimizer.param_groups]  # before any resume
         if self.eval_data is not None:
-            run.evaluate(self.eval_data, self.evaluate)
+            run.evaluate(self.eval_data, self.evaluate, derive=self.eval_derive)
         self._attach(run, model)
         clip, scaler = run.config.max_grad_norm, run.scaler
         checked = False
@@ -263,6 +268,9 @@ class Trainer:
             raise UsageError("schedule and scheduler both set the learning rate: give one")
         if (self.eval_data is None) != (self.evaluate is None):
             raise UsageError("eval_data and evaluate go together: give both or neither")
+        if self.eval_derive is not None and self.evaluate is None:
+            raise UsageError("eval_derive computes metrics from evaluate's means: give "
+                             "eval_data and evaluate too")
 
 
 def _check_loss(loss: Any) -> None:

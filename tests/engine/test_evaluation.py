@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fdl.engine.evaluation import evaluate_model, weighted_shard
+from fdl.errors import UsageError
 
 # ---------------------------------------------------------------------------------------------
 # weighted_shard
@@ -129,11 +130,34 @@ def sequence_metrics(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
             "width": float(batch["input"].shape[1])}
 
 
+def counts(model: nn.Module, batch: list[torch.Tensor]) -> dict[str, float]:
+    """A classifier's per-batch rates of true positives, false positives and false negatives
+    (positive: out > 5, against label 0), and the batch's own F1 (1 where it has no positive)."""
+    x, y = batch
+    predicted, actual = model(x).squeeze(1) > 5, y == 0
+    tp, fp = (predicted & actual).double(), (predicted & ~actual).double()
+    fn = (~predicted & actual).double()
+    found = 2 * tp.sum() + fp.sum() + fn.sum()
+    return {"tp": float(tp.mean()), "fp": float(fp.mean()), "fn": float(fn.mean()),
+            "batch_f1": float(2 * tp.sum() / found) if found else 1.0}
+
+
+def f1(means: dict[str, float]) -> dict[str, float]:
+    return {"f1": 2 * means["tp"] / (2 * means["tp"] + means["fp"] + means["fn"])}
+
+
+def whole_set_f1() -> float:
+    x, y = values().tensors
+    predicted, actual = model()(x).squeeze(1) > 5, y == 0
+    tp = int((predicted & actual).sum())
+    return 2 * tp / (2 * tp + int((predicted & ~actual).sum()) + int((~predicted & actual).sum()))
+
+
 def evaluate(rank: int, weights: list[float] | None, data: Any = None,
-             evaluate_fn: Any = metrics) -> dict[str, Any]:
+             evaluate_fn: Any = metrics, derive: Any = None) -> dict[str, Any]:
     result = evaluate_model(model(), values() if data is None else data, evaluate_fn,
                             batch_size=BATCH_SIZE, device=torch.device("cpu"), rank=rank,
-                            world_size=WORLD_SIZE, weights=weights)
+                            world_size=WORLD_SIZE, weights=weights, derive=derive)
     size = SIZE if data is None else len(data.dataset)
     batch_size = BATCH_SIZE if data is None else data.batch_size
     equal = [1.0] * WORLD_SIZE
@@ -149,6 +173,7 @@ SCENARIOS = {
     "loader": lambda rank: evaluate(
         rank, [1.0, 2.5], DataLoader(Sequences(), batch_size=2, collate_fn=pad_collate),
         sequence_metrics),
+    "f1": lambda rank: evaluate(rank, [3.0, 1.0], evaluate_fn=counts, derive=f1),
 }
 
 
@@ -180,6 +205,26 @@ def test_a_dataloader_as_eval_data_is_sharded_with_its_batch_size_and_collate_fn
     for result in results:
         assert result["metrics"]["mean_value"] == pytest.approx(sum(range(40)) / 40, rel=1e-9)
         assert result["metrics"]["width"] == pytest.approx(sum(widths) / 40, rel=1e-9)
+
+
+def test_a_derived_metric_is_the_whole_set_s_on_every_rank(ranks):
+    """F1 over the whole eval set from the ranks' unequal shards, the same on both ranks: the
+    mean of each batch's F1 is another number, which is why derive exists."""
+    expected = whole_set_f1()
+    for result in scenario(ranks, "f1"):
+        assert result["metrics"]["f1"] == pytest.approx(expected, rel=1e-9)
+        assert abs(result["metrics"]["batch_f1"] - expected) > 0.05
+    assert 0 < expected < 1
+
+
+@pytest.mark.parametrize(("derive", "needle"), [
+    (lambda means: 0.5, "returned float"),
+    (lambda means: {"f1": "high"}, "returned 'f1': 'high'"),
+])
+def test_a_derive_that_returns_no_metrics_is_told(derive, needle):
+    with pytest.raises(UsageError, match=needle):
+        evaluate_model(model(), values(), counts, batch_size=BATCH_SIZE,
+                       device=torch.device("cpu"), rank=0, world_size=1, derive=derive)
 
 
 def test_in_one_process_a_metric_is_averaged_over_the_batches_that_returned_it():

@@ -61,6 +61,8 @@ def test_solo_run_dir_from_env_gets_the_artifacts(tmp_path, monkeypatch):
     ({"backend": "tpu"}, "unknown backend"),
     ({"train_data": make_data(16, seed=1)}, "fewer than one batch per worker"),
     ({"evaluate": None}, "eval_data and evaluate go together"),
+    ({"eval_data": None, "evaluate": None, "eval_derive": lambda means: {}},
+     "eval_derive computes metrics from evaluate's means"),
     ({"model": "not callable"}, "must be callables"),
 ])
 def test_bad_configuration_fails_before_training(overrides, needle):
@@ -153,6 +155,22 @@ def test_a_scheduler_factory_asking_for_total_steps_gets_the_run_s(monkeypatch):
     trainer(scheduler=make, epochs=2).fit()
     assert totals == [3 * 512 // 32]
     assert schedulers[0].last_epoch == 3 * 512 // 32
+
+
+def test_eval_derive_adds_whole_set_metrics_to_every_epoch_s_record():
+    """``eval_derive`` (``run.evaluate(..., derive=)``) gets the epoch's means over every sample
+    and its metrics go where the means go: each epoch's record and ``result.metrics``."""
+    seen = []
+
+    def derive(means):
+        seen.append(dict(means))
+        return {"error": 1 - means["accuracy"]}
+
+    result = trainer(eval_derive=derive).fit()
+    assert [set(means) for means in seen] == [{"accuracy", "loss"}] * 3
+    for record in result.history:
+        assert record["eval"]["error"] == pytest.approx(1 - record["eval"]["accuracy"])
+    assert result.metrics == result.history[-1]["eval"] and "error" in result.metrics
 
 
 def test_drop_last_trains_a_batch_norm_model_on_whole_batches_and_sizes_its_scheduler():
