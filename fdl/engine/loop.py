@@ -295,6 +295,12 @@ class Run:
                              f"got {every!r}")
         if self.replica is not None:
             raise UsageError("call run.evaluate(...) before run.batches(...) starts")
+        if self._evaluation is not None:
+            raise UsageError(
+                "run.evaluate(...) was already called: a run evaluates one set (a second call "
+                "would silently replace the first)",
+                hint="the train loss is run.log(loss=...)'s, in every epoch's record; "
+                     "evaluate another set (a test split) on result.model after run.finish()")
         self._evaluation = _Evaluation(data, fn, every, derive)
 
     def after_average(self, fn: Callable[[], None]) -> None:

@@ -352,6 +352,23 @@ def test_an_evaluation_every_n_steps_lands_within_epochs(tmp_path, monkeypatch):
     assert result.metrics == result.history[-1]["eval"]
 
 
+def test_a_second_evaluation_is_refused_not_swapped_for_the_first(tmp_path, monkeypatch):
+    """nanoGPT evaluates its train and val splits: a second run.evaluate used to replace the
+    first without a word, and the run evaluated only the last set given."""
+    import fdl
+
+    sys.path.insert(0, str(SCRIPTS))
+    from common import evaluate, make_data
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    run = fdl.init(seed=1)
+    run.evaluate(make_data(64, seed=2), evaluate)
+    with pytest.raises(fdl.errors.UsageError, match="already called") as refused:
+        run.evaluate(make_data(64, seed=3), evaluate)
+    assert "run.log(loss=" in refused.value.hint
+    run.abandon()
+
+
 def test_an_evaluation_every_zero_steps_is_refused():
     import fdl
 
