@@ -160,11 +160,11 @@ def test_a_dataloader_s_drop_last_keeps_a_batch_norm_model_off_a_one_sample_batc
     assert sum(r["samples"] for r in seen) == seen[0]["summary"]["samples"] == 2 * 1056
 
 
-def test_drop_last_leaves_a_different_remainder_out_each_epoch_and_cuts_budgets():
+def test_drop_last_leaves_a_different_remainder_out_each_epoch_and_counts_whole_batches():
     """Of 97 samples in batches of 32 an epoch trains on 96: the order is drawn over all 97
     each epoch and cut, so the sample left out changes (not always the last one, which a cut
-    dataset would leave out for good). ``run.total_steps`` and a sample budget count whole
-    batches alike."""
+    dataset would leave out for good). ``run.total_steps`` counts whole batches too, a
+    DataLoader's ``drop_last`` as the argument, and a budget without one is refused."""
     import fdl
 
     ids = torch.arange(97)
