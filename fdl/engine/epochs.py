@@ -43,9 +43,7 @@ class Script(Protocol):
     """What an epoch's end needs of the run (fdl.engine.loop.Run: a protocol, the loop imports
     this module)."""
 
-    eval_data: Any
-    evaluate_fn: Any
-    eval_derive: Any
+    evaluations: list[Any]  # each with data, fn, derive and name (fdl.engine.loop._Evaluation)
     history: list[dict[str, Any]]
 
 
@@ -126,16 +124,21 @@ class EpochLog:
         return finish
 
     def _evaluate(self, replica: Replica, state: PlanState) -> None:
-        """The evaluation of the consensus model (when the script gave one), its time kept out
-        of throughput."""
+        """The evaluation of the consensus model on each set the script gave (a named set's
+        metrics as ``<name>/<metric>``), its time kept out of throughput."""
         begin = time.perf_counter()
-        if self.trainer.eval_data is not None and self.trainer.evaluate_fn is not None:
-            self.last_eval = evaluate_model(
-                replica.model, self.trainer.eval_data, self.trainer.evaluate_fn,
+        evaluated: dict[str, float] = {}
+        for evaluation in self.trainer.evaluations:
+            means = evaluate_model(
+                replica.model, evaluation.data, evaluation.fn,
                 batch_size=self.config.batch_size, device=replica.device, rank=self.rank,
-                world_size=self.world_size, derive=self.trainer.eval_derive,
+                world_size=self.world_size, derive=evaluation.derive,
                 # sharded by measured speed (the same on every rank): the fast rank takes more
                 weights=[1 / ms for ms in state.ms_per_sample] if state.calibrated else None)
+            evaluated.update(means if evaluation.name is None
+                             else {f"{evaluation.name}/{key}": v for key, v in means.items()})
+        if self.trainer.evaluations:
+            self.last_eval = evaluated
         self.eval_s += time.perf_counter() - begin
 
     def evaluate_now(self, replica: Replica, state: PlanState) -> None:

@@ -158,6 +158,7 @@ class _Evaluation:
     fn: Callable[[nn.Module, Any], dict[str, float]]
     every: int | None = None  # global steps between evaluations within an epoch
     derive: Callable[[dict[str, float]], Any] | None = None  # metrics of the whole set's means
+    name: str | None = None  # a later set's: its metrics are "<name>/<metric>"
 
 
 @dataclass(eq=False)
@@ -174,10 +175,11 @@ class Run:
       max_samples=, max_time=)``: the engine (its docstring says what ``data`` may be).
     * ``log(**scalars)``: per-step scalars (the ``loss`` is the epoch's train loss and shown
       live); summed on the device and read once per round.
-    * ``evaluate(data, fn, every=None, derive=None)``: evaluate the consensus model at every
-      epoch's end (and every N global steps), sharded over the ranks by their measured speed;
-      ``fn(model, batch) -> {name: mean over the batch}``; ``derive(means)`` adds metrics of
-      the whole set (F1 from the rates of true and false positives).
+    * ``evaluate(data, fn, every=None, derive=None, name=None)``: evaluate the consensus model
+      at every epoch's end (and every N global steps), sharded over the ranks by their
+      measured speed; ``fn(model, batch) -> {name: mean over the batch}``; ``derive(means)``
+      adds metrics of the whole set (F1 from the rates of true and false positives); again
+      with a ``name``, another set (its metrics ``<name>/<metric>``).
     * ``after_average(fn)``, ``at_epoch_end(fn)``: call ``fn`` when an average lands in the
       model, and with each epoch's record (the model then holds the epoch's consensus; under
       async, which runs through epoch ends, when the epoch's average lands, a round later).
@@ -201,7 +203,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     replica: Replica | None = None
     state_objects: dict[str, Any] = field(default_factory=dict)
-    _evaluation: _Evaluation | None = None
+    _evaluations: list[_Evaluation] = field(default_factory=list)
     _epochs_log: EpochLog | None = None
     _final: PlanState | None = None
     _started: float = 0.0
@@ -273,7 +275,8 @@ class Run:
 
     def evaluate(self, data: Any, fn: Callable[[nn.Module, Any], dict[str, float]], *,
                  every: int | None = None,
-                 derive: Callable[[dict[str, float]], Any] | None = None) -> None:
+                 derive: Callable[[dict[str, float]], Any] | None = None,
+                 name: str | None = None) -> None:
         """Evaluate the consensus model on ``data`` (a dataset or a DataLoader) with ``fn`` at
         every epoch's end and, with ``every=N``, also each N global steps (each ``world_size x
         batch_size x accumulate`` samples, as ``max_steps`` counts them) at the first average
@@ -283,7 +286,10 @@ class Run:
         epoch's record, the timeline (``eval`` events), TensorBoard and ``result.metrics``.
         ``derive(means) -> {name: number}`` adds metrics of the whole set computed from those
         means, on every rank: a metric that is no mean of per-batch values (F1) comes from
-        means that are (the rates of true positives, false positives and false negatives)."""
+        means that are (the rates of true positives, false positives and false negatives).
+        Call it again with a ``name`` for another set (nanoGPT's train and val splits): each
+        set is evaluated at the same points, its metrics recorded as ``<name>/<metric>`` (the
+        first set's without a name keep theirs); ``every`` is the first call's."""
         if not callable(fn):
             raise UsageError("run.evaluate(data, fn) takes fn(model, batch) -> dict of means")
         if derive is not None and not callable(derive):
@@ -295,13 +301,22 @@ class Run:
                              f"got {every!r}")
         if self.replica is not None:
             raise UsageError("call run.evaluate(...) before run.batches(...) starts")
-        if self._evaluation is not None:
-            raise UsageError(
-                "run.evaluate(...) was already called: a run evaluates one set (a second call "
-                "would silently replace the first)",
-                hint="the train loss is run.log(loss=...)'s, in every epoch's record; "
-                     "evaluate another set (a test split) on result.model after run.finish()")
-        self._evaluation = _Evaluation(data, fn, every, derive)
+        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+            raise UsageError(f"run.evaluate(..., name=) takes a name of letters, digits and _ "
+                             f"(not first a digit), got {name!r}")
+        names = [evaluation.name for evaluation in self._evaluations]
+        if self._evaluations and (name is None or name in names):
+            said = "without a name" if name is None else f"named {name!r}"
+            raise UsageError(f"run.evaluate(...) was already called {said}: each further set "
+                             "needs a name of its own (its metrics are recorded as name/metric)",
+                             hint="run.evaluate(val_set, fn) then run.evaluate(train_sample, "
+                                  "fn, name='train')")
+        if self._evaluations and every is not None and every != self._evaluations[0].every:
+            raise UsageError(f"run.evaluate(..., every={every}): every set is evaluated at the "
+                             f"same points, each {self._evaluations[0].every} steps here (the "
+                             f"first call's every)", hint="leave every to the first call")
+        self._evaluations.append(_Evaluation(data, fn, self._evaluations[0].every
+                                             if self._evaluations else every, derive, name))
 
     def after_average(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` each time an average has landed in this rank's model (every policy; a
@@ -588,8 +603,8 @@ class Run:
             comm_meter=comm_meter, steps=StepWatch.on(optimizer), accumulate=accumulate,
             after_average=self._after_average, stream=stream, on_policy=self._chose,
             copies=DeviceCopies.for_device(device) if stream is None else None,
-            evaluate_every=(self._evaluation.every * self._global_step(accumulate)
-                            if self._evaluation and self._evaluation.every else None),
+            evaluate_every=(self._evaluations[0].every * self._global_step(accumulate)
+                            if self._evaluations and self._evaluations[0].every else None),
             on_evaluate=self._epochs_log.evaluate_now if self._epochs_log else None,
             verify=_verify(),
             on_scalars=self._epochs_log.scalars if self._epochs_log else None,
@@ -760,16 +775,8 @@ class Run:
 
     # What the epoch's end (fdl.engine.epochs) reads of the script.
     @property
-    def eval_data(self) -> Any:
-        return self._evaluation.data if self._evaluation else None
-
-    @property
-    def evaluate_fn(self) -> Any:
-        return self._evaluation.fn if self._evaluation else None
-
-    @property
-    def eval_derive(self) -> Any:
-        return self._evaluation.derive if self._evaluation else None
+    def evaluations(self) -> list[_Evaluation]:
+        return list(self._evaluations)
 
 
 

@@ -352,21 +352,46 @@ def test_an_evaluation_every_n_steps_lands_within_epochs(tmp_path, monkeypatch):
     assert result.metrics == result.history[-1]["eval"]
 
 
-def test_a_second_evaluation_is_refused_not_swapped_for_the_first(tmp_path, monkeypatch):
+def test_a_named_second_set_is_evaluated_beside_the_first(tmp_path, monkeypatch):
     """nanoGPT evaluates its train and val splits: a second run.evaluate used to replace the
-    first without a word, and the run evaluated only the last set given."""
+    first without a word. A named set is evaluated at the same points, its metrics recorded as
+    name/metric; a second unnamed set, a name used twice, a name that is no identifier and an
+    every of its own are refused."""
     import fdl
+    from fdl.engine.evaluation import evaluate_model
 
     sys.path.insert(0, str(SCRIPTS))
     from common import evaluate, make_data
 
     monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
     run = fdl.init(seed=1)
-    run.evaluate(make_data(64, seed=2), evaluate)
-    with pytest.raises(fdl.errors.UsageError, match="already called") as refused:
-        run.evaluate(make_data(64, seed=3), evaluate)
-    assert "run.log(loss=" in refused.value.hint
-    run.abandon()
+    val, train_sample = make_data(96, seed=2), make_data(64, seed=1)
+    run.evaluate(val, evaluate, every=8)
+    run.evaluate(train_sample, evaluate, name="train")
+    for call, needle in [(lambda: run.evaluate(val, evaluate), "already called without a name"),
+                         (lambda: run.evaluate(val, evaluate, name="train"), "named 'train'"),
+                         (lambda: run.evaluate(val, evaluate, name="a b"), "takes a name"),
+                         (lambda: run.evaluate(val, evaluate, name="test", every=4),
+                          "each 8 steps here")]:
+        with pytest.raises(fdl.errors.UsageError, match=needle):
+            call()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for features, labels in run.batches(make_data(512, seed=1), model=model,
+                                        optimizer=optimizer, batch_size=32, epochs=2):
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    result = run.finish()
+    names = {"accuracy", "loss", "train/accuracy", "train/loss"}
+    assert [set(record["eval"]) for record in result.history] == [names, names]
+    within = [e["eval"] for e in read_events(tmp_path / "run", 0) if e["kind"] == "eval"]
+    assert within and all(set(e) == names for e in within)  # every 8 steps: both sets
+    alone = {f"train/{k}": v for k, v in evaluate_model(
+        result.model, train_sample, evaluate, batch_size=32, device=torch.device("cpu"),
+        rank=0, world_size=1).items()}
+    assert {k: result.metrics[k] for k in alone} == pytest.approx(alone)
+    assert result.metrics["loss"] != result.metrics["train/loss"]
 
 
 def test_an_evaluation_every_zero_steps_is_refused():
