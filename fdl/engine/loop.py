@@ -312,9 +312,11 @@ class Run:
                              hint="run.evaluate(val_set, fn) then run.evaluate(train_sample, "
                                   "fn, name='train')")
         if self._evaluations and every is not None and every != self._evaluations[0].every:
+            first = self._evaluations[0].every
+            points = f"each {first} steps" if first else "at epoch ends only"
             raise UsageError(f"run.evaluate(..., every={every}): every set is evaluated at the "
-                             f"same points, each {self._evaluations[0].every} steps here (the "
-                             f"first call's every)", hint="leave every to the first call")
+                             f"same points, {points} here (the first call's every)",
+                             hint="leave every to the first call")
         self._evaluations.append(_Evaluation(data, fn, self._evaluations[0].every
                                              if self._evaluations else every, derive, name))
 
