@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -327,6 +328,19 @@ def test_a_dataloader_is_used_for_what_it_holds(workers):
     assert result.summary["samples"] == 192
 
 
+def train_small(run: Any, data: Any) -> Any:
+    """Two epochs of a small classifier on ``data`` in batches of 32, in this process; the
+    run's result."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for features, labels in run.batches(data, model=model, optimizer=optimizer, batch_size=32,
+                                        epochs=2):
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return run.finish()
+
+
 def test_an_evaluation_every_n_steps_lands_within_epochs(tmp_path, monkeypatch):
     import fdl
 
@@ -335,15 +349,8 @@ def test_an_evaluation_every_n_steps_lands_within_epochs(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
     run = fdl.init(seed=1)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run.evaluate(make_data(128, seed=2), evaluate, every=4)
-    for features, labels in run.batches(make_data(1024, seed=1), model=model,
-                                        optimizer=optimizer, batch_size=32, epochs=2):
-        torch.nn.functional.cross_entropy(model(features), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    result = run.finish()
+    result = train_small(run, make_data(1024, seed=1))
     evaluations = [e for e in read_events(tmp_path / "run", 0) if e["kind"] == "eval"]
     assert len(evaluations) >= 2  # within the epochs, not only at their ends
     assert all(e["samples"] % 1024 for e in evaluations)  # none at an epoch's end
@@ -375,14 +382,7 @@ def test_a_named_second_set_is_evaluated_beside_the_first(tmp_path, monkeypatch)
                           "each 8 steps here")]:
         with pytest.raises(fdl.errors.UsageError, match=needle):
             call()
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for features, labels in run.batches(make_data(512, seed=1), model=model,
-                                        optimizer=optimizer, batch_size=32, epochs=2):
-        torch.nn.functional.cross_entropy(model(features), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    result = run.finish()
+    result = train_small(run, make_data(512, seed=1))
     names = {"accuracy", "loss", "train/accuracy", "train/loss"}
     assert [set(record["eval"]) for record in result.history] == [names, names]
     within = [e["eval"] for e in read_events(tmp_path / "run", 0) if e["kind"] == "eval"]
