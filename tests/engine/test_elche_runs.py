@@ -26,9 +26,9 @@ from fdl.rundir.report import run_report
 from fdl.rundir.timeline import read_events
 from fdl.rundir.timeline_merge import merge_timeline
 
-# A test whose assertions follow the workers' measured speed (the plan's shares, the emulated
-# sleep against the compute, an average's wait against an evaluation's) is marked `alone`: it
-# runs with no other test beside it (tests/conftest.py). The others hold at any speed.
+# the plan's shares and the policies' rounds follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -54,7 +54,6 @@ def planned_samples(run_dir: Path) -> list[int]:
                 if e["kind"] == "round" and e["round"] > 0) for rank in (0, 1)]
 
 
-@pytest.mark.alone
 def test_sync_equals_plain_torch_ddp(tmp_path):
     """Also emulated at 1,2.5, which changes nothing but time: the model still equals plain
     DDP's, and DDP's all-reduce is booked as sync (the fast rank's wait for the slow one
@@ -108,7 +107,6 @@ def check_ddp_communication_is_sync(run_dir: Path) -> None:
     assert report["ranks"][1]["time_s"]["emulated"] > 0 == report["ranks"][0]["time_s"]["emulated"]
 
 
-@pytest.mark.alone
 @pytest.mark.parametrize(("policy", "average_dtype", "outer"), [
     ("cadence", "fp32", "none"), ("async", "fp32", "none"), ("cadence", "bf16", "none"),
     ("async", "bf16", "none"), ("cadence", "fp32", "nesterov"), ("async", "bf16", "nesterov"),
@@ -147,7 +145,6 @@ def test_replicas_are_bitwise_identical_after_every_average(tmp_path, policy, av
     assert planned[0] > 1.5 * planned[1], planned
 
 
-@pytest.mark.alone
 def test_an_epoch_end_that_waited_for_asyncs_average_is_not_booked_as_the_average(tmp_path):
     """async runs through epoch ends: the epoch's evaluation runs at the next boundary, when
     the epoch's average lands. An evaluation made slow (each batch sleeps 0.1 s: the workload)
@@ -180,7 +177,6 @@ def test_the_process_group_is_gone_when_the_trainer_returns(tmp_path):
         assert not [name for name in threads if "gloo" in name], threads
 
 
-@pytest.mark.alone
 def test_summary_has_every_contract_field_and_metrics(tmp_path):
     out, run_dir = fdl_train(tmp_path, "--policy", "async", "--simulate-slowdown", "1,2.5")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -231,7 +227,6 @@ def test_launcher_flag_beats_script_value_beats_default(tmp_path):
 
 
 @pytest.mark.timing
-@pytest.mark.alone
 def test_sync_at_1_2_5_runs_as_fast_as_plain_ddp_slept_on_compute_only(tmp_path):
     """fdl sync with --simulate-slowdown 1,2.5 against examples/ddp_plain.py --slowdown 1,2.5
     (plain torch DDP, each rank sleeping (f - 1) x each step's time less its all-reduce): within

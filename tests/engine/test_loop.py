@@ -21,9 +21,9 @@ from helpers import clean_env, run_fdl
 from fdl.rundir.checkpoints import latest_checkpoint
 from fdl.rundir.timeline import read_events
 
-# A test whose assertions follow the workers' measured speed (the plan's shares, the fast
-# rank's step count) is marked `alone`: it runs with no other test beside it
-# (tests/conftest.py). The others check what holds at any speed and share the machine.
+# the plan's shares, round ends and run.progress follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -96,7 +96,6 @@ def test_a_loop_under_sync_keeps_one_model_when_an_epoch_ends_on_one_rank_s_step
     assert [r["batches"] for r in seen] == [34, 32]  # 2 epochs: 17 and 16 batches each
 
 
-@pytest.mark.alone
 @pytest.mark.parametrize("policy", ["cadence", "async"])
 def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, policy):
     # 1,4: a margin wide enough that a busy machine's noise cannot turn the shares around;
@@ -545,7 +544,7 @@ def in_order_within(lrs: list[float], schedule: list[float]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("policy", [pytest.param("cadence", marks=pytest.mark.alone), "sync"])
+@pytest.mark.parametrize("policy", ["cadence", "sync"])
 def test_a_scheduler_handed_to_the_loop_counts_global_steps_on_every_rank(tmp_path, policy):
     """run.batches(scheduler=) with a OneCycleLR sized as a DDP script sizes it (32 steps of 2
     x 32 samples over 2 epochs of 1024): the engine steps it, so under cadence the fast rank's

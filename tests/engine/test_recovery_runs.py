@@ -26,9 +26,9 @@ from trace_checks import check_against, check_format, load_strict
 
 from fdl.rundir.timeline import read_events
 
-# The killed run's schedule ends where the elastic rounds, which follow the workers' measured
-# speed, leave its last step: that test is marked `alone` and runs with no other test beside
-# it (tests/conftest.py). The resumes hold at any speed.
+# a schedule's last step and the elastic rounds follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FLAGS = ("--nproc-per-node", "2", "--checkpoint-every", "1", "--max-restarts", "1",
@@ -56,7 +56,6 @@ def kill_rank_when_checkpointed(proc: subprocess.Popen, run_dir: Path, rank: str
     raise AssertionError("worker not found")
 
 
-@pytest.mark.alone
 def test_sigkilled_worker_restarts_from_its_checkpoint_and_learns(tmp_path):
     crash_out, run_dir = tmp_path / "crash", tmp_path / "crash-run"
     crash_out.mkdir()

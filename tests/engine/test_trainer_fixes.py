@@ -36,9 +36,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from common import build_model, build_optimizer, make_data, train_step  # noqa: E402
 
-# A test whose assertions follow the workers' measured speed (checkpoints every 0.05 s, which
-# rounds a loader's workers foresee) is marked `alone`: it runs with no other test beside it
-# (tests/conftest.py). The others hold at any speed.
+# the plan's shares and timed checkpoints follow the workers' measured speed:
+# these tests run with no other test beside them (tests/conftest.py)
+pytestmark = pytest.mark.alone
 
 
 def fdl_run(tmp_path: Path, script: str, *args: str, flags: tuple[str, ...] = (),
@@ -179,7 +179,6 @@ def since_last_start(run_dir: Path, rank: int) -> list[dict]:
     return all_events[last + 1:]
 
 
-@pytest.mark.alone
 def test_async_checkpoints_within_an_epoch_at_a_blocking_average_and_resumes_there(tmp_path):
     out, run_dir = fdl_run(tmp_path, "recovery_train.py", str(NUM_SAMPLES), flags=ASYNC_FLAGS,
                            env=SMALL_ANCHOR)
@@ -246,7 +245,6 @@ def _pool_store():
     return store, TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
 
 
-@pytest.mark.alone
 def test_with_loader_workers_only_the_calibration_pool_is_fetched_in_process(tmp_path):
     """A DataLoader with a worker under cadence at 1,8: every sample once per epoch, and the
     training process fetches only the calibration pool's single batches itself; the epoch's
