@@ -433,10 +433,7 @@ class Run:
             train = train.with_options(device=self.device, drop_last=drop_last)
         config = self._settings(train, batch_size=batch_size, epochs=epochs,
                                 max_steps=max_steps, max_samples=max_samples, max_time=None)
-        budget = _whole_batches(samples_budget(
-            max_steps=config.max_steps, max_samples=config.max_samples,
-            world_size=self.world_size, batch_size=config.batch_size, accumulate=accumulate),
-            train, config.batch_size)
+        budget = self._sample_budget(config, train, accumulate)
         if train is None and budget is None:
             raise UsageError("streaming data (shards or an IterableDataset) has no length: "
                              "its steps come from a step or sample budget",
@@ -448,6 +445,15 @@ class Run:
         return samples // global_step_samples(world_size=self.world_size,
                                               batch_size=config.batch_size,
                                               accumulate=accumulate)
+
+    def _sample_budget(self, config: EngineConfig, train: TrainData | None,
+                       accumulate: int) -> int | None:
+        """The plan's sample budget under ``config`` (its step and sample budgets; None:
+        none), cut to whole batches when ``train`` drops the last partial one."""
+        return _whole_batches(samples_budget(
+            max_steps=config.max_steps, max_samples=config.max_samples,
+            world_size=self.world_size, batch_size=config.batch_size, accumulate=accumulate),
+            train, config.batch_size)
 
     def _global_step(self, accumulate: int) -> int:
         """One global step's samples under the run's settings (:func:`global_step_samples`)."""
@@ -535,10 +541,7 @@ class Run:
         elif self.rank == 0 and self.world_size > 1:
             _warn_of_a_scheduler(optimizer, config.policy)
         step_size = config.batch_size * accumulate
-        budget = _whole_batches(samples_budget(
-            max_steps=config.max_steps, max_samples=config.max_samples,
-            world_size=self.world_size, batch_size=config.batch_size, accumulate=accumulate),
-            data, config.batch_size)
+        budget = self._sample_budget(config, data, accumulate)
         if stream is not None:  # one "epoch" of the budget (a time alone: as good as endless)
             size, epochs = budget or STREAM_WITHOUT_SAMPLE_BUDGET, 1
             budget = None
