@@ -107,6 +107,8 @@ def _figures(doc: dict[str, Any]) -> list[tuple[str, Any]]:
         ("sync", f"{sync['rounds']} averages, mean {_num(sync['mean_ms'], '.1f')} ms, "
                  f"overhead {_pct(sync['overhead'])}"),
         ("link", _link(doc.get("link") or {})),
+        *[("tip" if index == 0 else "", line)
+          for index, line in enumerate(doc.get("advice") or [])],
         *[("anchor" if index == 0 else "", line)
           for index, line in enumerate(anchors or ["unchanged"])],
         ("emulated", ",".join(f"{f:g}" for f in doc["emulated_slowdown"])

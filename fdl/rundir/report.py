@@ -109,6 +109,7 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "ranks": ranks, "sync": summary["sync"],
         "link": link_figures(summary, timelines[0].events if timelines else [],
                              network=network),
+        "advice": link_advice(summary),
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
@@ -158,6 +159,45 @@ def link_figures(summary: dict[str, Any], events: list[dict[str, Any]], *,
         "gradient_ms_per_step": per_step * 1000 if per_step else None,
         "gradient_mb_per_s": gradient / per_step / 1e6 if gradient and per_step else None,
     }
+
+
+# the share of a run's time spent in its averages above which a smaller encoding pays: the
+# anchor keeps averages near 1-2 % where the run is long enough for it to grow
+ADVICE_OVERHEAD = 0.10
+_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}  # per value sent (int8/int4: + scales)
+
+
+def link_advice(summary: dict[str, Any]) -> list[str]:
+    """What to try when a cadence or async run spent ``ADVICE_OVERHEAD`` or more of its time
+    in its averages (the summary's ``sync.overhead``: waiting at them, on a slow link mostly
+    the transfer): each ``--average-dtype`` that sends fewer bytes than the one it used, with
+    the share it sends (:func:`bytes_share`). Empty otherwise: sync (no averages to encode),
+    one worker, nothing smaller left, or a summary without the figures (an older one)."""
+    sync, dtype, world = summary.get("sync"), summary.get("average_dtype"), \
+        summary.get("world_size")
+    overhead = sync.get("overhead") if isinstance(sync, dict) else None
+    if summary.get("policy") not in ("cadence", "async") or not _whole(world) or world < 2 \
+            or dtype not in _BITS or not is_finite(overhead) or overhead < ADVICE_OVERHEAD:
+        return []
+    smaller = [(name, share) for name in _BITS
+               if (share := bytes_share(dtype, name, world_size=world)) < 1]
+    if not smaller:
+        return []
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in smaller)
+    return [f"the averages took {overhead:.0%} of the run, sent in {dtype}: --average-dtype "
+            f"{shares} of its bytes (docs/run.md \"Slow links\")"]
+
+
+def bytes_share(sent: str, instead: str, *, world_size: int) -> float:
+    """The bytes a rank sends per average in ``instead`` over those in ``sent``, scales left
+    out: fp32 is all-reduced (a ring sends 2 (W-1)/W of the buffer), the encodings gathered
+    (W-1 encoded buffers), so an encoding saves less as ranks are added (bf16 half for two
+    ranks, nothing from four; docs/run.md "Slow links")."""
+    def sends(dtype: str) -> float:
+        if dtype == "fp32":
+            return 2 * (world_size - 1) / world_size * _BITS["fp32"]
+        return (world_size - 1) * _BITS[dtype]
+    return sends(instead) / sends(sent)
 
 
 def _rated_link(network: Any) -> tuple[str | None, int | None]:

@@ -334,6 +334,40 @@ def test_the_link_shows_an_averages_bytes_and_the_rate_the_blocking_ones_got(tmp
     assert old["average_bytes"] is None and old["blocking_mb_per_s"] is None
 
 
+def test_a_run_whose_averages_took_a_tenth_of_it_or_more_is_told_of_smaller_encodings(tmp_path):
+    """A cadence run across a slow link that spent 38% of its time in its averages (bench-lan's
+    at 100 Mbit/s) is told, in the text and the JSON, which --average-dtype sends fewer bytes
+    than the one it used; a run under the threshold, under sync, on one worker, already in
+    int4, or whose summary lacks the figures is told nothing."""
+    run = make_run(tmp_path)
+
+    def advice(**changes):
+        (run / "summary.json").write_text(json.dumps({**SUMMARY, **changes}))
+        return run_report(run)["advice"]
+
+    slow = {"sync": {"rounds": 6, "mean_ms": 865.0, "overhead": 0.38}, "average_dtype": "fp32"}
+    assert advice(**slow) == ["the averages took 38% of the run, sent in fp32: --average-dtype "
+                              "bf16 50%, int8 25%, int4 12% of its bytes "
+                              '(docs/run.md "Slow links")']
+    text = run_fdl("report", str(run)).stdout
+    assert "tip" in text and "--average-dtype" in text
+    assert "in bf16: --average-dtype int8 50%, int4 25% of its bytes" in \
+        advice(**{**slow, "average_dtype": "bf16"})[0]
+    assert "in int8: --average-dtype int4 50% of its bytes" in \
+        advice(**{**slow, "policy": "async", "average_dtype": "int8"})[0]
+    # four ranks: fp32 is all-reduced (1.5 buffers sent), the encodings gathered (3 each)
+    four = {"world_size": 4, "devices": ["cpu"] * 4, "emulated_slowdown": None,
+            "throughput": {"samples_per_s": 40.0, "per_rank_samples_per_s": [10.0] * 4}}
+    assert "in fp32: --average-dtype int8 50%, int4 25% of its bytes" in \
+        advice(**slow, **four)[0]
+    assert advice(**{**slow, "sync": {"rounds": 6, "mean_ms": 90.0, "overhead": 0.05}}) == []
+    for quiet in ({"average_dtype": "int4"}, {"policy": "sync"}, {"average_dtype": None},
+                  {"world_size": 1, "devices": ["cpu"], "emulated_slowdown": [1.0],
+                   "throughput": {"samples_per_s": 40.0, "per_rank_samples_per_s": [40.0]}}):
+        assert advice(**{**slow, **quiet}) == [], quiet
+    assert "tip" not in run_fdl("report", str(run)).stdout
+
+
 def test_the_link_names_the_encoding_an_average_was_sent_in(tmp_path):
     """int8 on the wire is named as bf16 is; a dtype fdl does not know is shown as none."""
     run = make_run(tmp_path)
