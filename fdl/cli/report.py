@@ -118,25 +118,34 @@ def _figures(doc: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def _size(count: float, *, digits: int) -> str:
+    """Bytes as people read them: ``9.90 MB`` (``digits`` decimals) from a megabyte up, then
+    ``340.1 kB`` and ``112 B``, so a sync run's epoch-end average of a few buffers is not
+    ``0.00 MB``."""
+    if count >= 1e6:
+        return f"{count / 1e6:.{digits}f} MB"
+    return f"{count / 1e3:.1f} kB" if count >= 1e3 else f"{count:.0f} B"
+
+
 def _link(link: dict[str, Any]) -> str | None:
     """What crossed the link, in one line (None: nothing recorded)."""
     parts = []
     if link.get("average_bytes"):
-        part = f"{link['average_bytes'] / 1e6:.2f} MB per average"
+        part = f"{_size(link['average_bytes'], digits=2)} per average"
         if link.get("average_dtype") not in (None, "fp32"):  # sent encoded: bf16, int8 or int4
             part += f" ({link['average_dtype']})"
         if link.get("blocking_mb_per_s"):
             part += (f", blocking ones {link['blocking_average_ms']:.0f} ms: "
-                     f"{link['blocking_mb_per_s']:.1f} MB/s")
+                     f"{_size(link['blocking_mb_per_s'] * 1e6, digits=1)}/s")
             if link.get("interface_share") is not None:
                 part += (f" ({link['interface_share']:.1%} of {link['interface']}'s rated "
                          f"{link['interface_mbit']} Mbit/s)")
         parts.append(part)
     if link.get("gradient_bytes"):
-        part = f"{link['gradient_bytes'] / 1e6:.2f} MB of gradients per step"
+        part = f"{_size(link['gradient_bytes'], digits=2)} of gradients per step"
         if link.get("gradient_mb_per_s"):
             part += (f", {link['gradient_ms_per_step']:.1f} ms each: "
-                     f"{link['gradient_mb_per_s']:.1f} MB/s")
+                     f"{_size(link['gradient_mb_per_s'] * 1e6, digits=1)}/s")
         parts.append(part)
     return "; ".join(parts) or None
 

@@ -161,31 +161,37 @@ def link_figures(summary: dict[str, Any], events: list[dict[str, Any]], *,
     }
 
 
-# the share of a run's time spent in its averages above which a smaller encoding pays: the
-# anchor keeps averages near 1-2 % where the run is long enough for it to grow
+# communication over compute (summary.json's sync.overhead) from which a run is told what sends
+# less: the anchor keeps cadence's and async's averages near 1-2 % where a run is long enough
 ADVICE_OVERHEAD = 0.10
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}  # per value sent (int8/int4: + scales)
 
 
 def link_advice(summary: dict[str, Any]) -> list[str]:
-    """What to try when a cadence or async run spent ``ADVICE_OVERHEAD`` or more of its time
-    in its averages (the summary's ``sync.overhead``: waiting at them, on a slow link mostly
-    the transfer): each ``--average-dtype`` that sends fewer bytes than the one it used, with
-    the share it sends (:func:`bytes_share`). Empty otherwise: sync (no averages to encode),
-    one worker, nothing smaller left, or a summary without the figures (an older one)."""
+    """What to try when a run's communication cost ``ADVICE_OVERHEAD`` or more of its compute
+    time (the summary's ``sync.overhead``: the averages', or sync's gradient all-reduces', least
+    over the ranks, so the transfer and not a wait for a slower rank): under cadence or async
+    each ``--average-dtype`` that sends fewer bytes than the one it used, with the share it
+    sends (:func:`bytes_share`); under sync, the policies that communicate once a round. Empty
+    otherwise: one worker, nothing smaller left, a summary without the figure (an older one,
+    a sync run whose all-reduce was not timed)."""
     sync, dtype, world = summary.get("sync"), summary.get("average_dtype"), \
         summary.get("world_size")
     overhead = sync.get("overhead") if isinstance(sync, dict) else None
-    if summary.get("policy") not in ("cadence", "async") or not _whole(world) or world < 2 \
-            or dtype not in _BITS or not is_finite(overhead) or overhead < ADVICE_OVERHEAD:
+    if not _whole(world) or world < 2 or not is_finite(overhead) or overhead < ADVICE_OVERHEAD:
         return []
+    if summary.get("policy") == "sync":
+        return [f"sync's gradient all-reduces cost {overhead:.0%} of the compute time: cadence "
+                "and async average once a round instead (--policy auto picks one after "
+                "calibration; fdl compare measures them on your script)"]
     smaller = [(name, share) for name in _BITS
-               if (share := bytes_share(dtype, name, world_size=world)) < 1]
+               if (share := bytes_share(dtype, name, world_size=world)) < 1] \
+        if summary.get("policy") in ("cadence", "async") and dtype in _BITS else []
     if not smaller:
         return []
     shares = ", ".join(f"{name} {share:.0%}" for name, share in smaller)
-    return [f"the averages took {overhead:.0%} of the run, sent in {dtype}: --average-dtype "
-            f"{shares} of its bytes (docs/run.md \"Slow links\")"]
+    return [f"the averages cost {overhead:.0%} of the compute time, sent in {dtype}: "
+            f"--average-dtype {shares} of its bytes (docs/run.md \"Slow links\")"]
 
 
 def bytes_share(sent: str, instead: str, *, world_size: int) -> float:

@@ -334,11 +334,12 @@ def test_the_link_shows_an_averages_bytes_and_the_rate_the_blocking_ones_got(tmp
     assert old["average_bytes"] is None and old["blocking_mb_per_s"] is None
 
 
-def test_a_run_whose_averages_took_a_tenth_of_it_or_more_is_told_of_smaller_encodings(tmp_path):
-    """A cadence run across a slow link that spent 38% of its time in its averages (bench-lan's
+def test_a_run_whose_communication_cost_a_tenth_of_its_compute_is_told_what_sends_less(tmp_path):
+    """A cadence run across a slow link whose averages cost 38% of its compute time (bench-lan's
     at 100 Mbit/s) is told, in the text and the JSON, which --average-dtype sends fewer bytes
-    than the one it used; a run under the threshold, under sync, on one worker, already in
-    int4, or whose summary lacks the figures is told nothing."""
+    than the one it used; a sync run whose all-reduces cost as much, of cadence and async; a
+    run under the threshold, on one worker, already in int4, or whose summary lacks the figure
+    is told nothing."""
     run = make_run(tmp_path)
 
     def advice(**changes):
@@ -346,7 +347,7 @@ def test_a_run_whose_averages_took_a_tenth_of_it_or_more_is_told_of_smaller_enco
         return run_report(run)["advice"]
 
     slow = {"sync": {"rounds": 6, "mean_ms": 865.0, "overhead": 0.38}, "average_dtype": "fp32"}
-    assert advice(**slow) == ["the averages took 38% of the run, sent in fp32: --average-dtype "
+    assert advice(**slow) == ["the averages cost 38% of the compute time, sent in fp32: --average-dtype "
                               "bf16 50%, int8 25%, int4 12% of its bytes "
                               '(docs/run.md "Slow links")']
     text = run_fdl("report", str(run)).stdout
@@ -361,11 +362,32 @@ def test_a_run_whose_averages_took_a_tenth_of_it_or_more_is_told_of_smaller_enco
     assert "in fp32: --average-dtype int8 50%, int4 25% of its bytes" in \
         advice(**slow, **four)[0]
     assert advice(**{**slow, "sync": {"rounds": 6, "mean_ms": 90.0, "overhead": 0.05}}) == []
-    for quiet in ({"average_dtype": "int4"}, {"policy": "sync"}, {"average_dtype": None},
+    assert advice(**{**slow, "policy": "sync"}) == [
+        "sync's gradient all-reduces cost 38% of the compute time: cadence and async average "
+        "once a round instead (--policy auto picks one after calibration; fdl compare measures "
+        "them on your script)"]
+    for quiet in ({"average_dtype": "int4"}, {"average_dtype": None},
+                  {"sync": {"rounds": 6, "mean_ms": None, "overhead": None}},
                   {"world_size": 1, "devices": ["cpu"], "emulated_slowdown": [1.0],
                    "throughput": {"samples_per_s": 40.0, "per_rank_samples_per_s": [40.0]}}):
         assert advice(**{**slow, **quiet}) == [], quiet
     assert "tip" not in run_fdl("report", str(run)).stdout
+
+
+def test_the_link_reads_a_few_bytes_as_bytes_not_as_zero_megabytes(tmp_path):
+    """A sync run's epoch-end average of a model's few buffers (112 bytes in the bench MLP's)
+    and its gradients under a megabyte are shown in B and kB, not as "0.00 MB"."""
+    run = make_run(tmp_path)
+    syncs = [{"t": 105.0, "kind": "sync", "wait_s": 0.003, "round": 0, "start": 100.0,
+              "end": 100.003, "blocking": True, "bytes": 112}]
+    (run / "timeline" / "rank0.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in [TIMELINES[0][0], *syncs, TIMELINES[0][-1]]))
+    (run / "summary.json").write_text(json.dumps(
+        {**SUMMARY, "policy": "sync", "average_bytes": 112, "gradient_bytes": 340_000,
+         "ddp_comm_s": [0.045, 0.04]}))
+    text = run_fdl("report", str(run)).stdout
+    assert "112 B per average, blocking ones 3 ms: 37.3 kB/s; 340.0 kB of gradients" in text
+    assert "MB/s" in text and "0.00 MB" not in text  # 340 kB in 3 ms a step: 113.3 MB/s
 
 
 def test_the_link_names_the_encoding_an_average_was_sent_in(tmp_path):
