@@ -219,9 +219,13 @@ def _rate(samples: float, seconds: float) -> float | None:
 
 
 def _progress_line(record: EpochRecord, epochs: int) -> None:
+    """``epoch 1/3  loss 0.3845  47587 samples/s  eval: accuracy 0.9058, loss 0.2990``: the
+    train loss, then the evaluation's metrics after ``eval:`` (an evaluation's own ``loss``
+    read as a second train loss when they stood side by side)."""
     from fdl import console
 
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in record.eval.items())
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in record.eval.items())
     loss = f"loss {record.train_loss:.4f}  " if record.train_loss is not None else ""
     rate = f"{record.samples_per_s:.0f} samples/s" if record.samples_per_s is not None else ""
-    console.info(f"epoch {record.epoch}/{epochs}  {loss}{rate}" + (f"  {shown}" if shown else ""))
+    console.info(f"epoch {record.epoch}/{epochs}  {loss}{rate}"
+                 + (f"  eval: {shown}" if shown else ""))

@@ -49,10 +49,11 @@ def test_train_py_runs_solo(project):
     final evaluation."""
     proc = python("train.py", cwd=project, env={"FDL_EPOCHS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    epoch = re.search(r"^epoch 1/1  loss (\S+)  [\d,]+ samples/s  (.+)$", proc.stderr, re.M)
+    epoch = re.search(r"^epoch 1/1  loss (\S+)  [\d,]+ samples/s  eval: (.+)$", proc.stderr,
+                      re.M)
     assert epoch, proc.stderr
-    words = epoch[2].split()
-    metrics = {name: float(value) for name, value in zip(words[::2], words[1::2], strict=True)}
+    metrics = {name: float(value) for name, value in
+               (metric.split(" ") for metric in epoch[2].split(", "))}
     settings = runpy.run_path(str(project / "train.py"))  # the model's outputs, not the run
     outputs = settings["NUM_CLASSES"] if "NUM_CLASSES" in settings else len(settings["VOCAB"])
     assert metrics["loss"] < 0.75 * math.log(outputs), (metrics, outputs)
