@@ -107,8 +107,7 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "ideal_samples_per_s": ideal or None,
         "efficiency": measured / ideal if ideal and measured else None,
         "ranks": ranks, "sync": summary["sync"],
-        "link": link_figures(summary, timelines[0].events if timelines else [],
-                             network=network),
+        "link": link_figures(summary, [t.events for t in timelines], network=network),
         "advice": link_advice(summary),
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
@@ -117,27 +116,30 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
     }
 
 
-def link_figures(summary: dict[str, Any], events: list[dict[str, Any]], *,
+def link_figures(summary: dict[str, Any], ranks_events: list[list[dict[str, Any]]], *,
                  network: Any = None) -> dict[str, Any]:
-    """What crossed the link between the ranks, from rank 0's view: an average's bytes as sent
-    (``average_bytes``, or the sync events' ``bytes``), the blocking averages' median time
-    (rank 0's sync events: the transfer with the packing around it) and the rate that makes,
-    which is about what the link carried; for sync, the float32 gradients DDP all-reduces each
-    step and, where the run timed that all-reduce (``ddp_comm_s``, under an emulated slowdown),
-    its rate. None where the run did not record a figure (an older summary, a single worker).
+    """What crossed the link between the ranks: an average's bytes as sent (``average_bytes``,
+    or rank 0's sync events' ``bytes``), the blocking averages' median time and the rate that
+    makes, which is about what the link carried. An average's time is the shortest of the
+    ranks' that recorded it (their sync events of the same round): the rank that arrived last
+    waited for the transfer and its packing only, where one that came first also waited for
+    it (a fast rank's view alone read a one-machine run's 0.43 MB averages as 21 MB/s); on
+    several nodes a node's run directory holds its own ranks' timelines. For sync, the float32
+    gradients DDP all-reduces each step and, where the run timed that all-reduce
+    (``ddp_comm_s``, under an emulated slowdown), its rate, from rank 0's steps. None where
+    the run did not record a figure (an older summary, a single worker).
     What the link allows is node 0's interface's rated speed, from ``network`` (config.json's,
     read back: anything that is not a plain interface name and a whole number of Mbit/s is
     left out), and the share of it the blocking averages got; the path to the other node may
     be slower than that (WiFi, the other node's interface), so it is a ceiling."""
+    events = ranks_events[0] if ranks_events else []
     syncs = [e for e in events if e["kind"] == "sync"]
     sent = summary.get("average_bytes")
     recorded = [e["bytes"] for e in syncs if _whole(e.get("bytes"))]
     if not _whole(sent) and recorded:
         sent = max(recorded)
     sent = sent if _whole(sent) and sent > 0 else None
-    blocking = sorted(e["end"] - e["start"] for e in syncs
-                      if e.get("blocking") is True and is_finite(e.get("start"))
-                      and is_finite(e.get("end")) and e["end"] > e["start"])
+    blocking = sorted(_blocking_averages(ranks_events))
     median_s = blocking[len(blocking) // 2] if blocking else None
     gradient = summary.get("gradient_bytes")
     gradient = gradient if _whole(gradient) and gradient > 0 else None
@@ -159,6 +161,23 @@ def link_figures(summary: dict[str, Any], events: list[dict[str, Any]], *,
         "gradient_ms_per_step": per_step * 1000 if per_step else None,
         "gradient_mb_per_s": gradient / per_step / 1e6 if gradient and per_step else None,
     }
+
+
+def _blocking_averages(ranks_events: list[list[dict[str, Any]]]) -> list[float]:
+    """Each of rank 0's blocking averages' time, the shortest of the ranks' sync events of its
+    round (a sync event without a round, from an older run: rank 0's own)."""
+    def blocking(events: list[dict[str, Any]]) -> list[tuple[Any, float]]:
+        return [(e.get("round"), e["end"] - e["start"]) for e in events
+                if e["kind"] == "sync" and e.get("blocking") is True
+                and is_finite(e.get("start")) and is_finite(e.get("end"))
+                and e["end"] > e["start"]]
+    shortest: dict[Any, float] = {}
+    for events in ranks_events[1:]:
+        for key, spent in blocking(events):
+            if key is not None:
+                shortest[key] = min(spent, shortest.get(key, spent))
+    return [min(spent, shortest.get(key, spent)) if key is not None else spent
+            for key, spent in (blocking(ranks_events[0]) if ranks_events else [])]
 
 
 # communication over compute (summary.json's sync.overhead) from which a run is told what sends

@@ -374,6 +374,34 @@ def test_a_run_whose_communication_cost_a_tenth_of_its_compute_is_told_what_send
     assert "tip" not in run_fdl("report", str(run)).stdout
 
 
+def test_an_averages_time_is_the_last_arriving_ranks_not_the_wait_of_the_first(tmp_path):
+    """Rank 0 came to each blocking average first and waited 800-1000 ms in it; rank 1 came
+    last and spent 100-300 ms, the transfer: the link's figure is each round's shorter time
+    (median 200 ms: 20 MB/s for 4 MB), not rank 0's wait. A round only rank 0 recorded, and an
+    older event without a round, count as rank 0 saw them."""
+    run = make_run(tmp_path)
+
+    def syncs(times):
+        return [{"t": 105.0 + i, "kind": "sync", "wait_s": 0.1, "round": key,
+                 "start": 100.0 + i, "end": 100.0 + i + ms / 1000, "blocking": True,
+                 "bytes": 4_000_000} for i, (key, ms) in enumerate(times)]
+
+    for rank, times in ((0, [(0, 800), (1, 900), (2, 1000)]),
+                        (1, [(0, 300), (1, 100), (2, 200), (3, 50)])):
+        (run / "timeline" / f"rank{rank}.jsonl").write_text("".join(
+            json.dumps(e) + "\n" for e in [TIMELINES[rank][0], *syncs(times),
+                                            TIMELINES[rank][-1]]))
+    (run / "summary.json").write_text(json.dumps({**SUMMARY, "average_bytes": 4_000_000}))
+    link = run_report(run)["link"]
+    assert link["blocking_average_ms"] == pytest.approx(200)
+    assert link["blocking_mb_per_s"] == pytest.approx(20)
+    (run / "timeline" / "rank0.jsonl").write_text("".join(  # rounds rank 1 lacks, or none
+        json.dumps(e) + "\n" for e in [TIMELINES[0][0], *syncs([(7, 800), (None, 900),
+                                                                     (2, 1000)]),
+                                        TIMELINES[0][-1]]))
+    assert run_report(run)["link"]["blocking_average_ms"] == pytest.approx(800)  # 200 800 900
+
+
 def test_the_link_reads_a_few_bytes_as_bytes_not_as_zero_megabytes(tmp_path):
     """A sync run's epoch-end average of a model's few buffers (112 bytes in the bench MLP's)
     and its gradients under a megabyte are shown in B and kB, not as "0.00 MB"."""
