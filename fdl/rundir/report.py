@@ -108,7 +108,7 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "efficiency": measured / ideal if ideal and measured else None,
         "ranks": ranks, "sync": summary["sync"],
         "link": link_figures(summary, [t.events for t in timelines], network=network),
-        "advice": link_advice(summary),
+        "advice": link_advice(summary) + data_advice(ranks, wall=wall),
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
@@ -211,6 +211,25 @@ def link_advice(summary: dict[str, Any]) -> list[str]:
     shares = ", ".join(f"{name} {share:.0%}" for name, share in smaller)
     return [f"the averages cost {overhead:.0%} of the compute time, sent in {dtype}: "
             f"--average-dtype {shares} of its bytes (docs/run.md \"Slow links\")"]
+
+
+# the share of a rank's wall time spent fetching and collating batches from which it is told
+DATA_ADVICE = 0.15
+
+
+def data_advice(ranks: list[dict[str, Any]], *, wall: float) -> list[str]:
+    """A tip when a rank spent ``DATA_ADVICE`` or more of the run's wall time fetching and
+    collating its batches between steps (its ``data_loading``): the one that spent the most
+    named, with loader workers as the remedy (they fetch ahead while the step computes)."""
+    loading = [(row["time_s"]["data_loading"] / wall, rank) for rank, row in enumerate(ranks)
+               if wall > 0 and is_finite(row["time_s"].get("data_loading"))]
+    if not loading or max(loading)[0] < DATA_ADVICE:
+        return []
+    share, rank = max(loading)
+    return [f"rank {rank} spent {share:.0%} of the run fetching and collating batches: loader "
+            "workers fetch them while the step computes (run.batches(..., num_workers=N) or "
+            "the DataLoader's); with workers already, more where the CPU has cores to spare, "
+            "a cheaper collate_fn, or data stored as tensors"]
 
 
 def bytes_share(sent: str, instead: str, *, world_size: int) -> float:

@@ -374,6 +374,23 @@ def test_a_run_whose_communication_cost_a_tenth_of_its_compute_is_told_what_send
     assert "tip" not in run_fdl("report", str(run)).stdout
 
 
+def test_a_rank_that_spent_a_sixth_of_the_run_loading_data_is_told_of_loader_workers(tmp_path):
+    """Rank 1 of the hand-made run fetched batches 0.5 s of its 10 (5%): nothing. Made 2 s
+    (20%), the report names rank 1 and loader workers, in the text and the JSON."""
+    run = make_run(tmp_path)
+    assert run_report(run)["advice"] == []
+    events = [dict(e) for e in TIMELINES[1]]
+    events[3]["data_s"] = 2.0
+    (run / "timeline" / "rank1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    advice = run_report(run)["advice"]
+    assert advice == ["rank 1 spent 20% of the run fetching and collating batches: loader "
+                      "workers fetch them while the step computes (run.batches(..., "
+                      "num_workers=N) or the DataLoader's); with workers already, more where "
+                      "the CPU has cores to spare, a cheaper collate_fn, or data stored as "
+                      "tensors"]
+    assert "loader workers" in " ".join(run_fdl("report", str(run)).stdout.split())
+
+
 def test_an_averages_time_is_the_last_arriving_ranks_not_the_wait_of_the_first(tmp_path):
     """Rank 0 came to each blocking average first and waited 800-1000 ms in it; rank 1 came
     last and spent 100-300 ms, the transfer: the link's figure is each round's shorter time
