@@ -227,7 +227,7 @@ def data_advice(ranks: list[dict[str, Any]], *, wall: float) -> list[str]:
         return []
     share, rank = max(loading)
     return [f"rank {rank} spent {share:.0%} of the run fetching and collating batches: loader "
-            "workers fetch them while the step computes (run.batches(..., num_workers=N) or "
+            "workers fetch them while the step computes (run.batches(num_workers=N) or "
             "the DataLoader's); with workers already, more where the CPU has cores to spare, "
             "a cheaper collate_fn, or data stored as tensors"]
 

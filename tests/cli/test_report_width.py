@@ -2,7 +2,8 @@
 
 The run directory is hand-made to stress the widths: four ranks on four different GPUs in
 three precisions, a run of hours with a million samples per rank, seven anchor changes with long
-reasons, several metrics, a trace.json. The
+reasons, several metrics, two tips (averages costly in bf16, a rank loading data 16% of the run),
+a trace.json. The
 text is compared with `fdl report --json` of the same directory: each figure, rounded as the
 text rounds it, must be in its rank's table rows or, for run-wide figures, in the text."""
 
@@ -37,7 +38,7 @@ def rank_events(rank: int) -> list[dict]:
         t += 2000.0
         events.append({"t": t, "kind": "round", "round": epoch, "epoch": epoch, "steps": steps,
                        "samples": steps * BATCH, "compute_s": 1900.0 - 10 * rank,
-                       "data_s": 123.456 + rank})
+                       "data_s": 1000.456 + rank})
         t += 3.5
         events += [{"t": t, "kind": "sync", "round": epoch, "wait_s": 3.25 * (rank + 1)},
                    {"t": t + 1.0, "kind": "epoch", "epoch": epoch + 1}]
@@ -61,7 +62,8 @@ def run_dir(tmp_path_factory) -> Path:
                "wall_s": WALL_S,
                "throughput": {"samples_per_s": sum(samples) / WALL_S,
                               "per_rank_samples_per_s": [s / WALL_S for s in samples]},
-               "sync": {"rounds": 2, "mean_ms": 1234.5, "overhead": 0.0123},
+               "sync": {"rounds": 2, "mean_ms": 1234.5, "overhead": 0.123},
+               "average_dtype": "bf16",
                "anchor_history": ANCHORS, "final_loss": 0.012345,
                "eval": {"accuracy": 0.98765, "top5_accuracy": 0.99991, "loss": 0.04321}}
     (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
@@ -114,7 +116,7 @@ def run_figures(doc: dict) -> list[str]:
             *(f"round {r}: {a} ({why})" for r, a, why in doc["anchor_history"][-5:]),
             ",".join(f"{f:g}" for f in doc["emulated_slowdown"]),
             *(f"{name} {value:.4f}" for name, value in doc["eval"].items()),
-            f"{doc['final_loss']:.4f}"]
+            f"{doc['final_loss']:.4f}", *doc["advice"]]
 
 
 @pytest.mark.parametrize("columns", [80, 200])
@@ -132,6 +134,7 @@ def test_the_report_fits_the_terminal_and_cuts_nothing(run_dir, report_json, col
     flowing = " ".join(text.split())  # a run-wide line may wrap at 80 columns
     missing = [f for f in run_figures(report_json) if f not in flowing]
     assert missing == [], missing
+    assert len(report_json["advice"]) == 2  # the averages' encoding and rank 3's data loading
 
 
 def test_the_last_line_says_where_the_trace_is_and_how_to_open_it(run_dir):

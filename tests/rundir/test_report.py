@@ -384,7 +384,7 @@ def test_a_rank_that_spent_a_sixth_of_the_run_loading_data_is_told_of_loader_wor
     (run / "timeline" / "rank1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     advice = run_report(run)["advice"]
     assert advice == ["rank 1 spent 20% of the run fetching and collating batches: loader "
-                      "workers fetch them while the step computes (run.batches(..., "
+                      "workers fetch them while the step computes (run.batches("
                       "num_workers=N) or the DataLoader's); with workers already, more where "
                       "the CPU has cores to spare, a cheaper collate_fn, or data stored as "
                       "tensors"]
