@@ -108,7 +108,8 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "efficiency": measured / ideal if ideal and measured else None,
         "ranks": ranks, "sync": summary["sync"],
         "link": link_figures(summary, [t.events for t in timelines], network=network),
-        "advice": link_advice(summary) + data_advice(ranks, wall=wall),
+        "advice": [*link_advice(summary), *sync_advice(summary, ranks, wall=wall),
+                   *data_advice(ranks, wall=wall)],
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
         "incomplete": _incomplete(summary, timelines, ranks),
@@ -187,22 +188,17 @@ _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}  # per value sent (int8/i
 
 
 def link_advice(summary: dict[str, Any]) -> list[str]:
-    """What to try when a run's communication cost ``ADVICE_OVERHEAD`` or more of its compute
-    time (the summary's ``sync.overhead``: the averages', or sync's gradient all-reduces', least
-    over the ranks, so the transfer and not a wait for a slower rank): under cadence or async
-    each ``--average-dtype`` that sends fewer bytes than the one it used, with the share it
-    sends (:func:`bytes_share`); under sync, the policies that communicate once a round. Empty
-    otherwise: one worker, nothing smaller left, a summary without the figure (an older one,
-    a sync run whose all-reduce was not timed)."""
+    """What to try when a cadence or async run's averages cost ``ADVICE_OVERHEAD`` or more of
+    its compute time (the summary's ``sync.overhead``: each average's communication, the least
+    over the ranks, so the transfer and not a wait for a slower rank): each
+    ``--average-dtype`` that sends fewer bytes than the one it used, with the share it sends
+    (:func:`bytes_share`). Empty otherwise: sync (:func:`sync_advice`), one worker, nothing
+    smaller left, a summary without the figure (an older one)."""
     sync, dtype, world = summary.get("sync"), summary.get("average_dtype"), \
         summary.get("world_size")
     overhead = sync.get("overhead") if isinstance(sync, dict) else None
     if not _whole(world) or world < 2 or not is_finite(overhead) or overhead < ADVICE_OVERHEAD:
         return []
-    if summary.get("policy") == "sync":
-        return [f"sync's gradient all-reduces cost {overhead:.0%} of the compute time: cadence "
-                "and async average once a round instead (--policy auto picks one after "
-                "calibration; fdl compare measures them on your script)"]
     smaller = [(name, share) for name in _BITS
                if (share := bytes_share(dtype, name, world_size=world)) < 1] \
         if summary.get("policy") in ("cadence", "async") and dtype in _BITS else []
@@ -211,6 +207,23 @@ def link_advice(summary: dict[str, Any]) -> list[str]:
     shares = ", ".join(f"{name} {share:.0%}" for name, share in smaller)
     return [f"the averages cost {overhead:.0%} of the compute time, sent in {dtype}: "
             f"--average-dtype {shares} of its bytes (docs/run.md \"Slow links\")"]
+
+
+def sync_advice(summary: dict[str, Any], ranks: list[dict[str, Any]], *,
+                wall: float) -> list[str]:
+    """A tip for a sync run in which a rank spent ``ADVICE_OVERHEAD`` or more of the wall time
+    in the gradient all-reduces (its ``sync_wait``: the transfer, and the wait for a slower
+    rank's step, El Che's case): cadence and async, named with that rank and its share."""
+    waits = [(row["time_s"]["sync_wait"] / wall, rank) for rank, row in enumerate(ranks)
+             if wall > 0 and is_finite(row["time_s"].get("sync_wait"))]
+    if summary.get("policy") != "sync" or len(ranks) < 2 or not waits or \
+            max(waits)[0] < ADVICE_OVERHEAD:
+        return []
+    share, rank = max(waits)
+    return [f"rank {rank} spent {share:.0%} of the run in sync's gradient all-reduces, waiting "
+            "for the link and for slower ranks' steps: cadence and async let each rank step at "
+            "its own speed and average once a round (--policy auto picks one after "
+            "calibration; fdl compare measures them on your script)"]
 
 
 # the share of a rank's wall time spent fetching and collating batches from which it is told
