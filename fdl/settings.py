@@ -583,11 +583,18 @@ def as_flags(values: Mapping[str, Any]) -> list[str]:
 # ---- resolution -------------------------------------------------------------------------------
 
 def parse_from(spec: SettingSpec, value: Any, *, origin: str) -> Any:
-    """``spec.parse(value)``, its error prefixed with where the value came from."""
+    """``spec.parse(value)``, its error prefixed with where the value came from; an origin that
+    ends with the setting's name (a script's argument, a config file's key) stands for the
+    name the message starts with: ``tool.fdl.seed must be ...``, not ``tool.fdl.seed: seed
+    must be ...``."""
     try:
         return spec.parse(value)
     except UsageError as exc:
-        raise type(exc)(f"{origin}: {exc.message}", hint=exc.hint) from exc
+        message, name = exc.message, spec.name
+        if message.startswith(f"{name} ") and (origin == name or origin.endswith(
+                (f".{name}", f": {name}"))):
+            raise type(exc)(f"{origin} {message[len(name) + 1:]}", hint=exc.hint) from exc
+        raise type(exc)(f"{origin}: {message}", hint=exc.hint) from exc
 
 
 def resolve_run_settings(*, flags: Mapping[str, Any], env: Mapping[str, str],

@@ -106,9 +106,12 @@ def test_a_bad_env_value_is_a_usage_error_naming_the_variable(name, value):
     ({"checkpoint_every": "0"}, "checkpoint_every"),
 ])
 def test_a_bad_script_value_is_a_usage_error_naming_the_argument(script, key):
+    """Named once: run.batches(batch_size=0) read "batch_size: batch_size must be ..."."""
     with pytest.raises(UsageError) as caught:
         resolve_config(script=script, env={})
-    assert caught.value.message.startswith(f"{key}: ")
+    message = caught.value.message
+    assert message.startswith((f"{key}: ", f"{key} must")), message
+    assert f"{key}: {key} " not in message, message
 
 
 def test_a_bad_script_value_overridden_by_env_is_never_read():

@@ -221,13 +221,13 @@ def test_unknown_key_is_a_config_error_naming_file_and_key(
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("fdl.toml", 'epochs = "many"\n', "epochs: epochs must be a whole number in [1, 1000000], "
+        ("fdl.toml", 'epochs = "many"\n', "epochs must be a whole number in [1, 1000000], "
                                           "got 'many'"),
-        ("fdl.toml", "run_dir = 5\n", "run_dir: run_dir must be a non-empty path, got 5"),
+        ("fdl.toml", "run_dir = 5\n", "run_dir must be a non-empty path, got 5"),
         (
             "pyproject.toml",
             "[tool.fdl]\nseed = -1\n",
-            "tool.fdl.seed: seed must be a whole number in [0, 9223372036854775807]",
+            "tool.fdl.seed must be a whole number in [0, 9223372036854775807]",
         ),
         (
             "pyproject.toml",
