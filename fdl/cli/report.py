@@ -2,7 +2,7 @@
 of the work, where each rank's time went (compute, emulated slowdown, sync — waiting at
 averages, and DDP's all-reduce under sync —, epoch boundaries, data loading, unexplained), sync
 count/mean/overhead, the anchor's history, efficiency against the ideal, and the final metrics.
-``fdl run`` prints the same report when a run that used fdl.Trainer finishes. A run that did not
+``fdl run`` prints the same report when a run that used fdl's engine finishes. A run that did not
 finish (interrupted or crashed: no summary.json) is reported from its timelines, under an
 ``incomplete`` line that says why and where it stopped. A rank whose timeline is incomplete gets
 a ``warning:`` line on stderr saying what its figures cover (exit 0); a summary.json or
