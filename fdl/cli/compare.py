@@ -72,7 +72,7 @@ def hoist_run_options(argv: list[str]) -> list[str]:
 
 def compare(
     ctx: typer.Context,
-    script: Annotated[str, typer.Argument(help="The training script (using fdl.Trainer).")],
+    script: Annotated[str, typer.Argument(help="The training script (using fdl.Trainer or run.batches).")],
     args: Annotated[Optional[list[str]], typer.Argument(  # noqa: UP045
         help="fdl run options for every run, then the script's arguments.")] = None,
     policies: Annotated[str, typer.Option(help="Policies, comma-separated.")] = ",".join(POLICIES),

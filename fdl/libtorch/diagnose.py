@@ -259,7 +259,7 @@ def _host_findings(host: HostInfo, torch: TorchInfo) -> list[Finding]:
         findings.append(Finding(
             "info", "torch sees CUDA: CPU workers (fdl run --nproc-per-node cpu, which hides "
             "the GPUs from them) must take their dtype and autocast from the training device, "
-            "not torch.cuda.is_available() (fdl.Trainer does); --backend cpu is how GPU "
+            "not torch.cuda.is_available() (fdl.Trainer and run.autocast() do); --backend cpu is how GPU "
             "workers average, through host memory"))
     nvcc = next((t for t in host.tools if t.name == "nvcc" and t.version), None)
     if nvcc and torch.cuda_version and nvcc.version.split(".")[0] != torch.cuda_version.split(".")[0]:
