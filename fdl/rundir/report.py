@@ -97,7 +97,10 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
     for rank, row in enumerate(ranks):
         row["share"] = row["samples"] / total
         row["device"], row["precision"] = devices[rank], precisions[rank]
-    ideal = sum(r["solo_samples_per_s"] for r in ranks if r["solo_samples_per_s"])
+    # a rank without a solo-equivalent rate (its timeline missing: another node's rank, a lost
+    # file) leaves the ideal unknown, not the others' sum: that read 0.92 for a 2-node run
+    rates = [r["solo_samples_per_s"] for r in ranks]
+    ideal = sum(rates) if rates and all(rates) else None
     measured = summary["throughput"]["samples_per_s"]
     return {
         "schema": SCHEMA, "complete": incomplete_reason is None, "reason": incomplete_reason,

@@ -83,6 +83,10 @@ def test_an_incomplete_rank_timeline_is_named_with_what_its_figures_cover(tmp_pa
     assert f"it records {recorded} of the 100 samples summary.json counts for it" in \
         item["message"]
     assert item["message"].startswith("rank 1's timeline is incomplete: ")
+    # a rank with no step recorded has no rate: the ideal and the efficiency are unknown, not
+    # rank 0's alone against both ranks' throughput
+    assert (doc["ideal_samples_per_s"] is None) == (recorded == 0)
+    assert (doc["efficiency"] is None) == (recorded == 0)
 
 
 def test_cli_report_warns_about_the_incomplete_rank_and_still_reports(tmp_path):
