@@ -348,8 +348,8 @@ def test_a_run_whose_communication_or_waits_cost_a_tenth_is_told_what_to_try(tmp
         return run_report(run)["advice"]
 
     slow = {"sync": {"rounds": 6, "mean_ms": 865.0, "overhead": 0.38}, "average_dtype": "fp32"}
-    assert advice(**slow) == ["the averages cost 38% of the compute time, sent in fp32: --average-dtype "
-                              "bf16 50%, int8 25%, int4 12% of its bytes "
+    assert advice(**slow) == ["the averages cost 38% of the compute time, sent in fp32: "
+                              "--average-dtype bf16 50%, int8 25%, int4 12% of its bytes "
                               '(docs/run.md "Slow links")']
     text = run_fdl("report", str(run)).stdout
     assert "tip" in text and "--average-dtype" in text
