@@ -8,8 +8,8 @@ batches and every other rank as many *samples* as it can process in the same tim
 so a fast device does more work instead of waiting (in whole batches: only the round that
 ends an epoch, or a sample budget, may hold a partial one: the samples left). Each averaging
 event also exchanges every rank's timing, so all ranks hold the same ``PlanState`` and
-compute the same ``RoundPlan`` from it: no coordinator, no extra messages. Nothing here does I/O, reads a clock or draws a
-random number::
+compute the same ``RoundPlan`` from it: no coordinator, no extra messages. Nothing here does
+I/O, reads a clock or draws a random number::
 
     state = initial_state(PlanConfig(world_size=2, batch_size=64, dataset_size=50_000, epochs=5))
     while not state.finished:
