@@ -200,14 +200,14 @@ def link_advice(summary: dict[str, Any]) -> list[str]:
     sync, dtype, world = summary.get("sync"), summary.get("average_dtype"), \
         summary.get("world_size")
     overhead = sync.get("overhead") if isinstance(sync, dict) else None
-    if not _whole(world) or world < 2 or not is_finite(overhead) or overhead < ADVICE_OVERHEAD:
+    if summary.get("policy") not in ("cadence", "async") or dtype not in _BITS or \
+            not _whole(world) or world < 2 or not is_finite(overhead) or \
+            overhead < ADVICE_OVERHEAD:
         return []
-    smaller = [(name, share) for name in _BITS
-               if (share := bytes_share(dtype, name, world_size=world)) < 1] \
-        if summary.get("policy") in ("cadence", "async") and dtype in _BITS else []
-    if not smaller:
+    shares = ", ".join(f"{name} {share:.0%}" for name in _BITS
+                       if (share := bytes_share(dtype, name, world_size=world)) < 1)
+    if not shares:
         return []
-    shares = ", ".join(f"{name} {share:.0%}" for name, share in smaller)
     return [f"the averages cost {overhead:.0%} of the compute time, sent in {dtype}: "
             f"--average-dtype {shares} of its bytes (docs/run.md \"Slow links\")"]
 
@@ -217,12 +217,11 @@ def sync_advice(summary: dict[str, Any], ranks: list[dict[str, Any]], *,
     """A tip for a sync run in which a rank spent ``ADVICE_OVERHEAD`` or more of the wall time
     in the gradient all-reduces (its ``sync_wait``: the transfer, and the wait for a slower
     rank's step, El Che's case): cadence and async, named with that rank and its share."""
-    waits = [(row["time_s"]["sync_wait"] / wall, rank) for rank, row in enumerate(ranks)
-             if wall > 0 and is_finite(row["time_s"].get("sync_wait"))]
-    if summary.get("policy") != "sync" or len(ranks) < 2 or not waits or \
-            max(waits)[0] < ADVICE_OVERHEAD:
+    worst = _largest_share(ranks, "sync_wait", wall=wall)
+    if summary.get("policy") != "sync" or len(ranks) < 2 or worst is None or \
+            worst[0] < ADVICE_OVERHEAD:
         return []
-    share, rank = max(waits)
+    share, rank = worst
     return [f"rank {rank} spent {share:.0%} of the run in sync's gradient all-reduces, waiting "
             "for the link and for slower ranks' steps: cadence and async let each rank step at "
             "its own speed and average once a round (--policy auto picks one after "
@@ -237,15 +236,23 @@ def data_advice(ranks: list[dict[str, Any]], *, wall: float) -> list[str]:
     """A tip when a rank spent ``DATA_ADVICE`` or more of the run's wall time fetching and
     collating its batches between steps (its ``data_loading``): the one that spent the most
     named, with loader workers as the remedy (they fetch ahead while the step computes)."""
-    loading = [(row["time_s"]["data_loading"] / wall, rank) for rank, row in enumerate(ranks)
-               if wall > 0 and is_finite(row["time_s"].get("data_loading"))]
-    if not loading or max(loading)[0] < DATA_ADVICE:
+    worst = _largest_share(ranks, "data_loading", wall=wall)
+    if worst is None or worst[0] < DATA_ADVICE:
         return []
-    share, rank = max(loading)
+    share, rank = worst
     return [f"rank {rank} spent {share:.0%} of the run fetching and collating batches: loader "
             "workers fetch them while the step computes (run.batches(num_workers=N) or "
             "the DataLoader's); with workers already, more where the CPU has cores to spare, "
             "a cheaper collate_fn, or data stored as tensors"]
+
+
+def _largest_share(ranks: list[dict[str, Any]], part: str, *,
+                   wall: float) -> tuple[float, int] | None:
+    """The largest share of the wall time any rank spent in ``part`` of its time split, and
+    that rank (None: no rank has the figure)."""
+    shares = [(row["time_s"][part] / wall, rank) for rank, row in enumerate(ranks)
+              if wall > 0 and is_finite(row["time_s"].get(part))]
+    return max(shares) if shares else None
 
 
 def bytes_share(sent: str, instead: str, *, world_size: int) -> float:
