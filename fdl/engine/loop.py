@@ -311,14 +311,15 @@ class Run:
                              "needs a name of its own (its metrics are recorded as name/metric)",
                              hint="run.evaluate(val_set, fn) then run.evaluate(train_sample, "
                                   "fn, name='train')")
-        if self._evaluations and every is not None and every != self._evaluations[0].every:
+        if self._evaluations:  # every set at the first's points
             first = self._evaluations[0].every
-            points = f"each {first} steps" if first else "at epoch ends only"
-            raise UsageError(f"run.evaluate(..., every={every}): every set is evaluated at the "
-                             f"same points, {points} here (the first call's every)",
-                             hint="leave every to the first call")
-        self._evaluations.append(_Evaluation(data, fn, self._evaluations[0].every
-                                             if self._evaluations else every, derive, name))
+            if every is not None and every != first:
+                points = f"each {first} steps" if first else "at epoch ends only"
+                raise UsageError(f"run.evaluate(..., every={every}): every set is evaluated at "
+                                 f"the same points, {points} here (the first call's every)",
+                                 hint="leave every to the first call")
+            every = first
+        self._evaluations.append(_Evaluation(data, fn, every, derive, name))
 
     def after_average(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` each time an average has landed in this rank's model (every policy; a
