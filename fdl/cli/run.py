@@ -173,6 +173,7 @@ def _write_timeline(spec: LaunchSpec) -> None:
     from fdl import console
     from fdl.rundir import metrics, timeline
     from fdl.rundir.timeline_merge import html_path, write_timeline
+    from fdl.rundir.timeline_plot import plottable
 
     if not timeline.directory(spec.run_dir).is_dir():
         return
@@ -187,7 +188,9 @@ def _write_timeline(spec: LaunchSpec) -> None:
 
         console.info(f"fdl run: timeline {html}")
         console.info(f"fdl run: trace {trace_note(trace_path(spec.run_dir))}")
-    if metrics.has_epochs(spec.run_dir) and not any(p.suffix == ".png" for p in written):
+    # nothing said where no epoch has a number to plot (a loop that logs none)
+    if plottable(metrics.read_epochs(spec.run_dir)) and not any(p.suffix == ".png"
+                                                                for p in written):
         console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "
                      "(pip install 'fdl[report]')")
 

@@ -75,10 +75,6 @@ def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
     return scan_epochs(run_dir).records
 
 
-def has_epochs(run_dir: Path) -> bool:
-    return (run_dir / FILE).is_file()
-
-
 @dataclass(frozen=True)
 class CurvePoint:
     """One epoch of the curves: training seconds (evaluation excluded) and samples so far."""

@@ -104,9 +104,10 @@ def merge_timeline(run_dir: Path) -> dict[str, Any]:
 
 def write_timeline(run_dir: Path) -> list[Path]:
     """Write ``timeline.json``, ``timeline.csv``, ``timeline.html``, ``trace.json`` and (when
-    matplotlib is installed and an epoch was recorded) ``curves.png`` under
+    matplotlib is installed and an epoch has a number to plot) ``curves.png`` under
     ``run_dir/timeline``; returns the paths written, in that order. A missing ``curves.png``
-    after epochs means no matplotlib: ``pip install 'fdl[report]'``."""
+    where :func:`fdl.rundir.timeline_plot.plottable` holds means no matplotlib:
+    ``pip install 'fdl[report]'``."""
     from fdl.rundir.timeline_plot import write_curves_png
 
     doc = merge_timeline(run_dir)

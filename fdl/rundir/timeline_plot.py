@@ -52,7 +52,11 @@ _loading_lock = threading.Lock()
 
 def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None:
     """Write ``run_dir/timeline/curves.png`` from ``epochs`` (``metrics.jsonl`` lines) and return
-    its path; None when matplotlib is not installed or no epoch has a number to plot."""
+    its path; None when no epoch has a number to plot (matplotlib is then not imported: it is
+    most of the curves' cost) or matplotlib is not installed."""
+    losses, others = _curves(epochs)
+    if not losses and not others:
+        return None
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -60,9 +64,6 @@ def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None
         return None
     from fdl.files import write_atomic
 
-    losses, others = _curves(epochs)
-    if not losses and not others:
-        return None
     panels = [(panel, label) for panel, label in ((losses, "loss"), (others, "metric")) if panel]
     figure = Figure(figsize=(5.5 * len(panels), 4), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -81,6 +82,11 @@ def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, buffer.getvalue())
     return path
+
+
+def plottable(epochs: list[dict[str, Any]]) -> bool:
+    """Whether an epoch of ``epochs`` has a number :func:`write_curves_png` would plot."""
+    return any(_curves(epochs))
 
 
 def _curves(epochs: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:

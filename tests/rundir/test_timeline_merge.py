@@ -215,3 +215,35 @@ def test_a_time_no_float_can_hold_is_skipped_like_a_missing_one(tmp_path):
         handle.write('{"t": 1' + "0" * 400 + ', "rank": 0, "kind": "final"}\n')  # JSON allows it
     doc = merge_timeline(run)
     assert doc["t0"] == T0 and [e["kind"] for e in doc["events"]].count("final") == 0
+
+
+def _no_matplotlib(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def blocked(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)
+
+
+def test_the_launcher_says_matplotlib_is_missing_only_where_there_was_a_curve(
+        tmp_path, monkeypatch, capsys):
+    """fdl run's end, without matplotlib: epochs with a loss get the install line; a loop's
+    epochs with no number (it logged no loss, evaluated nothing) get none: the line said
+    "matplotlib is not installed" on machines that had it."""
+    from types import SimpleNamespace
+
+    from fdl.cli.run import _write_timeline
+
+    _no_matplotlib(monkeypatch)
+    run = make_run(tmp_path)
+    _write_timeline(SimpleNamespace(run_dir=run))
+    assert "matplotlib is not installed (pip install 'fdl[report]')" in capsys.readouterr().err
+    write_lines(run / "metrics.jsonl", [{"epoch": 1, "samples": 192, "train_loss": None}])
+    _write_timeline(SimpleNamespace(run_dir=run))
+    assert "matplotlib" not in capsys.readouterr().err
+    assert not (run / "timeline" / "curves.png").exists()
