@@ -110,8 +110,8 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         "ideal_samples_per_s": ideal or None,
         "efficiency": measured / ideal if ideal and measured else None,
         "ranks": ranks, "sync": summary["sync"],
-        "link": link_figures(summary, [t.events for t in timelines], network=network),
-        "advice": [*link_advice(summary), *sync_advice(summary, ranks, wall=wall),
+        "link": (link := link_figures(summary, [t.events for t in timelines], network=network)),
+        "advice": [*link_advice(summary, link), *sync_advice(summary, ranks, wall=wall),
                    *data_advice(ranks, wall=wall)],
         "anchor_history": summary.get("anchor_history", []),
         "eval": summary.get("eval", {}), "final_loss": summary.get("final_loss"),
@@ -187,22 +187,28 @@ def _blocking_averages(ranks_events: list[list[dict[str, Any]]]) -> list[float]:
 # communication over compute (summary.json's sync.overhead) from which a run is told what sends
 # less: the anchor keeps cadence's and async's averages near 1-2 % where a run is long enough
 ADVICE_OVERHEAD = 0.10
+# the bytes per average below which no smaller --average-dtype is suggested: an average's time
+# is then the link's round trips (64 kB: 0.5 ms at 1 Gbit/s, 5 ms at 100 Mbit/s), which fewer
+# bytes do not shorten (a 2-parameter model's 152 B averages read 12 % on loopback)
+ADVICE_MIN_BYTES = 64 * 1024
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}  # per value sent (int8/int4: + scales)
 
 
-def link_advice(summary: dict[str, Any]) -> list[str]:
+def link_advice(summary: dict[str, Any], link: dict[str, Any] | None = None) -> list[str]:
     """What to try when a cadence or async run's averages cost ``ADVICE_OVERHEAD`` or more of
     its compute time (the summary's ``sync.overhead``: each average's communication, the least
     over the ranks, so the transfer and not a wait for a slower rank): each
     ``--average-dtype`` that sends fewer bytes than the one it used, with the share it sends
     (:func:`bytes_share`). Empty otherwise: sync (:func:`sync_advice`), one worker, nothing
-    smaller left, a summary without the figure (an older one)."""
+    smaller left, a summary without the figure (an older one), or averages of fewer than
+    ``ADVICE_MIN_BYTES`` (``link``'s ``average_bytes``, :func:`link_figures`)."""
     sync, dtype, world = summary.get("sync"), summary.get("average_dtype"), \
         summary.get("world_size")
     overhead = sync.get("overhead") if isinstance(sync, dict) else None
+    sent = (link or {}).get("average_bytes")
     if summary.get("policy") not in ("cadence", "async") or dtype not in _BITS or \
             not _whole(world) or world < 2 or not is_finite(overhead) or \
-            overhead < ADVICE_OVERHEAD:
+            overhead < ADVICE_OVERHEAD or (_whole(sent) and sent < ADVICE_MIN_BYTES):
         return []
     shares = ", ".join(f"{name} {share:.0%}" for name in _BITS
                        if (share := bytes_share(dtype, name, world_size=world)) < 1)
