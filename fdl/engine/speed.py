@@ -43,7 +43,11 @@ host's noise), and the mean over the whole run that it replaced kept the first s
 (allocations, a busy host) for hundreds of steps (the issue's 2.9 against 0.8 ms a step at 2.5x,
 3.6x; 3.7x late in a solo run of fdl init's MLP here). A mean, not a median: over any stretch the
 sleep is then ``f - 1`` times the compute, so the factor holds in time, where a median of
-right-skewed step times slept ~10 % short. The sleep is measured with the clock: what
+right-skewed step times slept ~10 % short. Once-only costs are kept out of it: a step's compute
+enters the mean at most :data:`OUTLIER_FACTOR` times the median of the recent steps (a
+recompilation, a resumed rank's first step, a host stall: host work a slower device does not
+make slower), and the round loop does not slow the run's first step at all
+(fdl.engine.rounds.RoundTally.open). The sleep is measured with the clock: what
 ``time.sleep`` oversleeps (~0.1 ms, a large part of a 1 ms step's sleep) is owed back by the next
 steps' sleeps (at most :data:`MAX_OWED_STEPS` steps' worth, so a host stall does not leave the rank
 unslowed for long), so the factor holds on steps of a millisecond. What it cannot hold: on a shared
@@ -56,6 +60,7 @@ before it sleeps. Summaries mark emulated runs.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,6 +73,10 @@ import torch
 MEAN_STEPS = 15
 #: the oversleep carried to the next steps is at most this many steps' sleep
 MAX_OWED_STEPS = 4
+#: a step's compute enters the mean at most this many times the median of the recent steps
+#: (once OUTLIER_AFTER were added): more is a one-time cost, not the device's speed
+OUTLIER_FACTOR = 4.0
+OUTLIER_AFTER = 3
 
 #: a step's communication: seconds (CPU), or the events that bracket it on the device (CUDA)
 StepComm = float | tuple[torch.cuda.Event, torch.cuda.Event] | None
@@ -213,7 +222,11 @@ class RunningMean:
     """The mean of the last :data:`MEAN_STEPS` values added: a rank's compute per step as the
     slowdown emulation sleeps on it. What a checkpoint keeps of it is ``(count, total)``,
     ``total`` being ``count x`` its value (older checkpoints kept the sum over the run: the same
-    mean); ``RunningMean(count, total)`` goes on from that value."""
+    mean); ``RunningMean(count, total)`` goes on from that value.
+
+    From :data:`OUTLIER_AFTER` values on (a restored mean's count included) a value enters at
+    most :data:`OUTLIER_FACTOR` times the median of the recent ones: a one-time cost (a
+    recompilation, a host stall) is not the device's speed (the module docstring says why)."""
 
     count: int = 0
     total: float = 0.0
@@ -224,6 +237,8 @@ class RunningMean:
             self.recent.append(self.total / self.count)
 
     def add(self, value: float) -> None:
+        if self.count >= OUTLIER_AFTER:
+            value = min(value, OUTLIER_FACTOR * statistics.median(self.recent))
         self.recent.append(value)
         self.count += 1
         self.total = self.value * self.count

@@ -101,7 +101,8 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
     # 1,4: a margin wide enough that a busy machine's noise cannot turn the shares around;
     # rank 0 computes in bf16, rank 1 in fp32
     out, run_dir, seen = loop_run(tmp_path, "--policy", policy, "--simulate-slowdown", "1,4",
-                                  "--precision", "bf16,fp32", script_args=("--accumulate", "2"))
+                                  "--precision", "bf16,fp32",
+                                  script_args=("--accumulate", "2", "--first-step-s", "0.5"))
     same_models(out)
     fast, slow = seen
     for rank in seen:
@@ -113,6 +114,11 @@ def test_a_loop_that_accumulates_is_averaged_only_after_its_steps(tmp_path, poli
     planned = [sum(e["planned"] for e in read_events(run_dir, r)
                    if e["kind"] == "round" and e["round"] > 0) for r in (0, 1)]
     assert planned[0] > planned[1]
+    # the first step's extra 0.5 s (a compilation) is timed but not slowed: rank 1 at 4x slept
+    # 3x it (1.5 s) before, in the calibration round, while rank 0 waited
+    [calibration] = [e for e in read_events(run_dir, 1) if e["kind"] == "round" and
+                     e["round"] == 0]
+    assert calibration["busy_s"] >= 0.5 and calibration["sleep_s"] < 0.5
     assert fast["samples"] + slow["samples"] == 2 * 1024  # every sample once per epoch
     assert {size for rank in seen for size in rank["batch_sizes"]} == {32}  # whole batches
     assert fast["summary"]["accumulate"] == 2

@@ -6,6 +6,7 @@ Usage: loop_train.py OUT [--accumulate K] [--epochs E] [--samples N] [--batch-no
                      [--drop-last]
                      [--never-step] [--tick-every S] [--all-reduce-loss] [--scheduler]
                      [--all-reduce-by-name] [--driven [--sched-steps N] [--also-step]]
+                     [--first-step-s S]
 
 ``--plain``: no schedule, no clipping (the step plain DDP's reference takes; with ``--clip``
 clipping at 0.05, as the reference's ``--clip``); ``--never-step``:
@@ -17,7 +18,9 @@ before the run); ``--scheduler``: a torch LR scheduler made on the optimizer (ne
 stepped); ``--driven``: a OneCycleLR of ``run.total_steps`` steps (``--sched-steps N``: N) handed to
 ``run.batches(scheduler=)`` instead of the cosine on run.progress, which the script never steps
 (``--also-step``: it steps it too, as it did before); ``--drop-last``: the data is a
-``DataLoader(batch_size=32, shuffle=True, drop_last=True)``, as a script with BatchNorm has it.
+``DataLoader(batch_size=32, shuffle=True, drop_last=True)``, as a script with BatchNorm has it;
+``--first-step-s S``: the process's first batch takes S seconds more, as torch.compile's
+compilation does.
 
 It checks, batch by batch, the contract a loop relies on: the weights never change between two
 batches of one accumulated step (no average lands mid-step), and ``run.progress`` never goes
@@ -29,6 +32,7 @@ import math
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +96,7 @@ for index, (features, labels) in enumerate(run.batches(
         epochs=flag("--epochs", 2), accumulate=accumulate, scheduler=driven)):
     if seen["resumed_steps"] is None:
         seen["resumed_steps"] = counter.steps
+        time.sleep(flag("--first-step-s", 0.0))  # a compilation's once-only cost
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if index % accumulate and not torch.equal(weights, after):
         seen["mid_step_changes"] += 1
