@@ -486,6 +486,9 @@ def _timed_step(replica: Replica, plan: RoundPlan, state: PlanState, tally: Roun
         if shadow is not None:  # a loop's sync: the others' all-reduce of this step, joined
             shadow(ranks_with_data=replica.comm_meter.ranks_with_data)
         return
+    if replica.progress is not None and not replica.progress.written:
+        # the display says so while the first step lasts (a compilation: half a minute)
+        _show_progress(replica, plan, samples=progress, first_step=True)
     clock = tally.warmup if warm else tally.timer
     clock.start()
     replica.position = progress
@@ -541,7 +544,8 @@ def _close_slice(replica: Replica, plan: RoundPlan, tally: RoundTally) -> RoundR
                              since_checkpoint_s=since, elapsed_s=replica.elapsed_s())
 
 
-def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None:
+def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float,
+                   first_step: bool = False) -> None:
     assert replica.progress is not None
     totals = replica.totals
     sliced = [s.num_samples for s in plan.slices]  # the planned split (a pool is anyone's)
@@ -549,7 +553,7 @@ def _show_progress(replica: Replica, plan: RoundPlan, *, samples: float) -> None
         [1 / len(sliced)] * len(sliced)
     replica.progress.write(samples=samples, epoch=plan.epoch, shares=shares,
                           anchor=plan.anchor, sync_s=totals.wait_s + totals.comm_s,
-                          busy_s=totals.busy_s, data_s=totals.data_s)
+                          busy_s=totals.busy_s, data_s=totals.data_s, first_step=first_step)
 
 
 def _book_round(replica: Replica, plan: RoundPlan, used: int, tally: RoundTally, *,

@@ -15,7 +15,8 @@ what rank 0 writes shows nothing new: the display is never worth stopping a run 
 a rank fed too slowly by its loader, not a slow device.
 ``precision`` is each rank's, in rank order (the order of ``ranks``), or one word when every
 rank trains in the same; a snapshot without precisions (an engine that gives none) leaves it
-out.
+out. Before rank 0's first step ends the second line says it is taking it (:data:`FIRST_STEP`):
+a compiled model's first step lasts half a minute, with nothing else to show.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from fdl.rundir.progress import clear_snapshot, read_snapshot
 
 INTERVAL_S = 0.25  # rank 0's snapshots and the redraws: four a second
 DATA_SHOWN = 0.01  # the data wait is shown from this share of the step time
+# the second line while rank 0 takes its first step (a snapshot's first_step)
+FIRST_STEP = "taking the first step (a torch.compile'd model compiles in it)"
 
 
 def format_status(snapshot: dict[str, Any], *, width: int) -> str:
@@ -45,6 +48,8 @@ def format_status(snapshot: dict[str, Any], *, width: int) -> str:
     filled = round(bar_width * fraction)
     first = epoch + "━" * filled + "╺" * min(1, bar_width - filled) + \
         " " * max(0, bar_width - filled - 1) + tail
+    if snapshot.get("first_step") is True:
+        return first[:width] + "\n" + FIRST_STEP[:width]
     parts = [f"{_grouped(snapshot.get('samples_per_s'))} samples/s"]
     loss = _number(snapshot.get("loss"))  # any finite loss is a figure: some are negative
     parts.append(f"loss {loss:.4f}" if loss is not None else "loss -")

@@ -15,7 +15,9 @@ the round from rank 0's own steps: the plan makes every rank finish a round toge
 ``eta_s``, ``shares`` (each rank's share of the round's samples), ``loss``, ``sync_overhead``
 (time in averages / compute, rank 0), ``anchor`` and ``world_size``; ``precisions`` (what each
 rank trains in: ``fp32``, ``bf16``, ``fp16``) once the engine has given them — a snapshot
-without it is still schema 1, shown without precisions.
+without it is still schema 1, shown without precisions. ``first_step`` (true, else absent): the
+snapshot written before the process's first step, which can take long (allocations,
+torch.compile's compilation); it has no rate, and the rate after it does not count from it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ProgressFile:
     total: int | None = None  # the run's samples when a budget cuts it short of the epochs
     _started: float = field(default_factory=time.monotonic)
     _next: float = 0.0
+    _written: bool = False
     _points: deque[tuple[float, float]] = field(default_factory=deque)
 
     @classmethod
@@ -71,30 +74,40 @@ class ProgressFile:
     def due(self) -> bool:
         return time.monotonic() >= self._next
 
+    @property
+    def written(self) -> bool:
+        """Whether this process wrote a snapshot yet."""
+        return self._written
+
     def write(self, *, samples: float, epoch: int, shares: list[float], anchor: int,
               sync_s: float, busy_s: float, data_s: float = 0.0,
-              precisions: list[str] | None = None) -> None:
+              precisions: list[str] | None = None, first_step: bool = False) -> None:
         """A snapshot at stream position ``samples`` (the run's, counted from its first epoch);
-        ``precisions``, when given, are each rank's from now on (:attr:`precisions`). An
+        ``precisions``, when given, are each rank's from now on (:attr:`precisions`);
+        ``first_step``: written before the process's first step (the module docstring). An
         unwritable run directory only costs the display."""
         if precisions is not None:
             self.precisions = list(precisions)
         now = time.monotonic()
-        self._next = now + self.interval_s
+        self._written = True
+        if not first_step:  # the first step's end is due a snapshot at once
+            self._next = now + self.interval_s
         with contextlib.suppress(OSError):
             write_json_atomic(self.path, self.snapshot(
                 now=now, samples=samples, epoch=epoch, shares=shares, anchor=anchor,
-                sync_s=sync_s, busy_s=busy_s, data_s=data_s))
+                sync_s=sync_s, busy_s=busy_s, data_s=data_s, first_step=first_step))
 
     def snapshot(self, *, now: float, samples: float, epoch: int, shares: list[float],
                  anchor: int, sync_s: float, busy_s: float,
-                 data_s: float = 0.0) -> dict[str, Any]:
+                 data_s: float = 0.0, first_step: bool = False) -> dict[str, Any]:
         total = self.total or self.epochs * self.epoch_size
-        self._points.append((now, samples))
-        while len(self._points) > 2 and now - self._points[0][0] > WINDOW_S:
-            self._points.popleft()
-        (t0, s0) = self._points[0]
-        rate = (samples - s0) / (now - t0) if now > t0 and samples > s0 else None
+        rate = None
+        if not first_step:  # the first step's length is not the training's rate
+            self._points.append((now, samples))
+            while len(self._points) > 2 and now - self._points[0][0] > WINDOW_S:
+                self._points.popleft()
+            (t0, s0) = self._points[0]
+            rate = (samples - s0) / (now - t0) if now > t0 and samples > s0 else None
         position = samples - epoch * self.epoch_size
         document = {
             "schema": SCHEMA, "t": round(time.time(), 3), "epoch": epoch + 1,
@@ -110,6 +123,8 @@ class ProgressFile:
         }
         if self.precisions is not None:
             document["precisions"] = list(self.precisions)
+        if first_step:
+            document["first_step"] = True
         return document
 
 

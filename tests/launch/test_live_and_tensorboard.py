@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import GUARD_S, clean_env, end_process_tree, run_fdl, wait_until
 
+from fdl.launch.live import FIRST_STEP
+
 # the live figures are the workers' measured speed:
 # these tests run with no other test beside them (tests/conftest.py)
 pytestmark = pytest.mark.alone
@@ -76,11 +78,16 @@ class Terminal:
 
 
 def test_live_progress_on_a_terminal_and_tensorboard_scalars_match_metrics(tmp_path: Path) -> None:
-    run_dir, release = tmp_path / "run", tmp_path / "release"
+    run_dir, release, first = tmp_path / "run", tmp_path / "release", tmp_path / "first"
     with Terminal("run", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                  "--simulate-slowdown", "1,2", str(SCRIPT), str(release), "--tensorboard",
-                  cwd=tmp_path) as terminal:
-        # Training holds at its third step until the display has shown rank 0's progress.
+                  "--simulate-slowdown", "1,2", str(SCRIPT), str(release), str(first),
+                  "--tensorboard", cwd=tmp_path) as terminal:
+        # The first step holds (as a compilation does) until the display says it is taken,
+        wait_until(lambda: FIRST_STEP in terminal.text, "the first step's line",
+                   proc=terminal.proc)
+        assert STATUS not in terminal.text
+        first.touch()
+        # and training at its third step until the display has shown rank 0's progress.
         wait_until(lambda: STATUS in terminal.text, "the live progress line", proc=terminal.proc)
         release.touch()
         code, text = terminal.finish()

@@ -36,8 +36,19 @@ def test_the_data_wait_shows_from_one_percent(wait: object, shown: str) -> None:
 
 @pytest.mark.parametrize("width", [20, 40, 79, 80, 200])
 def test_lines_fit_the_width(width: int) -> None:
-    for line in format_status(SNAPSHOT, width=width).split("\n"):
-        assert len(line) <= width
+    for snapshot in (SNAPSHOT, SNAPSHOT | {"first_step": True}):
+        for line in format_status(snapshot, width=width).split("\n"):
+            assert len(line) <= width
+
+
+def test_the_first_step_says_it_is_being_taken() -> None:
+    """Before rank 0's first step ends (a compilation can take half a minute) there is no figure
+    to show: the second line says what is going on. Only a true first_step does."""
+    first, second = format_status(SNAPSHOT | {"first_step": True}, width=100).split("\n")
+    assert first.startswith("epoch 2/5 ")
+    assert second == "taking the first step (a torch.compile'd model compiles in it)"
+    for junk in (False, 1, "yes", None):
+        assert "first step" not in format_status(SNAPSHOT | {"first_step": junk}, width=100)
 
 
 @pytest.mark.parametrize("junk", [None, "x", True, float("nan"), float("inf"), float("-inf"),

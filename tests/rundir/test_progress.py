@@ -48,6 +48,25 @@ def test_snapshot_rate_eta_and_epoch_position(tmp_path: Path) -> None:
     assert snap["total_samples"] == 4000 and snap["shares"] == [0.7, 0.3]
 
 
+def test_the_first_step_s_snapshot_says_so_and_leaves_the_rate_alone(tmp_path: Path) -> None:
+    """Written before the process's first step (a compilation: half a minute): it says so, has
+    no rate, leaves the next snapshot due (the first step's end replaces it at once), and the
+    rate after it counts from the first snapshot of training, not from it."""
+    writer = _writer(tmp_path, FDL_PROGRESS="0.25")
+    assert writer is not None and not writer.written
+    writer.write(samples=0, epoch=0, shares=[0.5, 0.5], anchor=4, sync_s=0, busy_s=0,
+                 first_step=True)
+    assert writer.written and writer.due()
+    first = json.loads(writer.path.read_text())
+    assert first["first_step"] is True and first["samples_per_s"] is None
+    assert first["epoch"] == 1 and first["epoch_fraction"] == 0
+    writer.snapshot(now=130.0, samples=100, epoch=0, shares=[0.5, 0.5], anchor=4, sync_s=0,
+                    busy_s=1)
+    snap = writer.snapshot(now=131.0, samples=600, epoch=0, shares=[0.5, 0.5], anchor=4,
+                           sync_s=0, busy_s=1)
+    assert snap["samples_per_s"] == pytest.approx(500.0) and "first_step" not in snap
+
+
 def test_the_rate_forgets_the_distant_past(tmp_path: Path) -> None:
     writer = _writer(tmp_path, FDL_PROGRESS="0.25")
     assert writer is not None

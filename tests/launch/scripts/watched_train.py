@@ -1,6 +1,7 @@
 """fdl.Trainer on a tiny task whose steps past the second wait for RELEASE to exist, so a test can
 watch the run's live display before training goes on (a 120 s guard, over the whole run, keeps a
-broken test from hanging). Usage: watched_train.py RELEASE"""
+broken test from hanging); with FIRST, the first step waits for that file too, as a compilation
+holds it. Usage: watched_train.py RELEASE [FIRST]"""
 
 import os
 import sys
@@ -14,6 +15,7 @@ from torch.utils.data import TensorDataset
 import fdl
 
 release = sys.argv[1]
+first = sys.argv[2] if len(sys.argv) > 2 else None
 steps = 0
 deadline = time.monotonic() + 120  # one guard for the run: a per-step one added up to hours
 
@@ -27,7 +29,8 @@ def make_data(num_samples, seed):
 def train_step(model, batch):
     global steps
     steps += 1
-    while steps > 2 and not os.path.exists(release) and time.monotonic() < deadline:
+    held = release if steps > 2 else first if steps == 1 else None
+    while held and not os.path.exists(held) and time.monotonic() < deadline:
         time.sleep(0.01)
     features, labels = batch
     return F.cross_entropy(model(features), labels)
