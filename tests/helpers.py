@@ -239,3 +239,18 @@ def earlier_run(run_dir: Path) -> dict[str, str]:
     for name, text in files.items():
         (run_dir / name).write_text(text)
     return files
+
+
+def without_module(monkeypatch: Any, prefix: str) -> None:
+    """Make every import of ``prefix`` (and its submodules) in this process fail as an absent
+    module's does, until the test ends: a machine without an optional extra."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def blocked(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == prefix or name.startswith(prefix + "."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)

@@ -8,6 +8,8 @@ import io
 import json
 from pathlib import Path
 
+from helpers import without_module
+
 from fdl.rundir.timeline_merge import CSV_COLUMNS, merge_timeline, timeline_csv, write_timeline
 
 T0 = 1000.0
@@ -217,19 +219,6 @@ def test_a_time_no_float_can_hold_is_skipped_like_a_missing_one(tmp_path):
     assert doc["t0"] == T0 and [e["kind"] for e in doc["events"]].count("final") == 0
 
 
-def _no_matplotlib(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def blocked(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", blocked)
-
-
 def test_the_launcher_says_matplotlib_is_missing_only_where_there_was_a_curve(
         tmp_path, monkeypatch, capsys):
     """fdl run's end, without matplotlib: epochs with a loss get the install line; a loop's
@@ -239,7 +228,7 @@ def test_the_launcher_says_matplotlib_is_missing_only_where_there_was_a_curve(
 
     from fdl.cli.run import _write_timeline
 
-    _no_matplotlib(monkeypatch)
+    without_module(monkeypatch, "matplotlib")
     run = make_run(tmp_path)
     _write_timeline(SimpleNamespace(run_dir=run))
     assert "matplotlib is not installed (pip install 'fdl[report]')" in capsys.readouterr().err

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import builtins
 import importlib.util
 
 import pytest
+from helpers import without_module
 
 from fdl.rundir.timeline_plot import plottable, write_curves_png
 
@@ -55,14 +55,7 @@ print(json.dumps({{"plottable": plottable(epochs),
 
 
 def test_without_matplotlib_it_returns_none(tmp_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    without_module(monkeypatch, "matplotlib")
     assert write_curves_png(tmp_path, EPOCHS) is None
     assert not (tmp_path / "timeline").exists()
 
