@@ -188,9 +188,10 @@ def _write_timeline(spec: LaunchSpec) -> None:
 
         console.info(f"fdl run: timeline {html}")
         console.info(f"fdl run: trace {trace_note(trace_path(spec.run_dir))}")
-    # nothing said where no epoch has a number to plot (a loop that logs none)
-    if plottable(metrics.read_epochs(spec.run_dir)) and not any(p.suffix == ".png"
-                                                                for p in written):
+    # nothing said where no epoch has a number to plot (a loop that logs none); the epochs are
+    # read again only when no curves were drawn
+    if not any(p.suffix == ".png" for p in written) and \
+            plottable(metrics.read_epochs(spec.run_dir)):
         console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "
                      "(pip install 'fdl[report]')")
 

@@ -54,7 +54,7 @@ class ProgressFile:
     total: int | None = None  # the run's samples when a budget cuts it short of the epochs
     _started: float = field(default_factory=time.monotonic)
     _next: float = 0.0
-    _written: bool = False
+    written: bool = field(default=False, init=False)  # a snapshot by this process yet
     _points: deque[tuple[float, float]] = field(default_factory=deque)
 
     @classmethod
@@ -74,11 +74,6 @@ class ProgressFile:
     def due(self) -> bool:
         return time.monotonic() >= self._next
 
-    @property
-    def written(self) -> bool:
-        """Whether this process wrote a snapshot yet."""
-        return self._written
-
     def write(self, *, samples: float, epoch: int, shares: list[float], anchor: int,
               sync_s: float, busy_s: float, data_s: float = 0.0,
               precisions: list[str] | None = None, first_step: bool = False) -> None:
@@ -89,7 +84,7 @@ class ProgressFile:
         if precisions is not None:
             self.precisions = list(precisions)
         now = time.monotonic()
-        self._written = True
+        self.written = True
         if not first_step:  # the first step's end is due a snapshot at once
             self._next = now + self.interval_s
         with contextlib.suppress(OSError):

@@ -189,12 +189,12 @@ def _blocking_averages(ranks_events: list[list[dict[str, Any]]]) -> list[float]:
 ADVICE_OVERHEAD = 0.10
 # the bytes per average below which no smaller --average-dtype is suggested: an average's time
 # is then the link's round trips (64 kB: 0.5 ms at 1 Gbit/s, 5 ms at 100 Mbit/s), which fewer
-# bytes do not shorten (a 2-parameter model's 152 B averages read 12 % on loopback)
+# bytes do not shorten (a Linear(4, 2)'s 152 B averages read 12 % on loopback)
 ADVICE_MIN_BYTES = 64 * 1024
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}  # per value sent (int8/int4: + scales)
 
 
-def link_advice(summary: dict[str, Any], link: dict[str, Any] | None = None) -> list[str]:
+def link_advice(summary: dict[str, Any], link: dict[str, Any]) -> list[str]:
     """What to try when a cadence or async run's averages cost ``ADVICE_OVERHEAD`` or more of
     its compute time (the summary's ``sync.overhead``: each average's communication, the least
     over the ranks, so the transfer and not a wait for a slower rank): each
@@ -205,7 +205,7 @@ def link_advice(summary: dict[str, Any], link: dict[str, Any] | None = None) -> 
     sync, dtype, world = summary.get("sync"), summary.get("average_dtype"), \
         summary.get("world_size")
     overhead = sync.get("overhead") if isinstance(sync, dict) else None
-    sent = (link or {}).get("average_bytes")
+    sent = link.get("average_bytes")
     if summary.get("policy") not in ("cadence", "async") or dtype not in _BITS or \
             not _whole(world) or world < 2 or not is_finite(overhead) or \
             overhead < ADVICE_OVERHEAD or (_whole(sent) and sent < ADVICE_MIN_BYTES):

@@ -363,8 +363,8 @@ def test_a_run_whose_communication_or_waits_cost_a_tenth_is_told_what_to_try(tmp
     assert "in fp32: --average-dtype int8 50%, int4 25% of its bytes" in \
         advice(**slow, **four)[0]
     assert advice(**{**slow, "sync": {"rounds": 6, "mean_ms": 90.0, "overhead": 0.05}}) == []
-    # averages of under 64 kB: their time is the link's round trips, not bytes (a 2-parameter
-    # model's 152 B read 12% on loopback)
+    # averages of under 64 kB: their time is the link's round trips, not bytes (a
+    # Linear(4, 2)'s 152 B read 12% on loopback)
     assert advice(**slow, average_bytes=64 * 1024 - 1) == []
     assert advice(**slow, average_bytes=64 * 1024) == advice(**slow)
     # under sync: rank 0 of the hand-made run spent 1.5 s of 10 in the all-reduces
