@@ -375,6 +375,10 @@ def test_a_run_whose_communication_or_waits_cost_a_tenth_is_told_what_to_try(tmp
         "measures them on your script)"]
     assert advice(**{**slow, "policy": "sync", "sync": {"rounds": 6, "mean_ms": 1.0,
                                                         "overhead": 0.01}}) != []
+    # the same 1.5 s in a run of 20 s: under a tenth, nothing
+    longer = {"wall_s": 20.0, "throughput": {"samples_per_s": 20.0,
+                                             "per_rank_samples_per_s": [15.0, 5.0]}}
+    assert advice(**{**slow, "policy": "sync", **longer}) == []
     for quiet in ({"average_dtype": "int4"}, {"average_dtype": None},
                   {"sync": {"rounds": 6, "mean_ms": None, "overhead": None}},
                   {"world_size": 1, "devices": ["cpu"], "emulated_slowdown": [1.0],
