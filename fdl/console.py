@@ -83,7 +83,8 @@ def rule(title: str) -> None:
 
 def info(message: str) -> None:
     """A plain line on stderr. Written without rich, which has nothing to style in it: fdl run
-    prints one before its workers start, and importing rich there costs 15 ms."""
+    prints one before its workers start, where rich's import would delay them (docs/run.md
+    "Launch latency")."""
     sys.stderr.write(shown(message, lines=True) + "\n")
     sys.stderr.flush()
 
@@ -215,7 +216,8 @@ def status(message: str) -> Iterator[None]:
 def is_live_terminal() -> bool:
     """Whether stderr is a terminal that can redraw a status line (not ``TERM=dumb``).
     rich decides; without a tty it can only say yes when TTY_COMPATIBLE=1 or FORCE_COLOR is
-    set, so otherwise the answer is no without importing rich (15 ms of fdl run's start)."""
+    set, so otherwise the answer is no without importing rich (part of fdl run's start:
+    docs/run.md "Launch latency")."""
     import os
 
     if os.environ.get("TERM", "") == "dumb":

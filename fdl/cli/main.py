@@ -116,8 +116,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    # Plain help text: typer's rich renderer imports markdown-it and friends (~80 ms, half of
-    # start-up) for a few colours. `fdl --help` is meant to be instant.
+    # Plain help text: typer's rich renderer imports markdown-it and friends for a few colours,
+    # a large share of `fdl --help`'s start-up (the figures: docs/cli.md, first section).
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
