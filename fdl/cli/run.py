@@ -160,8 +160,8 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
 def _core_to_spare(spec: LaunchSpec) -> bool:
     """Whether this node has a core beyond its workers' for the launcher to import the curves'
     matplotlib on while they run (fdl.rundir.timeline_plot.load_in_background). Without one,
-    the import slows the workers' own start as much as it saves at the end (2 workers on a
-    2-core VM: 4.85 s a short run against 4.70 s, medians of 6)."""
+    the import slows the workers' own start as much as it saves at the end (docs/run.md
+    "Timeline", ``curves.png``)."""
     from fdl.launch.devices import usable_cores
 
     return usable_cores() > spec.nproc_per_node

@@ -25,9 +25,9 @@ def load_in_background() -> None:
     """Import matplotlib's figure and Agg canvas on a thread of their own (a daemon, once per
     process), so that :func:`write_curves_png` at a run's end finds them loaded. ``fdl run``
     calls it as its workers start: its launcher then waits idle while they train, and the
-    import (0.36 s on a 2-core VM) was the larger part of the curves' cost, paid after the
-    training. Started earlier, it held the GIL against the rendezvous. Nothing happens without
-    matplotlib (:func:`write_curves_png` then says so)."""
+    import is the larger part of the curves' cost, otherwise paid after the training. Not
+    earlier: it holds the GIL against the rendezvous. Nothing happens without matplotlib
+    (:func:`write_curves_png` then says so; figures: docs/run.md "Timeline")."""
     global _loading
     with _loading_lock:
         if _loading is not None:
