@@ -98,7 +98,8 @@ def build_report(summary: dict[str, Any], timelines: list[RankTimeline],
         row["share"] = row["samples"] / total
         row["device"], row["precision"] = devices[rank], precisions[rank]
     # a rank without a solo-equivalent rate (its timeline missing: another node's rank, a lost
-    # file) leaves the ideal unknown, not the others' sum: that read 0.92 for a 2-node run
+    # file) leaves the ideal unknown: the others' sum would understate it and inflate the
+    # efficiency
     rates = [r["solo_samples_per_s"] for r in ranks]
     ideal = sum(rates) if rates and all(rates) else None
     measured = summary["throughput"]["samples_per_s"]
@@ -127,7 +128,7 @@ def link_figures(summary: dict[str, Any], ranks_events: list[list[dict[str, Any]
     makes, which is about what the link carried. An average's time is the shortest of the
     ranks' that recorded it (their sync events of the same round): the rank that arrived last
     waited for the transfer and its packing only, where one that came first also waited for
-    it (a fast rank's view alone read a one-machine run's 0.43 MB averages as 21 MB/s); on
+    the others (a fast rank's view alone makes the link look several times slower); on
     several nodes a node's run directory holds its own ranks' timelines. For sync, the float32
     gradients DDP all-reduces each step and, where the run timed that all-reduce
     (``ddp_comm_s``, under an emulated slowdown), its rate, from rank 0's steps. None where
@@ -185,11 +186,12 @@ def _blocking_averages(ranks_events: list[list[dict[str, Any]]]) -> list[float]:
 
 
 # communication over compute (summary.json's sync.overhead) from which a run is told what sends
-# less: the anchor keeps cadence's and async's averages near 1-2 % where a run is long enough
+# less: the anchor holds cadence's and async's averages near overhead_target (2 % by default)
+# where a run is long enough: 10 % is well above what the anchor alone leaves
 ADVICE_OVERHEAD = 0.10
 # the bytes per average below which no smaller --average-dtype is suggested: an average's time
 # is then the link's round trips (64 kB: 0.5 ms at 1 Gbit/s, 5 ms at 100 Mbit/s), which fewer
-# bytes do not shorten (a Linear(4, 2)'s 152 B averages read 12 % on loopback)
+# bytes do not shorten (docs/run.md "Slow links")
 ADVICE_MIN_BYTES = 64 * 1024
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}  # per value sent (int8/int4: + scales)
 
