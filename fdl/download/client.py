@@ -10,10 +10,9 @@ What it is given, and why:
   (``SSL_CERT_FILE``, ``SSL_CERT_DIR``) from the environment, as httpx takes them (``trust_env``).
 
 Nothing here reaches into httpx's or httpcore's private attributes. Socket reads are httpx's
-own: wider reads wrapped into its connection pool were once measured faster, but only on
-loopback, where no user's link to a mirror is, and an upgrade of httpx would have broken them
-without a word. What a capped or distant link feels is the number of connections
-(:mod:`fdl.download.ranged`).
+own: wider reads patched into its connection pool gain only on loopback, where no user's link
+to a mirror is, and an upgrade of httpx would break them without a word. What a capped or
+distant link feels is the number of connections (:mod:`fdl.download.ranged`).
 """
 
 from __future__ import annotations

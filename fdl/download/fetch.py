@@ -77,9 +77,9 @@ __all__ = ["DownloadResult", "Progress", "download"]
 
 _MAX_BACKOFF_S = 30.0
 CONNECTIONS_ENV = "FDL_DOWNLOAD_CONNECTIONS"
-# scripts/bench-download 5, 50 MB/s per connection (2026-11-26): 4 connections ran at 3.9x curl,
-# 8 at 7.0x; 4 clears the 3x goal and asks no more of a server than download managers commonly do.
-# The most an unset setting opens (adaptive: see the module docstring).
+# The most an unset setting opens (adaptive: see the module docstring). 4 clears the goal of 3x
+# `curl -o` behind a per-connection cap and asks no more of a server than download managers
+# commonly do (the figures: docs/libtorch.md "Verified here").
 DEFAULT_CONNECTIONS = 4
 PARALLEL_MIN_BYTES = 64 << 20
 

@@ -15,9 +15,9 @@ the number of connections. Used by :mod:`fdl.download.fetch` when the server off
   compete with it.
 * One more thread hashes the file in order as its written prefix grows, reading it back from
   the page cache, so the digest is ready soon after the last byte lands. (Hashing the batches
-  from memory instead, as they are written in order, was tried and not kept: in rotated A/B
-  runs on this VM, with the 1 MiB socket reads fdl then did, it was no faster, 1.31 s a GiB
-  against 1.36 s median, and it holds up to a window of batches in memory.)
+  from memory instead, as they are written in order, was tried and not kept: it was no faster
+  in A/B runs, and it holds up to a window of batches in memory; docs/libtorch.md "Verified
+  here".)
 * The main thread reports progress (bytes across all connections) and saves the record every
   second; Ctrl-C saves it and leaves, so the next run fetches only what is missing.
 * A response from another version of the file (a ``200`` to ``If-Range``, another ``ETag``,
