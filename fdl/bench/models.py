@@ -23,8 +23,8 @@ character in nats. ``evaluate`` returns the batch mean; the engine weights batch
 Learning rate and batch size. Every mode — solo, sync, cadence, async — trains with the SAME
 per-worker batch size and the SAME learning rate, taken from this table. Nothing is scaled for
 the number of workers: a two-worker sync run sees a global batch twice as large at the same LR,
-and that is part of what the benchmark measures. (The old ddp-bench silently doubled the LR in
-its DDP modes, so its comparisons mixed a policy change with a tuning change.) ``schedule`` is
+and that is part of what the benchmark measures: an LR scaled for the multi-worker modes would
+mix a policy change with a tuning change in every comparison. ``schedule`` is
 a step decay indexed by training progress, i.e. by global samples seen, so it is identical in
 every mode. Initialisation is deterministic: the same ``torch.manual_seed`` gives the same
 weights.

@@ -26,12 +26,11 @@ one line saying why) and never shown as results; the recommendation leaves them 
   slower (``--simulate-slowdown``), free communication and sync computing as fast as the
   others, that is ``sum(1 / f_r) / (world / max f_r)`` (1.75x at 1,2.5). Neither holds on
   every host: sync's all-reduce takes time, and sync's steps can compute slower than the
-  others' (on this project's 2-core VM, fdl init's MLP: 0.9-1.1 ms against 0.46-0.48 ms per
-  step for the same rank, blocking in every step's all-reduce), so a policy can gain more
-  — the simulator's own GPT-nano profile on a 1 Gbit/s link has cadence at 3.4x sync at a
-  2.8x gap. So when the runs measured their ideals (their ranks' solo-equivalent rates), the
-  bound is the largest of them over sync's samples/s, if that is larger: a speedup beyond it
-  would have some run faster than any run's ranks could go.
+  others' (every step blocks in its all-reduce), so a policy can gain more (docs/cli.md
+  "fdl compare" has such a run; docs/elche.md "Simulator" a profile where cadence gains more
+  than the gap). So when the runs measured their ideals (their ranks' solo-equivalent rates),
+  the bound is the largest of them over sync's samples/s, if that is larger: a speedup beyond
+  it would have some run faster than any run's ranks could go.
 
 The recommendation (:func:`fdl.compare.recommend.recommend`) is a rule over those rows, spelled
 out in its text.

@@ -4,9 +4,10 @@ version and CUDA version (:func:`torch_build`), and how many CUDA devices worker
 (:func:`count_gpus`).
 
 ``machine_facts`` and ``torch_build`` read torch's version from the wheel's ``torch/version.py``
-without importing torch (the import costs about a second, and ``fdl compare`` runs its cells
-and writes its report without it); only ``count_gpus`` imports torch, because what counts is
-what a worker's torch sees (none with a CPU-only build, whatever the host has).
+without importing torch (a slow import, timed in docs/run.md "Launch latency", and ``fdl
+compare`` runs its cells and writes its report without it); only ``count_gpus`` imports torch,
+because what counts is what a worker's torch sees (none with a CPU-only build, whatever the
+host has).
 
 Example::
 
@@ -44,7 +45,7 @@ def machine_facts() -> dict[str, Any]:
 def torch_build() -> dict[str, str | None]:
     """``{"torch": version, "cuda": CUDA version or None}`` of the installed torch: from the
     module when it is loaded, else read from the wheel's ``torch/version.py`` without importing
-    torch (which costs about a second: ``fdl compare`` asks for this once its runs are done).
+    torch (a slow import: ``fdl compare`` asks for this once its runs are done).
     Values it cannot read are None."""
     loaded = sys.modules.get("torch")
     if loaded is not None:
