@@ -82,8 +82,8 @@ LOADER_WAIT_MARGIN = 0.01  # the slowed run's data wait: at most the plain loop'
 BATCH = 128  # scripts/gpu_pair_train.py's batch size
 LOADER_STEP_MARGIN = 1.5  # the emulated step: this much slower than the loader alone
 ISSUE_STEP_MS = 12.0  # and no shorter than issue 26's card's step (a 5060 Ti, ResNet-20, 128)
-# A batch that cannot fit in that much of the card: on an H100 the pair's CNN peaked at 1.15 GiB
-# for 4096 (bf16), so 2 GiB held it whole; in 0.5 GiB it must halve twice (~0.3 GiB at 1024).
+# A batch that cannot fit in that much of the card, so the auto-fit must halve it: a larger
+# share held the pair's CNN at 4096 whole and tested nothing (docs/run.md "The GPU check").
 FIT_BATCH, LOADER_MEMORY_GIB = 4096, 0.5
 FETCH_SCRIPT = ROOT / "scripts" / "bench_fetch.py"
 FETCH_OF_PLAIN = 0.98  # fdl's step rate with its loader: of a plain loop's on the same batches
@@ -264,9 +264,8 @@ def pair(directory: Path, *, policy: str, samples: int, rehearse: bool) -> Run:
 def node_cores(node: str) -> set[int] | None:
     """The cores a node of the pair runs on, alone and together alike: the CUDA worker the
     first half of this process's, the CPU worker the second, so that on one machine the two
-    do not contend for cores as two machines in the field do not (on an H200 host, unpinned,
-    the CUDA worker's step took up to 31% longer together than alone, the CPU worker's up to
-    48%)."""
+    do not contend for cores as two machines in the field do not (unpinned, both workers'
+    steps ran slower together than alone: docs/run.md "The GPU check", 2026-11-27)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None
@@ -397,9 +396,10 @@ def loader_runs(out: Path, *, rehearse: bool) -> list[Row]:
                     f"{plain['plain_steady_samples_per_s']:,.0f}: {of_plain:.2f} "
                     f"(goal >= {LOADER_OF_PLAIN:g})")]
     # below the loader by the margin, and at least as long as the issue's card's step (the goal
-    # is a share of the step: on an H200's 6.5 ms the DataLoader's own 0.25-0.42 ms a batch
-    # was over it for every way of taking batches, docs/elche.md "Data loading"); a
-    # rehearsal's CPU step is slower than its loader: the margin alone, to run the plumbing
+    # is a share of the step, and on a faster card's short step the DataLoader's own cost of
+    # handing over a batch exceeds it for every way of taking batches: docs/elche.md "Data
+    # loading"); a rehearsal's CPU step is slower than its loader: the margin alone, to run the
+    # plumbing
     card = 1.0 if rehearse else ISSUE_STEP_MS / (1000 * BATCH / step_rate)
     factor = max(round(max(LOADER_STEP_MARGIN * step_rate / alone, card), 2),
                  LOADER_STEP_MARGIN)
