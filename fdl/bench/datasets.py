@@ -11,18 +11,14 @@
 
 Labels are int64 class indices. Images are normalised ``(x/255 - mean) / std`` with the usual
 constants (``MNIST_MEAN`` ...); digits are scaled to 0..1 and normalised with their training
-split's mean/std. Shakespeare's vocabulary is the sorted set of characters in the whole text; the first 90% of the text is the
-training split, the rest the test split, cut into non-overlapping windows of ``seq_len`` with
-``y`` = ``x`` shifted by one character.
+split's mean/std. Shakespeare's vocabulary is the sorted set of characters in the whole text;
+the first 90% of the text is the training split, the rest the test split, cut into
+non-overlapping windows of ``seq_len`` with ``y`` = ``x`` shifted by one character.
 
-Downloads land in ``data_dir/<name>/`` (``default_data_dir()``: ``<cache>/datasets``). Each file
-is fetched with ``fdl.download``, as libtorch archives are: the ``BASE_URLS`` tried in order,
-streamed into ``<file>.part`` beside its target, hashed as it arrives, resumed after a cut
-connection, and renamed into place only when its checksum matches ``CHECKSUMS``; a mismatch
-deletes it and raises ``FdlError`` naming the URL and both digests. A file in place was verified
-once (``fdl.bench.fetch``): a marker ``.<file>.verified`` records the checksum it matched and
-the file's size and mtime, so later loads neither download nor re-hash it; a file without a
-current marker (copied in by hand, replaced, or the expected checksum changed) is hashed once.
+Downloads land in ``data_dir/<name>/`` (``default_data_dir()``: ``<cache>/datasets``), each
+file fetched from the ``BASE_URLS`` in order and renamed into place only when its checksum
+matches ``CHECKSUMS`` (a mismatch is an ``FdlError`` naming the URL and both digests), then
+remembered as verified so later loads neither download nor re-hash it (:mod:`fdl.bench.fetch`).
 A lock on ``data_dir/<name>/.lock`` lets several workers load the same dataset at once: one
 downloads, the others wait and read the cache.
 

@@ -24,10 +24,9 @@ Learning rate and batch size. Every mode — solo, sync, cadence, async — trai
 per-worker batch size and the SAME learning rate, taken from this table. Nothing is scaled for
 the number of workers: a two-worker sync run sees a global batch twice as large at the same LR,
 and that is part of what the benchmark measures: an LR scaled for the multi-worker modes would
-mix a policy change with a tuning change in every comparison. ``schedule`` is
-a step decay indexed by training progress, i.e. by global samples seen, so it is identical in
-every mode. Initialisation is deterministic: the same ``torch.manual_seed`` gives the same
-weights.
+mix a policy change with a tuning change in every comparison. ``schedule`` is a step decay
+indexed by training progress, i.e. by global samples seen, so it is identical in every mode.
+Initialisation is deterministic: the same ``torch.manual_seed`` gives the same weights.
 """
 
 from __future__ import annotations

@@ -21,20 +21,17 @@ Failures:
 * a checksum mismatch deletes the ``.part`` and raises ``FdlError`` naming both digests;
 * a file larger than ``max_bytes`` is refused and its ``.part`` deleted, never retried.
 
-Large files come over several connections: when the file is at least ``parallel_min_bytes`` (64 MiB)
-and the first answer (``200``) offers ranges (``Accept-Ranges: bytes``, a ``Content-Length`` and an
-``ETag`` or ``Last-Modified``), several connections each fetch byte ranges into the ``.part`` at
-their offsets (:mod:`fdl.download.ranged`). How many: ``connections`` (the argument, else
-``FDL_DOWNLOAD_CONNECTIONS``; 1 is one request for the whole file, recorded like the others so that
-its resume asks ``If-Range``) from the start when it is given; when neither is, the first answer's
-connection goes on alone, and more are opened (up to 4) while the open ones spend most of their time
-waiting for the network, not on this machine's CPU: a capped or distant link gets 4, a fast local
-mirror, where one connection already keeps a core busy, stays at 1. Which ranges are on disk is
-recorded beside it in ``<dest>.part.ranges.json`` (:mod:`fdl.download.ranges`), so an interrupted
-download resumes only the missing ranges; a record that cannot be trusted is ignored and the
-download starts over. Every range is asked with ``If-Range`` and its ``ETag``, ``Last-Modified`` and
-size compared with the first answer's: a file changed on the server discards the ``.part`` and its
-record and starts over (a transient failure: retried, then reported), so a file is never assembled
+Large files come over several connections: when the file is at least ``parallel_min_bytes``
+(64 MiB) and the first answer (``200``) offers ranges (``Accept-Ranges: bytes``, a
+``Content-Length`` and an ``ETag`` or ``Last-Modified``), connections fetch byte ranges into the
+``.part`` at their offsets (:mod:`fdl.download.ranged`). How many: ``connections`` (else
+``FDL_DOWNLOAD_CONNECTIONS``; 1 is one request for the whole file, recorded like the others so
+that its resume asks ``If-Range``) from the start; when neither is given, one, and up to 4 while
+the link rather than this machine's CPU holds them back. The ranges on disk are recorded in
+``<dest>.part.ranges.json`` (:mod:`fdl.download.ranges`), so an interrupted download resumes
+only the missing ones; a record that cannot be trusted starts the download over, and so does a
+file changed on the server (``If-Range``, and its ``ETag``, ``Last-Modified`` and size against
+the first answer's; a transient failure: retried, then reported), so a file is never assembled
 from two versions. Without ranges, a length or a validator, one stream.
 
 ``file://`` URLs are copied with the same hashing and progress reports (air-gapped sites). Plain

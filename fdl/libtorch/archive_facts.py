@@ -7,7 +7,7 @@ for. :func:`read_archive_facts` reads those two members (nothing is extracted);
 :func:`name_archive` (pure) turns the facts and the flags into the store name and metadata:
 
 * the name is ``<version>-<tag>`` from build-version (``2.13.0-cu128``), never the URL's file
-  name when the archive says it (``.../libtorch.zip`` no longer becomes ``libtorch``);
+  name when the archive says it (``.../libtorch.zip`` would give a bare ``libtorch``);
 * ``--version V`` must agree with the archive (a mismatch is an ``FdlError``, nothing is
   installed); it supplies the version when the archive has no build-version;
 * ``--variant cpu|cuNNN|rocmX.Y`` must agree with the archive's tag likewise; any other
