@@ -66,7 +66,8 @@ def render(doc: dict[str, Any], *, trace: Path | None = None) -> None:
     if not doc.get("complete", True):
         console.print_pairs([("incomplete", doc["reason"])], wrap=True)
     ranks = list(enumerate(doc["ranks"]))
-    if any(x.get("device") or x.get("precision") for _, x in ranks):  # none for a run that did not finish
+    # a run that did not finish has neither
+    if any(x.get("device") or x.get("precision") for _, x in ranks):
         console.print_table(
             ["rank", "device", "precision"],
             [[r, x.get("device") or "-", x.get("precision") or "-"] for r, x in ranks],

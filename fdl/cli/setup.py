@@ -17,8 +17,9 @@ an archive, and says so::
 
 It downloads when asked (``--download``, ``--variant``), when the wheel misses a GPU (named), or
 when torch is not installed. ``--python`` names the interpreter whose torch is checked.
-CPU-only hosts without a linkable wheel end with the CPU variant active. Mixed GPUs that no official build covers get
-the options: the variant covering the most GPUs, or a source build (`fdl libtorch build`).
+CPU-only hosts without a linkable wheel end with the CPU variant active. Mixed GPUs that no
+official build covers get the options: the variant covering the most GPUs, or a source build
+(`fdl libtorch build`).
 ``--allow-http`` (or ``FDL_ALLOW_HTTP=1``) allows a plain-http ``FDL_LIBTORCH_MIRROR``; without
 it such a plan is refused before anything is written (exit 2).
 

@@ -257,7 +257,8 @@ class Store:
         return Variant(kind=kind, name=name, path=target, meta=meta)
 
     def env(self, variant: Variant, *, shell: str = "bash", platform: str | None = None) -> str:
-        """Shell lines that point builds (cmake, cargo's tch/flodl) and the loader at ``variant``."""
+        """Shell lines that point builds (cmake, cargo's tch/flodl) and the loader at
+        ``variant``."""
         if shell not in SHELLS:
             raise UsageError(f"unknown shell {shell!r}; allowed: {', '.join(SHELLS)}",
                              hint="e.g. fdl libtorch env --shell fish")

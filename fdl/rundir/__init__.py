@@ -2,7 +2,7 @@
 back. One module per file contract, which both writes the file and checks it when read::
 
     runs/<UTC>-<script>-<policy>/      layout.py    (the entries, new/resume/overwrite rules)
-        config.json                    config.py    (the launcher writes it, the engine adds its part)
+        config.json                    config.py    (the launcher's, and the engine's part)
         logs/rank<r>.log, agent.log    layout.py
         logs/rank<r>.crash.json        crash.py     (what ended a worker that raised)
         metrics.jsonl                  metrics.py   (one record per epoch)

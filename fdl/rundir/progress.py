@@ -1,12 +1,12 @@
-"""Rank 0's live progress: ``RUN_DIR/progress.json``, one small JSON document rewritten (atomically)
-at most every ``FDL_PROGRESS`` seconds while training, which ``fdl run`` shows on its terminal
-(fdl.launch.live reads it with :func:`read_snapshot`). Written only when ``fdl run`` asks for it
-(a terminal, no ``--quiet``).
+"""Rank 0's live progress: ``RUN_DIR/progress.json``, one small JSON document rewritten
+(atomically) at most every ``FDL_PROGRESS`` seconds while training, which ``fdl run`` shows on its
+terminal (fdl.launch.live reads it with :func:`read_snapshot`). Written only when ``fdl run``
+asks for it (a terminal, no ``--quiet``).
 
-The step loop asks :meth:`ProgressFile.due` after each step — a clock read — and builds and writes
-a snapshot only when it is due, a few times a second: nothing here touches the device. The loss it
-shows is the last finished round's mean on rank 0, which the round loop reads once per round
-anyway, so a CUDA step queue is never drained for the display.
+The step loop asks :meth:`ProgressFile.due` after each step — a clock read — and builds and
+writes a snapshot only when it is due, a few times a second: nothing here touches the device.
+The loss it shows is the last finished round's mean on rank 0, which the round loop reads once
+per round anyway, so a CUDA step queue is never drained for the display.
 
 The document (``schema`` 1): ``t`` (seconds since the epoch), ``epoch`` (1-based) and ``epochs``,
 ``epoch_fraction`` (0..1), ``samples`` and ``total_samples`` (the run's stream, estimated within

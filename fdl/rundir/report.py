@@ -22,8 +22,9 @@ timed steps (``busy_s``) less their data loading and emulated sleep; a round wri
 
 Efficiency: the measured throughput over the ideal, the sum of every rank's solo-equivalent
 rate (``batch_size x accumulate / step time``, from the measured step times, communication
-excluded) — what the ranks would deliver if none of them ever waited or communicated. It means the same under
-every policy: sync's all-reduce is sync, not step time, as cadence's averages are.
+excluded) — what the ranks would deliver if none of them ever waited or communicated. It means
+the same under every policy: sync's all-reduce is sync, not step time, as cadence's averages
+are.
 
 What is read back is checked, not trusted: ``summary.json`` and ``config.json`` by their own
 modules (fdl.rundir.summary, fdl.rundir.config), the timelines by fdl.rundir.timeline.

@@ -8,7 +8,8 @@ How the rebuilt figures differ from a finished run's: the wall time runs from th
 first event to the last event any rank recorded (a finished run's leaves evaluation out);
 an average's time is its span in rank 0's timeline (start to end); ``eval`` and
 ``final_loss`` are the last finished epoch's. A run directory that holds an fdl run but no
-timeline (its script never trained with fdl (fdl.init or fdl.Trainer)) has nothing to report: a usage error.
+timeline (its script never trained with fdl.init or fdl.Trainer) has nothing to report: a usage
+error.
 """
 
 from __future__ import annotations

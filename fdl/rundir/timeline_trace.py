@@ -16,9 +16,9 @@ every rank and node shares one time axis; ``displayTimeUnit`` is ``"ms"``):
   ``data`` and ``emulated`` (the slowdown emulation's sleep) have threads of their own: the
   merge cuts them from the step loop because only the loop's totals are recorded, so they show
   how much, not when; on the compute thread they would read as moments. A round's share of
-  DDP's all-reduce (sync) is on the ``sync`` thread with the averages. Spans of one kind never overlap on their thread: one that
-  starts before the previous one ended (clock skew, a hand-edited file) starts where that one
-  ends, or is dropped when nothing is left of it.
+  DDP's all-reduce (sync) is on the ``sync`` thread with the averages. Spans of one kind never
+  overlap on their thread: one that starts before the previous one ended (clock skew, a
+  hand-edited file) starts where that one ends, or is dropped when nothing is left of it.
 * Instant events (``"ph": "i"``, ``"s": "p"``, category ``fdl.event``) on the rank's process:
   ``start`` (the first attempt), ``restart`` (``attempt`` > 0), ``anchor`` (``previous``,
   ``anchor``, ``reason``), ``guard`` (only the verdicts that halved the anchor or lifted its
