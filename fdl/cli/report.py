@@ -1,19 +1,27 @@
-"""``fdl report RUN_DIR [--json]``: each rank's device and precision, per-rank throughput and share
-of the work, where each rank's time went (compute, emulated slowdown, sync — waiting at
-averages, and DDP's all-reduce under sync —, epoch boundaries, data loading, unexplained), sync
-count/mean/overhead, the anchor's history, efficiency against the ideal, and the final metrics.
-``fdl run`` prints the same report when a run that used fdl's engine finishes. A run that did not
-finish (interrupted or crashed: no summary.json) is reported from its timelines, under an
-``incomplete`` line that says why and where it stopped. A rank whose timeline is incomplete gets
-a ``warning:`` line on stderr saying what its figures cover (exit 0); a summary.json or
-config.json fdl cannot use is an ``error:`` (exit 2).
+"""``fdl report RUN_DIR [--json]``: where the time of a run went.
 
-The text fits an 80-column terminal without cutting a header or a figure: the per-rank figures
-are two tables of at most seven columns (throughput; where the time went, in seconds), after the
-devices table (rank, device, precision; a long device name wraps in its cell), the run-wide
-lines wrap under their own column, and the last line says where ``timeline/trace.json`` is and
-how to open it (Perfetto, chrome://tracing). Every figure of ``--json`` is in the text, rounded,
-except anchor changes before the last five (counted)."""
+    fdl report runs/20260101T120000Z-train-async          # tables, then the run-wide lines
+    fdl report runs/20260101T120000Z-train-async --json   # one document ("schema": 1)
+
+Per rank: device and precision, throughput and share of the work, and where its time went
+(compute, emulated slowdown, sync — waiting at averages, and DDP's all-reduce under sync —,
+epoch boundaries, data loading, unexplained); then sync count/mean/overhead, the link, tips, the
+anchor's history, efficiency against the ideal and the final metrics (what each figure means:
+docs/run.md, section "fdl report RUN_DIR"). ``fdl run`` prints the same report when a run that
+used fdl's engine finishes. A run that did not finish (interrupted or crashed: no
+summary.json) is reported from its timelines, under an ``incomplete`` line that says why and
+where it stopped.
+
+Exit codes: 0, also when a rank's timeline is incomplete (one ``warning:`` line on stderr per
+rank says what its figures cover); 2 when RUN_DIR holds no run, or a summary.json or
+config.json fdl cannot use.
+
+The text fits an 80-column terminal without cutting a header or a figure: the devices table (a
+long device name wraps in its cell), then two per-rank tables of at most seven columns
+(throughput; where the time went, in seconds); the run-wide lines wrap under their own column,
+and the last line says where ``timeline/trace.json`` is and how to open it (Perfetto,
+chrome://tracing). Every figure of ``--json`` is in the text, rounded, except anchor changes
+before the last five (counted)."""
 
 from __future__ import annotations
 

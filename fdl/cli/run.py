@@ -1,8 +1,15 @@
 """``fdl run SCRIPT [ARGS]...``: torchrun-compatible launcher with El Che settings.
 
+    fdl run train.py                                  # one worker per GPU, else 2 on the CPU
+    fdl run train.py --policy async --nproc-per-node 2 -- --lr 0.1
+    fdl run train.py --simulate-slowdown 1,2.5        # El Che's case on any machine
+    fdl run train.py --dry-run [--json]               # the launch plan; nothing started
+
 fdl run's options are fdl's wherever they appear, so `fdl run train.py --policy async` works;
 every other argument after SCRIPT, and everything after a `--`, goes to the script unchanged.
-See docs/run.md for flags, environment variables, the run directory and failure behaviour.
+Exit codes: 0 every worker succeeded, the failing worker's code (``128 + N`` for signal N)
+after a root-cause block, 2 bad input (nothing started), 130 on Ctrl-C (143 on SIGTERM).
+docs/run.md has the flags, environment variables, the run directory and the failure behaviour.
 """
 
 from __future__ import annotations
