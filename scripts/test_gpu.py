@@ -1,5 +1,6 @@
-"""scripts/test-gpu's driver: every ``gpu`` test, then real ``fdl run`` trainings on the GPU, and
-one table of what ran, how it ended and its key figure.
+"""scripts/test-gpu's driver: every ``gpu`` test, then real ``fdl run`` trainings on the GPU.
+
+It ends with one table of what ran, how it ended and its key figure.
 
 1. ``pytest -m gpu tests``: CUDA-event step timing against wall time, the timer never
    synchronizing the device, NCCL training per policy, a CUDA checkpoint resumed, and with two
