@@ -86,15 +86,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fdl.engine.int_rows import IntegerRows
 from fdl.engine.outer import OuterOptimizer
-from fdl.engine.wire import WIRE_ENCODINGS
-from fdl.errors import FdlError
+from fdl.engine.wire import WIRE_ENCODINGS, EncodedWire
 
 #: dtypes whose updates keep a float32 residual (their ulp swallows small deltas)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-#: the largest |integer| each buffer dtype carries exactly (float32: two 24-bit halves)
-INTEGER_LIMITS = {torch.float32: 2**48, torch.float64: 2**53}
-HALF_BITS = 24
 #: the most values in one message of the two-rank exchange (4 MiB of float32): the size of each
 #: of its two receive buffers, whatever the model's
 EXCHANGE_FLOATS = 1 << 20
@@ -118,18 +115,14 @@ class Averager:
         self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
-        named_ints = [(name, b) for name, b in model.named_buffers() if not b.is_floating_point()]
-        self.int_names = [name for name, _ in named_ints]
-        self.int_tensors = [b for _, b in named_ints]
         self.numel = sum(t.numel() for t in self.tensors)
         self.param_numel = sum(p.numel() for p in model.parameters()) if params else 0
-        self.num_ints = sum(t.numel() for t in self.int_tensors)
         self.via_host = backend != "nccl"
         buffer_device = device if backend == "nccl" else torch.device("cpu")
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in self.tensors) \
             else torch.float32
-        self.int_parts = 1 if dtype == torch.float64 else 2
-        self.stats_offset = self.numel + world_size * self.int_parts * self.num_ints
+        self.ints = IntegerRows.of(model, dtype=dtype)
+        self.stats_offset = self.numel + world_size * self.ints.row_size
         # a CUDA replica averaged over the host: page-locked buffers, so the copies in and out
         # go straight by DMA (and fdl's buffers stay off a card that is short of memory)
         pinned = self.via_host and device.type == "cuda"
@@ -139,21 +132,11 @@ class Averager:
                                     pin_memory=pinned) if snapshot else None
         self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                           if t.dtype in LOW_PRECISION else None for t in self.tensors]
-        # bf16/int8/int4 on the wire: the encoding, the reference (the last average), the buffer sent,
-        # the error fed back (padded to the encoding's whole blocks)
         assert wire == "fp32" or wire in WIRE_ENCODINGS, wire
-        self.encoding = self.reference = self.wire = self.wire_error = None
-        self.gathered: list[torch.Tensor] = []
-        if wire in WIRE_ENCODINGS and params and self.numel and dtype == torch.float32:
-            self.encoding = WIRE_ENCODINGS[wire](self.numel)
-            self.reference = torch.zeros(self.numel, dtype=dtype, device=buffer_device,
-                                         pin_memory=pinned)
-            self.wire = self.encoding.empty(device=buffer_device, pinned=pinned)
-            self.wire_error = torch.zeros(self.encoding.padded_numel, dtype=dtype,
-                                          device=buffer_device)
-            # every rank's encoded displacements, decoded and summed here in float32 (gloo
-            # would round a bf16 sum to bf16 at every add: an error no rank could carry)
-            self.gathered = [torch.zeros_like(self.wire) for _ in range(world_size)]
+        self.wire = EncodedWire(wire, self.numel, world_size=world_size, device=buffer_device,
+                                pinned=pinned) \
+            if wire in WIRE_ENCODINGS and params and self.numel and dtype == torch.float32 \
+            else None
         # two ranks over the host: a blocking average is an exchange (the module docstring)
         self.received = [torch.empty(min(EXCHANGE_FLOATS, self.flat.numel()), dtype=dtype)
                          for _ in range(2)] \
@@ -163,19 +146,17 @@ class Averager:
             if outer is not None and self.param_numel else None
         self.rebase()
         self.bytes = self.flat.numel() * self.flat.element_size() if self.wire is None else (
-            self.wire.numel() * self.wire.element_size()
-            + (self.flat.numel() - self.numel) * self.flat.element_size())
-        if self.int_tensors:
-            self._check_ints(self._int_values(torch.device("cpu")))
+            self.wire.nbytes + (self.flat.numel() - self.numel) * self.flat.element_size())
+        self.ints.check(self.ints.values(torch.device("cpu")), dtype=dtype)
 
     @torch.no_grad()
     def rebase(self) -> None:
         """The replica as it is (identical on every rank: as built, or as a checkpoint loaded
         it) is the last average: the wire's reference (nothing owed), the outer
         optimizer's consensus (its momentum kept)."""
-        if self.reference is not None and self.wire_error is not None:
-            self._copy_replica(self.reference)
-            self.wire_error.zero_()
+        if self.wire is not None:
+            self._copy_replica(self.wire.reference)
+            self.wire.error.zero_()
         if self.outer is not None:
             self._copy_replica(self.outer.consensus)
 
@@ -188,8 +169,8 @@ class Averager:
             return
         body = self.flat[:self.param_numel]
         self.outer.step(body)
-        if self.reference is not None:
-            self.reference[:self.param_numel].copy_(body)
+        if self.wire is not None:
+            self.wire.reference[:self.param_numel].copy_(body)
 
     def _copy_replica(self, target: torch.Tensor) -> None:
         """The replica's exact values (``theta + residual`` for bf16/fp16) into ``target``'s
@@ -214,23 +195,11 @@ class Averager:
         if self.wire is None:
             self.flat[:self.numel].mul_(weight)
         else:
-            self._pack_wire(weight)
+            self.wire.pack(self.flat[:self.numel], weight=weight)
         self.flat[self.numel:].zero_()
-        if self.int_tensors:
-            self._pack_ints()
+        self.ints.pack(self.flat[self.numel:self.stats_offset], rank=self.rank)
         row = self.stats_offset + self.rank * self.num_stats
         self.flat[row:row + self.num_stats] = torch.tensor(list(stats), dtype=self.flat.dtype)
-
-    def _pack_wire(self, weight: float) -> None:
-        """On the wire: ``wire := encode(w (theta - R) + e)``, ``e :=`` what it dropped."""
-        assert self.encoding is not None and self.reference is not None
-        assert self.wire_error is not None
-        # w (theta - R), not w theta - w R: a replica that did not move sends exactly zero, and
-        # no rounding of w theta (beyond the error fed back) reaches the average
-        body = self.flat[:self.numel]  # theta, packed above
-        body.sub_(self.reference).mul_(weight)
-        self.wire_error[:self.numel].add_(body)
-        self.encoding.encode(self.wire_error, self.wire)
 
     def all_reduce(self, *, async_op: bool) -> dist.Work | _WireAverage | None:
         """The average's collective: a SUM over ``group`` (encoded on the wire: two, a gather
@@ -242,7 +211,8 @@ class Averager:
                 return None
             return dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group,
                                    async_op=async_op)
-        works = [dist.all_gather(self.gathered, self.wire, group=self.group, async_op=True)]
+        works = [dist.all_gather(self.wire.gathered, self.wire.sent, group=self.group,
+                                 async_op=True)]
         if self.flat.numel() > self.numel:
             works.append(dist.all_reduce(self.flat[self.numel:], op=dist.ReduceOp.SUM,
                                          group=self.group, async_op=True))
@@ -282,17 +252,6 @@ class Averager:
             if index + 2 < len(lows):
                 pending[index % 2] = receive(index + 2)
 
-    @torch.no_grad()
-    def _land_wire(self) -> None:
-        """R + every rank's decoded displacement, summed in float32 in rank order (the same
-        bits on every rank) -> the average, in the float32 buffer; R := it."""
-        assert self.encoding is not None and self.reference is not None
-        body = self.flat[:self.numel]
-        body.copy_(self.reference)
-        for displacement in self.gathered:
-            self.encoding.add_decoded(body, displacement)
-        self.reference.copy_(body)
-
     def stats(self) -> list[list[float]]:
         """Every rank's stats row, after the reduction completed."""
         block = self.flat[self.stats_offset:].view(self.world_size, self.num_stats)
@@ -311,8 +270,7 @@ class Averager:
             else:
                 _store_rounded(tensor, residual, average.to(tensor.device, torch.float32))
             offset += count
-        if self.int_tensors:
-            self._load_int_max()
+        self.ints.load_max(self.flat[self.numel:self.stats_offset], world_size=self.world_size)
 
     @contextlib.contextmanager
     def average_loaded(self) -> Iterator[None]:
@@ -321,7 +279,7 @@ class Averager:
         residuals and integer buffers, kept in host memory meanwhile: once an epoch, off a
         card that may be short of memory)."""
         with torch.no_grad():
-            kept = [t.to("cpu", copy=True) for t in (*self.tensors, *self.int_tensors)]
+            kept = [t.to("cpu", copy=True) for t in (*self.tensors, *self.ints.tensors)]
             residuals = [r.to("cpu", copy=True) if r is not None else None
                          for r in self.residuals]
             self.load_average()
@@ -329,7 +287,8 @@ class Averager:
             yield
         finally:
             with torch.no_grad():
-                for tensor, value in zip((*self.tensors, *self.int_tensors), kept, strict=True):
+                for tensor, value in zip((*self.tensors, *self.ints.tensors), kept,
+                                         strict=True):
                     tensor.copy_(value)
                 for residual, value in zip(self.residuals, residuals, strict=True):
                     if residual is not None:
@@ -385,8 +344,8 @@ class Averager:
         buffer, error fed back and every rank's gathered buffer, the two-rank exchange's
         receive buffers, and the outer optimizer's consensus and momentum."""
         on_device = on_host = 0
-        for tensor in (self.flat, self.snapshot, *self.residuals, self.reference, self.wire,
-                       self.wire_error, *self.gathered, *self.received):
+        wire = self.wire.tensors() if self.wire is not None else []
+        for tensor in (self.flat, self.snapshot, *self.residuals, *wire, *self.received):
             if tensor is None:
                 continue
             size = tensor.numel() * tensor.element_size()
@@ -401,42 +360,6 @@ class Averager:
                 on_device += self.outer.memory_bytes()
         return on_device, on_host
 
-    def _int_values(self, device: torch.device) -> torch.Tensor:
-        """Every integer buffer, flattened into one int64 tensor on ``device`` (blocking)."""
-        return torch.cat([t.reshape(-1).to(device, torch.int64) for t in self.int_tensors])
-
-    def _check_ints(self, values: torch.Tensor) -> None:
-        """Refuse integer values the buffer's dtype cannot carry exactly (host tensors only)."""
-        limit = INTEGER_LIMITS[self.flat.dtype]
-        offset = 0
-        for name, tensor in zip(self.int_names, self.int_tensors, strict=True):
-            part = values[offset:offset + tensor.numel()]
-            offset += tensor.numel()
-            if part.numel() and int(part.abs().max()) > limit:
-                raise FdlError(
-                    f"integer buffer {name!r} holds {int(part.abs().max())}, beyond what "
-                    f"averaging in {str(self.flat.dtype).removeprefix('torch.')} carries "
-                    f"exactly (|value| <= 2**{limit.bit_length() - 1})",
-                    hint="keep integer buffers smaller, or store the count as a float buffer")
-
-    def _pack_ints(self) -> None:
-        values = self._int_values(self.flat.device)
-        if values.device.type == "cpu":
-            self._check_ints(values)
-        row_size = self.int_parts * self.num_ints
-        row = self.numel + self.rank * row_size
-        self.flat[row:row + row_size].copy_(_encode_ints(values, parts=self.int_parts))
-
-    def _load_int_max(self) -> None:
-        rows = self.flat[self.numel:self.stats_offset].view(
-            self.world_size, self.int_parts, self.num_ints)
-        maximum = _decode_ints(rows).amax(dim=0)
-        offset = 0
-        for tensor in self.int_tensors:
-            count = tensor.numel()
-            tensor.copy_(maximum[offset:offset + count].view_as(tensor))
-            offset += count
-
 
 class _WireAverage:
     """Encoded on the wire: the collectives of one average in flight; :meth:`wait` waits for
@@ -448,7 +371,9 @@ class _WireAverage:
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
-        self.averager._land_wire()
+        averager = self.averager
+        assert averager.wire is not None
+        averager.wire.land(averager.flat[:averager.numel])
         return True
 
 
@@ -456,24 +381,6 @@ def _store_rounded(tensor: torch.Tensor, residual: torch.Tensor, exact: torch.Te
     """tensor := exact rounded to its dtype; residual := what the rounding dropped."""
     tensor.copy_(exact)
     residual.copy_(exact - tensor.float())
-
-
-def _encode_ints(values: torch.Tensor, *, parts: int) -> torch.Tensor:
-    """int64 values as ``parts`` rows of exactly representable floats, flattened: the values
-    themselves (float64), or high and low 24-bit halves (float32; floor division keeps the
-    low half in [0, 2**24) and the high half signed)."""
-    if parts == 1:
-        return values.to(torch.float64)
-    high = torch.div(values, 2**HALF_BITS, rounding_mode="floor")
-    low = values - high * 2**HALF_BITS
-    return torch.cat([high, low]).to(torch.float32)
-
-
-def _decode_ints(rows: torch.Tensor) -> torch.Tensor:
-    """(world_size, parts, n) reduced rows -> (world_size, n) int64 values."""
-    if rows.shape[1] == 1:
-        return rows[:, 0].to(torch.int64)
-    return rows[:, 0].to(torch.int64) * 2**HALF_BITS + rows[:, 1].to(torch.int64)
 
 
 def checksum(model: nn.Module) -> str:

@@ -104,3 +104,46 @@ def value_bytes(average_dtype: str) -> float:
 #: --average-dtype's encodings on the wire (fp32 sends the flat buffer itself)
 WIRE_ENCODINGS = {"bf16": Bf16Wire, "int8": partial(BlockWire, bits=8),
                   "int4": partial(BlockWire, bits=4)}
+
+
+class EncodedWire:
+    """One replica's averages sent encoded (fdl.engine.averaging's module docstring): the
+    reference R (the last average, float32, the same bits on every rank), the buffer sent, the
+    error fed back (padded to the encoding's whole blocks) and every rank's gathered buffer,
+    decoded and summed here in float32 (gloo would round a bf16 sum to bf16 at every add: an
+    error no rank could carry)."""
+
+    def __init__(self, name: str, numel: int, *, world_size: int, device: torch.device,
+                 pinned: bool) -> None:
+        self.encoding = WIRE_ENCODINGS[name](numel)
+        self.numel = numel
+        self.reference = torch.zeros(numel, dtype=torch.float32, device=device,
+                                     pin_memory=pinned)
+        self.sent = self.encoding.empty(device=device, pinned=pinned)
+        self.error = torch.zeros(self.encoding.padded_numel, dtype=torch.float32, device=device)
+        self.gathered = [torch.zeros_like(self.sent) for _ in range(world_size)]
+
+    @property
+    def nbytes(self) -> int:
+        """What one average sends of the parameters."""
+        return self.sent.numel() * self.sent.element_size()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.reference, self.sent, self.error, *self.gathered]
+
+    def pack(self, body: torch.Tensor, *, weight: float) -> None:
+        """``sent := encode(w (theta - R) + e)``, ``e :=`` what it dropped; ``body`` holds
+        theta and is left holding ``w (theta - R)``. Not ``w theta - w R``: a replica that did
+        not move sends exactly zero, and no rounding of ``w theta`` (beyond the error fed
+        back) reaches the average."""
+        body.sub_(self.reference).mul_(weight)
+        self.error[:self.numel].add_(body)
+        self.encoding.encode(self.error, self.sent)
+
+    def land(self, body: torch.Tensor) -> None:
+        """``body := R +`` every rank's decoded displacement, summed in float32 in rank order
+        (the same bits on every rank): the average; ``R :=`` it."""
+        body.copy_(self.reference)
+        for displacement in self.gathered:
+            self.encoding.add_decoded(body, displacement)
+        self.reference.copy_(body)

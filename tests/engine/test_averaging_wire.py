@@ -92,7 +92,7 @@ def blocking_rounds(rank: int, wire_dtype: str) -> dict[str, Any]:
         average(wire, rank)
         worst_gap = max(worst_gap, float((flat(model) - exact).abs().max()))
     gap = flat(model) - exact
-    owed = sum(gathered(wire.wire_error[:wire.numel].clone()))  # what both ranks still carry
+    owed = sum(gathered(wire.wire.error[:wire.numel].clone()))  # what both ranks still carry
     for _ in range(SETTLE):
         average(wire, rank)
     return {"gap": gap.tolist(), "owed": owed.tolist(), "worst_gap": worst_gap,
@@ -129,7 +129,8 @@ def int8_edges(rank: int) -> dict[str, Any]:
     step[:WIRE_BLOCK] = 0
     load(model, before + step)
     average(wire, rank)
-    codes, scales = wire.encoding.codes(wire.wire), wire.encoding.scales(wire.wire)
+    encoded = wire.wire
+    codes, scales = encoded.encoding.codes(encoded.sent), encoded.encoding.scales(encoded.sent)
     calm = {"block0_exact": bool(torch.equal(flat(model)[:WIRE_BLOCK], before[:WIRE_BLOCK])),
             "block0_scale": float(scales[0]), "block0_codes": int(codes[0].abs().max()),
             "finite": bool(flat(model).isfinite().all())}

@@ -372,7 +372,7 @@ def land_two_averages(tmp_path: Path, backend: str, device: torch.device,
         averager = Averager(model, rank=0, world_size=1,
                             backend="nccl" if backend == "nccl" else "cpu", device=device,
                             num_stats=2, snapshot=False, wire=wire)
-        assert averager.encoding is not None and averager.wire.device.type == device.type
+        assert averager.wire is not None and averager.wire.sent.device.type == device.type
         landed = []
         for move in range(2):
             noise = torch.Generator().manual_seed(move)
