@@ -1,4 +1,11 @@
-"""Timing DDP's gradient all-reduce, so that sync's communication is booked as sync, not compute.
+"""Sync in ``fdl.Trainer``: DDP's wrapper (:class:`DdpSync`), and its all-reduce timed, so that
+sync's communication is booked as sync, not compute (:class:`DdpCommMeter`).
+
+:class:`DdpSync` is the :class:`fdl.engine.grad_sync.GradSync` of a step that calls the model
+through ``DistributedDataParallel`` (gradients as views of DDP's buckets: no copy into the
+buckets and back each step, and no second copy of every gradient on the device). A round some
+ranks have no step in (an epoch's uneven last round) runs under DDP's ``join``; micro-batches
+but the last run under ``no_sync``.
 
 Under ``sync`` every step's ``backward()`` all-reduces the gradients: DDP hands each bucket of
 gradients to a communication hook as soon as the bucket is ready and, before ``backward()``
@@ -42,13 +49,82 @@ uneven last round); with a hook DDP leaves the division to the hook, so the roun
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fdl.engine.speed import StepComm, mark
+
+
+class DdpSync:
+    """``model`` stepped through DDP's wrapper; ``metered``: its all-reduce through
+    :class:`DdpCommMeter` (the slowdown emulation must sleep on compute alone). Without the
+    meter DDP keeps its own C++ all-reduce, inside the step's time, as a plain DDP script
+    measures it (the hook's Python callbacks cost a step a few percent: docs/elche.md)."""
+
+    def __init__(self, model: nn.Module, *, process_group: Any, device: torch.device,
+                 metered: bool) -> None:
+        self.model = model
+        self.step_model: nn.Module = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=process_group, gradient_as_bucket_view=True)
+        self.meter = DdpCommMeter.attach(self.step_model, process_group=process_group,
+                                         device=device) if metered else None
+
+    def begin_step(self) -> None:
+        if self.meter is not None:
+            self.meter.begin_step()
+
+    def end_step(self) -> StepComm:
+        return self.meter.end_step() if self.meter is not None else None
+
+    def before_step(self, *, ranks_with_data: int) -> None:
+        if self.meter is not None:  # with a hook DDP leaves the division to it
+            self.meter.ranks_with_data = ranks_with_data
+
+    def last_batch(self) -> None:
+        return None  # DDP reduces every backward outside no_sync
+
+    def empty_step(self) -> None:
+        return None  # a step of no samples: DDP's join shadows it (uneven)
+
+    def uneven(self, steps: Sequence[int], *, rank: int) -> contextlib.AbstractContextManager:
+        """DDP needs every rank in every gradient all-reduce: a rank left without samples in an
+        epoch's cut last round joins (shadows the collectives) instead of hanging the others;
+        the gradient is divided by the ranks that have data, as a plain DDP step on them would
+        be."""
+        if len(steps) > 1 and 0 in steps and isinstance(self.step_model,
+                                                        DistributedDataParallel):
+            return self.step_model.join(divide_by_initial_world_size=False)
+        return contextlib.nullcontext()
+
+    def parts(self, parts: list[tuple[Any, float]]) -> list[tuple[Any, float]]:
+        return parts if len(parts) < 2 else _QuietParts(parts, self.step_model)
+
+    def close(self) -> None:
+        self.step_model = self.model  # DDP dropped before the process group goes
+
+
+class _QuietParts(list):
+    """A batch's micro-batches under DDP: iterating them runs each part but the last under
+    ``no_sync`` (gradients accumulated locally), the last one reduces them all."""
+
+    def __init__(self, parts: list[tuple[Any, float]], ddp: nn.Module) -> None:
+        super().__init__(parts)
+        self._ddp = ddp
+
+    def __iter__(self) -> Iterator[tuple[Any, float]]:
+        for index, part in enumerate(list.__iter__(self)):
+            if index < len(self) - 1 and isinstance(self._ddp, DistributedDataParallel):
+                with self._ddp.no_sync():
+                    yield part
+            else:
+                yield part
 
 
 class DdpCommMeter:

@@ -2,6 +2,11 @@
 proportion to its speed, and the batch-size-weighted sums are all-reduced, so the result is
 the mean over every sample.
 
+:class:`Evaluator` holds the sets ``run.evaluate`` gave (checked as they are given), evaluates
+them together at the points the round loop calls it (every epoch's end, and every N global
+steps when asked) and keeps the last metrics and the time evaluations took (left out of the
+throughput).
+
 Equal shards leave a fast rank idle while a slow one finishes: with a GPU three times as fast
 as its peer, 2/3 of its evaluation time. :func:`weighted_shard` gives rank r a share
 proportional to ``weights[r]`` (its measured samples/s), in whole batches.
@@ -10,7 +15,9 @@ proportional to ``weights[r]`` (its measured samples/s), in whole batches.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -20,8 +27,94 @@ from torch import nn
 
 from fdl.engine.collectives import collective_device
 from fdl.engine.data import TrainData, batch_size_of, fetch_batches, index_batches, to_device
+from fdl.engine.plan import PlanState, RoundPlan
 from fdl.engine.user_collectives import refused
 from fdl.errors import UsageError
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One set of ``run.evaluate``: its data, ``fn(model, batch) -> {name: mean}``, ``derive``
+    (whole-set metrics of the means) and a later set's ``name`` (its metrics ``name/metric``)."""
+
+    data: Any
+    fn: Callable[[nn.Module, Any], dict[str, float]]
+    derive: Callable[[dict[str, float]], Any] | None = None
+    name: str | None = None
+
+
+@dataclass(eq=False)
+class Evaluator:
+    """The run's evaluation sets, evaluated together (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    sets: list[EvalSet] = field(default_factory=list)
+    every: int | None = None  # global steps between evaluations within an epoch
+    last: dict[str, float] = field(default_factory=dict)  # the last evaluation's metrics
+    eval_s: float = 0.0  # the time evaluations took
+
+    def add(self, data: Any, fn: Callable[[nn.Module, Any], dict[str, float]], *,
+            every: int | None, derive: Callable[[dict[str, float]], Any] | None,
+            name: str | None) -> None:
+        """Another set (``run.evaluate``'s arguments, checked: a UsageError says what is
+        wrong); every set is evaluated at the first set's points."""
+        if not callable(fn):
+            raise UsageError("run.evaluate(data, fn) takes fn(model, batch) -> dict of means")
+        if derive is not None and not callable(derive):
+            raise UsageError("run.evaluate(..., derive=fn) takes fn(means) -> dict of metrics, "
+                             f"got {type(derive).__name__}")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or every < 1):
+            raise UsageError(f"run.evaluate(..., every=N) takes a whole number of steps >= 1, "
+                             f"got {every!r}")
+        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+            raise UsageError(f"run.evaluate(..., name=) takes a name of letters, digits and _ "
+                             f"(not first a digit), got {name!r}")
+        if self.sets and (name is None or name in [given.name for given in self.sets]):
+            said = "without a name" if name is None else f"named {name!r}"
+            raise UsageError(f"run.evaluate(...) was already called {said}: each further set "
+                             "needs a name of its own (its metrics are recorded as name/metric)",
+                             hint="run.evaluate(val_set, fn) then run.evaluate(train_sample, "
+                                  "fn, name='train')")
+        if self.sets and every is not None and every != self.every:
+            points = f"each {self.every} steps" if self.every else "at epoch ends only"
+            raise UsageError(f"run.evaluate(..., every={every}): every set is evaluated at "
+                             f"the same points, {points} here (the first call's every)",
+                             hint="leave every to the first call")
+        if not self.sets:
+            self.every = every
+        self.sets.append(EvalSet(data, fn, derive, name))
+
+    def every_samples(self, step_samples: int) -> int | None:
+        """The samples between evaluations within an epoch (None: at epoch ends only)."""
+        return self.every * step_samples if self.sets and self.every else None
+
+    def evaluate(self, model: nn.Module, state: PlanState, *, batch_size: int) -> None:
+        """Evaluate ``model`` (the consensus) on every set, sharded by the ranks' measured
+        speed (the same on every rank: the fast rank takes more); its time kept apart."""
+        begin = time.perf_counter()
+        evaluated: dict[str, float] = {}
+        for given in self.sets:
+            means = evaluate_model(
+                model, given.data, given.fn, batch_size=batch_size, device=self.device,
+                rank=self.rank, world_size=self.world_size, derive=given.derive,
+                weights=[1 / ms for ms in state.ms_per_sample] if state.calibrated else None)
+            evaluated.update(means if given.name is None
+                             else {f"{given.name}/{key}": v for key, v in means.items()})
+        if self.sets:
+            self.last = evaluated
+        self.eval_s += time.perf_counter() - begin
+
+
+def evaluation_due(every_samples: int | None, plan: RoundPlan, state: PlanState) -> bool:
+    """Whether ``plan`` crosses a multiple of ``every_samples`` (the same on every rank: it is
+    the plan's). An epoch's end evaluates anyway."""
+    if every_samples is None or plan.last_in_epoch:
+        return False
+    return (state.samples_seen + plan.num_samples) // every_samples > \
+        state.samples_seen // every_samples
 
 
 def weighted_shard(size: int, *, weights: Sequence[float], rank: int,

@@ -16,7 +16,7 @@ once per optimizer step (an accumulating loop reduces after the k-th batch, as D
 GradScaler's inf check see the mean on every rank, as under DDP (the scalers, starting alike and
 seeing the same gradients, stay alike).
 
-The engine arms the sync before it hands out a step's last batch (:meth:`GradSync.arm`). A
+The engine arms the sync before it hands out a step's last batch (:meth:`HookSync.last_batch`). A
 parameter that gets no gradient in that backward keeps its bucket from starting: then the
 optimizer's pre-step hook reduces what is left, an absent gradient as zeros (after the
 script's clipping: a model with unused parameters clips its own gradient, a documented
@@ -26,13 +26,22 @@ On CUDA with NCCL the buckets live on the GPU: a bucket's copies are queued on t
 stream, NCCL's stream waits for them, and the compute stream waits for NCCL's before the
 optimizer step (``Work.wait``): nothing waits for the device on the host. Over gloo
 (``--backend cpu``) a GPU's buckets are in host memory, so each copy waits for its gradient.
-Each step's all-reduce is timed as DDP's is (fdl.engine.ddp_comm): from the last bucket handed
+Each step's all-reduce is timed as DDP's is (fdl.engine.ddp_sync): from the last bucket handed
 over to the all-reduces done, the part no compute hides, booked as sync, not compute:
-:class:`GradSync` is the step timer's ``CommClock``.
+:class:`HookSync` is the step timer's ``CommClock``.
+
+A round some ranks have fewer steps in (:meth:`HookSync.uneven`): a rank out of samples joins
+the others' remaining all-reduces with zeros, then takes the parameters of a rank that made
+every step, as DDP's ``join`` does for fdl.Trainer (``_sync_final_model``): its optimizer did
+not step, so its replica would otherwise stay behind (its optimizer state stays its own, as under
+DDP). Micro-batches (:meth:`HookSync.parts`): iterating the parts holds the reduction back until
+the last part's backward, so clipping still sees the mean.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fdl.engine.collectives import broadcast_from
 from fdl.engine.speed import StepComm, mark
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so the first all-reduce starts early
@@ -52,16 +62,18 @@ class Bucket:
     """Consecutive parameters (in backward's order) sharing one flat buffer."""
 
     flat: torch.Tensor
-    params: list[int]  # indices into GradSync.params
+    params: list[int]  # indices into HookSync.params
     waiting: int = 0  # gradients of the armed backward still to come
     work: Any = field(default=None, repr=False)  # the all-reduce in flight
 
 
-class GradSync:
-    """The gradient all-reduce of one model and optimizer, and what it timed this step."""
+class HookSync:
+    """The gradient all-reduce of one model and optimizer, and what it timed this step (a
+    :class:`fdl.engine.grad_sync.GradSync`)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  device: torch.device, via_host: bool, process_group: Any = None):
+        self.step_model = model  # the script calls its own model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.process_group = process_group
         self.ranks_with_data = dist.get_world_size(process_group)
@@ -80,6 +92,12 @@ class GradSync:
         self._handles = [p.register_post_accumulate_grad_hook(partial(self._accumulated, i))
                          for i, p in enumerate(self.params)]
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def before_step(self, *, ranks_with_data: int) -> None:
+        self.ranks_with_data = ranks_with_data
+
+    def last_batch(self) -> None:
+        self.arm()
 
     def arm(self) -> None:
         """The next backward is the step's last: reduce as soon as its gradients are there."""
@@ -156,6 +174,18 @@ class GradSync:
         self._comm = self._span(self._handed, mark(self.device))
         self._reduced = True
 
+    def hold(self) -> bool:
+        """No reduction until :meth:`arm` (a micro-batch that is not the batch's last);
+        returns whether the sync was armed."""
+        armed, self._armed = self._armed, False
+        return armed
+
+    def parts(self, parts: list[tuple[Any, float]]) -> list[tuple[Any, float]]:
+        return parts if len(parts) < 2 else MicroParts(parts, self)
+
+    def empty_step(self) -> None:
+        self.shadow(ranks_with_data=self.ranks_with_data)
+
     def shadow(self, *, ranks_with_data: int) -> None:
         """Join the all-reduces of a step of the ranks that still step, with zeros (this rank
         has no data left in the round): bucket by bucket, as theirs."""
@@ -163,6 +193,18 @@ class GradSync:
         for bucket in self.buckets:
             bucket.flat.zero_()
             dist.all_reduce(bucket.flat, group=self.process_group)
+
+    @contextlib.contextmanager
+    def uneven(self, steps: Sequence[int], *, rank: int) -> Iterator[None]:
+        """The rank's steps, then the others' remaining all-reduces joined and, when the ranks'
+        steps differ, the parameters of a rank that made every step (the module docstring)."""
+        yield
+        most = max(steps)
+        for index in range(steps[rank], most):
+            self.shadow(ranks_with_data=sum(count > index for count in steps))
+        if any(count < most for count in steps):  # the plan's: alike on every rank
+            broadcast_from([p.data for p in self.step_model.parameters()], steps.index(most),
+                           via_host=self.via_host, group=self.process_group)
 
     def _part(self, index: int) -> torch.Tensor:
         bucket, offset = self._where[index]
@@ -181,6 +223,24 @@ class GradSync:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class MicroParts(list):
+    """A batch's micro-batches under the hook reducer: iterating them holds the all-reduce
+    back until the last part (the engine armed it for the batch: it is the step's last), so
+    the earlier parts' backward passes only accumulate. A batch that is not its step's last
+    was never armed and stays so."""
+
+    def __init__(self, parts: list[tuple[Any, float]], sync: HookSync) -> None:
+        super().__init__(parts)
+        self._sync = sync
+
+    def __iter__(self) -> Iterator[tuple[Any, float]]:
+        armed = self._sync.hold()
+        for index, part in enumerate(list.__iter__(self)):
+            if armed and index == len(self) - 1:
+                self._sync.arm()
+            yield part
 
 
 def _layout(params: list[nn.Parameter],

@@ -9,8 +9,9 @@ made (:func:`policy_named`); from there the policy travels as this object, and t
     policy.local_steps            # ranks run planned counts of local steps between averages
     policy.blocking(plan, checkpoint_due=False, ends_run=False)  # wait for the average here?
 
-* ``sync``: one gradient all-reduce per step through DDP (``wraps_ddp``); every round is one
-  step per rank; buffers (BatchNorm statistics) are averaged at epoch ends.
+* ``sync``: one gradient all-reduce per step (``syncs_gradients``: DDP's in fdl.Trainer, the
+  hook reducer in a loop script); every round is one step per rank; buffers (BatchNorm
+  statistics) are averaged at epoch ends.
 * ``cadence``: planned local steps, then a blocking average of parameters and buffers; its
   rounds (and async's) are elastic: the fastest rank runs until the slowest is done.
 * ``async``: the average of round k runs in the background while round k+1 computes; at the
@@ -46,7 +47,7 @@ class _Round(Protocol):
 @dataclass(frozen=True)
 class Policy:
     name: str
-    local_steps: bool  # False: one DDP step per rank per round (sync)
+    local_steps: bool  # False: one gradient-synced step per rank per round (sync)
     background: bool  # the average runs while the next round computes (async)
     # The fastest rank runs until the slowest has finished its share (fdl.engine.plan): speed
     # noise no longer becomes waiting.
@@ -61,7 +62,8 @@ class Policy:
         return self.name == "auto"
 
     @property
-    def wraps_ddp(self) -> bool:
+    def syncs_gradients(self) -> bool:
+        """Every step's gradients are all-reduced (fdl.engine.grad_sync): sync."""
         return not self.local_steps
 
     @property

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from fdl.engine.collectives import all_reduce_sum
 from fdl.engine.peers import PEERS, away_from_rank0, group_attempt, own_attempt
 from fdl.engine.plan import PlanConfig, PlanState, saved_state_problem
-from fdl.engine.rounds import Replica
+from fdl.engine.replica import Replica
 from fdl.engine.state import RankState, RoundReport
+from fdl.engine.tallies import Tallies
 from fdl.errors import UsageError
 from fdl.rundir.checkpoints import (
     DIRNAME,
@@ -47,6 +48,7 @@ from fdl.rundir.checkpoints import (
     load_rank_file,
     write_checkpoint,
 )
+from fdl.rundir.timeline import Timeline
 from fdl.settings import RESUME_ENV
 
 
@@ -159,9 +161,11 @@ class Resumed:
     user_state: dict[str, Any]  # run.state's objects' state_dicts, by name
 
 
-def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) -> Resumed:
-    """Load ``checkpoint`` into ``replica`` (model, optimizer, RNG) and rebuild the plan state
-    (a rank on another node than rank 0's receives its part from rank 0)."""
+def resume(checkpoint: Checkpoint, replica: Replica, tallies: Tallies,
+           plan_config: PlanConfig) -> Resumed:
+    """Load ``checkpoint`` into ``replica`` (model, optimizer, RNG) and ``tallies`` (the rank's
+    state) and rebuild the plan state (a rank on another node than rank 0's receives its part
+    from rank 0)."""
     engine, model_state, rank_state = _checkpoint_parts(checkpoint, replica.rank)
     if engine["dataset_size"] != plan_config.dataset_size:
         raise UsageError(f"cannot resume from {checkpoint.path}: it was trained on "
@@ -187,10 +191,22 @@ def resume(checkpoint: Checkpoint, replica: Replica, plan_config: PlanConfig) ->
     # ranks' partial sums no longer add up, and the epoch's loss counts from the resume.
     if checkpoint.world_size != replica.world_size:
         restored.epoch_loss = [0.0, 0]
-    replica.rank_state = restored
+    tallies.rank_state = restored
     user = rank_state.get("user")
     return Resumed(checkpoint, PlanState.from_dict(engine, plan_config), list(engine["history"]),
                    user if isinstance(user, dict) else {})
+
+
+@dataclass(frozen=True)
+class Saving:
+    """What a checkpoint is taken of: the replica, this rank's tallies, the epoch history and
+    ``run.state``'s objects (by name); the timeline logs it."""
+
+    replica: Replica
+    tallies: Tallies
+    timeline: Timeline
+    history: list[dict[str, Any]]
+    user_state: dict[str, Any]
 
 
 @dataclass
@@ -204,8 +220,6 @@ class Checkpointer:
 
     run_dir: Path
     every: CheckpointEvery
-    history: list[dict[str, Any]]
-    user_state: dict[str, Any] = field(default_factory=dict)  # run.state's objects, by name
     last: float = field(default_factory=time.perf_counter)
 
     def since_last_s(self) -> float:
@@ -225,12 +239,12 @@ class Checkpointer:
             return self.every.due(epochs_done=epochs_done, elapsed_s=0.0)
         return self.due_within_epoch(reports)
 
-    def at_epoch_end(self, state: PlanState, replica: Replica) -> None:
-        if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(replica)):
-            self._write(state, replica)
+    def at_epoch_end(self, state: PlanState, saving: Saving) -> None:
+        if self.every.due(epochs_done=state.epoch, elapsed_s=self._elapsed(saving.replica)):
+            self._write(state, saving)
 
-    def at_round(self, state: PlanState, replica: Replica) -> None:
-        self._write(state, replica)
+    def at_round(self, state: PlanState, saving: Saving) -> None:
+        self._write(state, saving)
 
     def _elapsed(self, replica: Replica) -> float:
         elapsed = self.since_last_s()
@@ -239,17 +253,17 @@ class Checkpointer:
             elapsed = all_reduce_sum([elapsed], device=replica.device)[0] / replica.world_size
         return elapsed
 
-    def _write(self, state: PlanState, replica: Replica) -> None:
-        begin = time.perf_counter()
+    def _write(self, state: PlanState, saving: Saving) -> None:
+        begin, replica = time.perf_counter(), saving.replica
         path = write_checkpoint(
             self.run_dir, round_index=state.round_index, rank=replica.rank,
             world_size=replica.world_size,
             model_state=replica.model.state_dict() if replica.rank == 0 else None,
-            rank_state=_rank_state(replica, self.user_state),
-            engine_state={**state.to_dict(), "history": self.history},
+            rank_state=_rank_state(saving),
+            engine_state={**state.to_dict(), "history": saving.history},
             gather=_gatherer(replica.world_size), away=away_from_rank0(),
             to_rank0=_to_rank0(replica.rank, replica.world_size))
-        replica.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
+        saving.timeline.event("checkpoint", round=state.round_index, epoch=state.epoch,
                               position=state.position, name=path.name,
                               bytes=_size(path) if path.is_dir() else None,  # on rank 0's node
                               write_s=time.perf_counter() - begin)
@@ -296,16 +310,18 @@ def _checkpoint_parts(checkpoint: Checkpoint, rank: int
     return engine, model_state, load_rank_file(checkpoint, rank=rank)
 
 
-def _rank_state(replica: Replica, user_state: dict[str, Any]) -> dict[str, Any]:
+def _rank_state(saving: Saving) -> dict[str, Any]:
+    """A rank file's contents: the optimizer's state (and the outer optimizer's momentum), the
+    RNG states, the rank's round-to-round state and ``run.state``'s objects."""
+    device = saving.replica.device
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if replica.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(replica.device)
-    state = {"optimizer": replica.optimizer.state_dict(), "rng": rng,
-             "rank_state": replica.rank_state.to_dict(),
-             "user": {name: obj.state_dict() for name, obj in user_state.items()}}
-    if replica.averager is not None and replica.averager.outer is not None:
-        state["outer"] = replica.averager.outer.state_dict()  # its momentum
-    return state
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    replica = saving.replica.state_dict()
+    state = {"optimizer": replica.pop("optimizer"), "rng": rng,
+             "rank_state": saving.tallies.rank_state.to_dict(),
+             "user": {name: obj.state_dict() for name, obj in saving.user_state.items()}}
+    return {**state, **replica}
 
 
 def _restore_rng(rng: dict[str, Any], device: torch.device) -> None:

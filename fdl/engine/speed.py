@@ -4,7 +4,7 @@ A step is timed whole, as the round loop calls it: ``start()`` before the batch 
 collated and copied to the device and the learning rate set, ``stop()`` after the optimizer
 step. Host work the planner never saw would make a rank look faster than it is. What the step
 spent in communication — under ``sync``, DDP's gradient all-reduce inside ``backward()`` and
-the wait for the peers in it, timed by :class:`fdl.engine.ddp_comm.DdpCommMeter` — is taken
+the wait for the peers in it, timed by :class:`fdl.engine.ddp_sync.DdpCommMeter` — is taken
 out of the step's compute and kept apart (``comm_s``): it is sync, not compute, in the
 timeline, in ``fdl report`` and for the slowdown emulation.
 
@@ -93,7 +93,7 @@ def mark(device: torch.device | None) -> float | torch.cuda.Event:
 
 
 class CommClock(Protocol):
-    """Where a step's communication is timed (fdl.engine.ddp_comm.DdpCommMeter; a test fakes
+    """Where a step's communication is timed (fdl.engine.ddp_sync.DdpCommMeter; a test fakes
     it): ``begin_step()`` when the step starts, ``end_step()`` when it stops."""
 
     def begin_step(self) -> None: ...

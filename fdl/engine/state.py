@@ -75,6 +75,38 @@ class RankFigures:
 
 
 FIGURE_FIELDS = tuple(f.name for f in fields(RankFigures))
+# A rank's stats row in an average: its round's report, then, in the epoch's last average, its
+# figures for the epoch (zeros in the others): the epoch's end needs no collective of its own.
+NUM_REPORT = len(REPORT_FIELDS)
+NUM_STATS = NUM_REPORT + len(FIGURE_FIELDS)
+NO_FIGURES = [0.0] * len(FIGURE_FIELDS)
+NO_PEAK = -1  # a rank off CUDA has no peak memory figure (a row carries numbers only)
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """What one rank tells the others at the run's end (``summary.json``): its figures over the
+    run, the size of its micro-batches, its GPU's peak allocated bytes (None off CUDA) and
+    fdl's own averaging memory on the device and in host memory. Whole numbers a float64 row
+    carries exactly."""
+
+    figures: RankFigures
+    micro_batch_size: int
+    peak_memory_bytes: int | None
+    fdl_device_bytes: int
+    fdl_host_bytes: int
+
+    def to_row(self) -> list[float]:
+        peak = NO_PEAK if self.peak_memory_bytes is None else self.peak_memory_bytes
+        return [*self.figures.to_row(), float(self.micro_batch_size), float(peak),
+                float(self.fdl_device_bytes), float(self.fdl_host_bytes)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RankEnd:
+        count = len(FIGURE_FIELDS)
+        micro, peak, device, host = (int(value) for value in row[count:])
+        return cls(RankFigures.from_row(row[:count]), micro, None if peak < 0 else peak, device,
+                   host)
 
 
 def round_stats(reports: Sequence[RoundReport]) -> RoundStats:

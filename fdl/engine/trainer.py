@@ -3,7 +3,7 @@
     trainer = fdl.Trainer(model=build_model, optimizer=build_optimizer, train_step=train_step,
                           train_data=train_set, eval_data=test_set, evaluate=evaluate,
                           batch_size=64, epochs=5, policy="cadence")
-    result = trainer.fit()   # TrainResult(model, metrics, history, summary, run_dir)
+    result = trainer.fit()   # a RunResult(model, metrics, history, summary, run_dir)
 
 ``python train.py`` trains solo in-process on the best device. Under ``fdl run`` every worker's
 ``fit()`` joins the process group (torchrun's environment) and trains with the launcher's
@@ -13,11 +13,9 @@ docs/elche.md for the policies, the plan and the formulas.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,14 +26,8 @@ from fdl.engine.loop import Run, RunResult, init
 from fdl.errors import UsageError
 from fdl.settings import ENGINE_DEFAULTS
 
-
-@dataclass
-class TrainResult:
-    model: nn.Module  # the consensus model, on the CPU
-    metrics: dict[str, float]  # final evaluation
-    history: list[dict[str, Any]]  # one record per epoch
-    summary: dict[str, Any]  # as written to summary.json
-    run_dir: Path | None
+#: ``fit()``'s result: ``run.finish()``'s, its model moved to the CPU
+TrainResult = RunResult
 
 
 @dataclass(kw_only=True)
@@ -90,7 +82,7 @@ class Trainer:
     that needs its own loop (accumulation, a GradScaler of its own, an evaluation cadence)
     writes that instead, with the same engine underneath.
 
-    ``fit()`` trains and returns a :class:`TrainResult`; settings from ``fdl run`` flags,
+    ``fit()`` trains and returns a :class:`~fdl.engine.finish.RunResult`; settings from ``fdl run`` flags,
     ``FDL_*`` and fdl.toml win over the values given here (docs/run.md).
     """
 
@@ -130,7 +122,7 @@ class Trainer:
     drop_last: bool | None = None
     history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
-    def fit(self) -> TrainResult:
+    def fit(self) -> RunResult:
         """Train to the end (every rank under ``fdl run``; in-process alone) and return the
         consensus model, the final evaluation, the epoch history and the summary."""
         self._validate()
@@ -145,8 +137,8 @@ class Trainer:
             raise
         self.history[:] = result.history
         result.model.cpu()
-        return TrainResult(result.model, result.metrics, list(result.history), result.summary,
-                           result.run_dir)
+        return RunResult(result.model, result.metrics, list(result.history), result.summary,
+                         result.run_dir)
 
     def _train(self, run: Run) -> RunResult:
         """The Trainer's loop on fdl.init's API: what a loop script writes by hand."""
@@ -196,7 +188,7 @@ class Trainer:
         while True:
             optimizer.zero_grad(set_to_none=True)
             try:
-                return self._backward_parts(run, micro.parts(batch), check=check)
+                return self._backward_parts(run, run.micro_parts(batch), check=check)
             except torch.cuda.OutOfMemoryError:
                 if not micro.shrink(batch_size_of(batch)):
                     raise
@@ -209,18 +201,15 @@ class Trainer:
         model, scaler = run.step_model, run.scaler
         scalars: dict[str, Any] = {}
         total: torch.Tensor | None = None
-        for index, (part, weight) in enumerate(parts):
-            last = index == len(parts) - 1
-            quiet = getattr(model, "no_sync", None)
-            with quiet() if quiet is not None and not last else contextlib.nullcontext():
-                with run.autocast():
-                    out = self.train_step(model, part)
-                loss = out.get("loss") if isinstance(out, dict) else out
-                if check:
-                    _check_loss(loss)
-                    check = False
-                scaled = loss * weight if weight != 1.0 else loss
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        for part, weight in parts:  # the gradients reduced with the last part's backward
+            with run.autocast():
+                out = self.train_step(model, part)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if check:
+                _check_loss(loss)
+                check = False
+            scaled = loss * weight if weight != 1.0 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total = scaled.detach() if total is None else total + scaled.detach()
             if isinstance(out, dict):
                 for name, value in out.items():

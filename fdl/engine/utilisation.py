@@ -19,7 +19,7 @@ On each node the worker with ``local_rank == 0`` runs one background thread that
   ``[]`` and CPU/RAM are still recorded.
 
 The sampler never takes training down: an exception inside its thread is counted
-(``Sampler.num_errors``) and the next tick tries again. The file is opened line-buffered in
+(``UtilisationSampler.num_errors``) and the next tick tries again. The file is opened line-buffered in
 append mode, so an elastically restarted worker continues the same file.
 """
 
@@ -123,7 +123,7 @@ def _read_gpu(nvml: Any, cuda_index: int, handle: Any | None) -> GpuReading:
     return reading
 
 
-class Sampler:
+class UtilisationSampler:
     """Appends one utilisation sample to ``path`` every ``interval_s`` from a daemon thread.
 
     ``nvml=None`` imports ``pynvml`` in ``start()``; pass a module-like object to replace it.
@@ -157,11 +157,11 @@ class Sampler:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def start(self) -> Sampler:
+    def start(self) -> UtilisationSampler:
         """Open the file, find the GPUs and start the thread (first sample after one interval)."""
         with self._lock:
             if self._thread is not None or self._stopped:
-                raise RuntimeError("a Sampler can be started only once")
+                raise RuntimeError("a UtilisationSampler can be started only once")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Appended a line at a time: a killed worker's samples survive, a restarted one
             # continues the file (on a fresh line after a torn one).
@@ -201,7 +201,7 @@ class Sampler:
                 except Exception:
                     self.num_errors += 1
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self) -> UtilisationSampler:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -233,9 +233,9 @@ class Sampler:
             self.num_errors += 1
 
 
-def start_node_sampler(run_dir: Path | None, *, local_rank: int, node: int,
+def start_utilisation_sampler(run_dir: Path | None, *, local_rank: int, node: int,
                        device: torch.device, local_world_size: int,
-                       interval_s: float = 0.1) -> Sampler | None:
+                       interval_s: float = 0.1) -> UtilisationSampler | None:
     """Start this node's sampler from its ``local_rank == 0`` worker; None on other ranks or
     without a run directory.
 
@@ -250,4 +250,4 @@ def start_node_sampler(run_dir: Path | None, *, local_rank: int, node: int,
         if num_devices > 0:
             cuda_indices = sorted({rank % num_devices for rank in range(local_world_size)})
     path = samples_path(Path(run_dir), node)
-    return Sampler(path, node=node, cuda_indices=cuda_indices, interval_s=interval_s).start()
+    return UtilisationSampler(path, node=node, cuda_indices=cuda_indices, interval_s=interval_s).start()

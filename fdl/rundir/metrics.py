@@ -1,4 +1,4 @@
-"""``metrics.jsonl``: one record per finished epoch, appended by rank 0 (fdl.engine.epochs);
+"""``metrics.jsonl``: one record per finished epoch, appended by rank 0 (fdl.engine.recorder);
 docs/run.md "Run directory" lists its fields. A resumed run rewrites it with the epochs its
 checkpoint kept (the epochs it redoes are dropped). A torn last line (a killed writer) is skipped
 when read."""

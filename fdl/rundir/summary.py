@@ -1,6 +1,6 @@
 """``summary.json``: what a finished run did, for people and tools (``fdl report``, ``fdl bench``,
 ``fdl compare``; docs/elche.md "Outputs" lists the fields). Rank 0 builds it at the end of a
-run (:func:`build_summary`) and writes it atomically; :func:`load_summary` reads it back,
+run (:class:`RunSummary`, typed whole) and writes it atomically; :func:`load_summary` reads it back,
 checked: a document that does not hold what fdl writes is a UsageError naming the file, the
 field, its value and what is allowed. Fields added later (``precision``: each rank's ``fp32``,
 ``bf16`` or ``fp16``) are optional when read: an older run's summary stays readable, and its
@@ -10,6 +10,7 @@ readers show such a field as unknown.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,50 +32,137 @@ FILE = "summary.json"
 HINT = "summary.json and config.json are written by fdl run; restore them or re-run"
 
 
-def build_summary(*, config: Any, world_size: int, devices: list[str], wall_s: float,
-                  samples: list[int], busy_s: list[float], comm_ms: list[float], syncs: int,
-                  eval_metrics: dict[str, float], final_loss: float | None,
-                  extra: dict[str, Any],
-                  step_comm_s: list[float] | None = None,
-                  precisions: list[str] | None = None) -> dict[str, Any]:
-    """``samples[r]`` and ``busy_s[r]``: rank r's samples and busy time over the run;
-    ``comm_ms``: what each average cost, the communication proper (the least over ranks);
-    ``step_comm_s[r]``: rank r's time in DDP's all-reduce inside its steps (sync), whose least
-    over ranks is that communication proper and counts in the overhead with the averages;
-    ``precisions[r]``: what rank r trained in (``fp32``, ``bf16``, ``fp16``), null if not
-    given."""
-    assert precisions is None or len(precisions) == world_size, (precisions, world_size)
-    busy = busy_s
-    compute_s = max(busy) if busy else 0.0
-    sync_s = sum(comm_ms) / 1000 + (min(step_comm_s) if step_comm_s else 0.0)
-    return {
-        "policy": str(config.policy),
-        "backend": config.backend,
-        "world_size": world_size,
-        "devices": devices,
-        "precision": list(precisions) if precisions is not None else None,
-        "emulated_slowdown": list(config.simulate_slowdown) if config.simulate_slowdown else None,
-        "epochs": config.epochs,
-        "samples": sum(samples),
-        "wall_s": wall_s,
-        "throughput": {
-            "samples_per_s": sum(samples) / wall_s if wall_s > 0 else None,
-            "per_rank_samples_per_s": [s / wall_s if wall_s > 0 else None for s in samples],
-        },
-        "sync": {
-            "rounds": syncs,
-            "mean_ms": sum(comm_ms) / len(comm_ms) if comm_ms else None,
-            "overhead": sync_s / compute_s if (comm_ms or sync_s) and compute_s > 0 else None,
-        },
-        "idle_fraction": [max(0.0, 1 - b / wall_s) if wall_s > 0 else None for b in busy],
-        "eval": eval_metrics,
-        "final_loss": final_loss,
-        **extra,
-    }
+@dataclass(frozen=True, kw_only=True)
+class RankSummary:
+    """One rank's part of a run: its device and precision (None: not given), the samples it
+    trained, its busy time (whole steps, emulated sleep included, DDP's all-reduce not), the
+    emulated sleep, its waits for batches inside its steps, its time in the gradient
+    all-reduce inside its steps (sync), its micro-batch size, its GPU's peak allocated bytes
+    (None off CUDA) and fdl's averaging memory on the device and in host memory."""
+
+    device: str
+    precision: str | None = None
+    samples: int = 0
+    busy_s: float = 0.0
+    emulated_sleep_s: float = 0.0
+    data_wait_s: float = 0.0
+    ddp_comm_s: float = 0.0
+    micro_batch_size: int = 0
+    peak_memory_bytes: int | None = None
+    fdl_device_bytes: int = 0
+    fdl_host_bytes: int = 0
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    return write_json_atomic(run_dir / FILE, summary)
+@dataclass(frozen=True, kw_only=True)
+class OuterStep:
+    """The outer optimizer and how many steps it took (0: none, or sync's averages)."""
+
+    name: str = "none"
+    lr: float = 0.0
+    momentum: float = 0.0
+    steps: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """Everything ``summary.json`` holds, typed; :meth:`to_dict` is the document (docs/elche.md
+    "Outputs"). ``comm_ms``: what each average cost, the communication proper (the least over
+    ranks); ``syncs``: the averages; what crosses the link: an average's ``average_bytes`` (as
+    sent: encoded on the wire, fewer) and, for sync, the ``gradient_bytes`` all-reduced every
+    step (float32). ``nccl_p2p``: node 0's ``NCCL_P2P_DISABLE`` and why; ``policy_choice``:
+    ``--policy auto``'s pick and its figures (None: a policy was given)."""
+
+    policy: str
+    backend: str
+    emulated_slowdown: list[float] | None
+    epochs: int
+    wall_s: float
+    ranks: list[RankSummary]
+    syncs: int
+    comm_ms: list[float]
+    eval: dict[str, float] = field(default_factory=dict)
+    final_loss: float | None = None
+    eval_s: float = 0.0
+    seed: int = 0
+    anchor_history: list[tuple[int, int, str]] = field(default_factory=list)
+    final_anchor: int = 0
+    checksum: str = ""
+    average_bytes: int = 0
+    average_dtype: str = "fp32"
+    outer_optimizer: OuterStep = field(default_factory=OuterStep)
+    gradient_bytes: int = 0
+    accumulate: int = 1
+    samples_planned: int = 0
+    attempt: int = 0
+    resumed_from: str | None = None
+    nccl_p2p: dict[str, Any] | None = None
+    policy_choice: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The document: the rates, the averages' overhead and the idle fractions derived
+        here, once. The overhead is the communication proper (the averages', and the least
+        over the ranks of the all-reduce inside the steps) over the busiest rank's compute."""
+        ranks, wall_s = self.ranks, self.wall_s
+        samples = [rank.samples for rank in ranks]
+        busy = [rank.busy_s for rank in ranks]
+        compute_s = max(busy) if busy else 0.0
+        step_comm = [rank.ddp_comm_s for rank in ranks]
+        sync_s = sum(self.comm_ms) / 1000 + (min(step_comm) if step_comm else 0.0)
+        precisions = [rank.precision for rank in ranks]
+        return {
+            "policy": self.policy,
+            "backend": self.backend,
+            "world_size": len(ranks),
+            "devices": [rank.device for rank in ranks],
+            "precision": None if None in precisions else precisions,
+            "emulated_slowdown": list(self.emulated_slowdown) if self.emulated_slowdown
+            else None,
+            "epochs": self.epochs,
+            "samples": sum(samples),
+            "wall_s": wall_s,
+            "throughput": {
+                "samples_per_s": sum(samples) / wall_s if wall_s > 0 else None,
+                "per_rank_samples_per_s": [s / wall_s if wall_s > 0 else None
+                                           for s in samples],
+            },
+            "sync": {
+                "rounds": self.syncs,
+                "mean_ms": sum(self.comm_ms) / len(self.comm_ms) if self.comm_ms else None,
+                "overhead": sync_s / compute_s if (self.comm_ms or sync_s) and compute_s > 0
+                else None,
+            },
+            "idle_fraction": [max(0.0, 1 - b / wall_s) if wall_s > 0 else None for b in busy],
+            "eval": self.eval,
+            "final_loss": self.final_loss,
+            "eval_s": self.eval_s,
+            "seed": self.seed,
+            "anchor_history": [list(item) for item in self.anchor_history],
+            "final_anchor": self.final_anchor,
+            "checksum": self.checksum,
+            "emulated_sleep_s": [rank.emulated_sleep_s for rank in ranks],
+            "data_wait_s": [rank.data_wait_s for rank in ranks],
+            "micro_batch_size": [rank.micro_batch_size for rank in ranks],
+            "peak_memory_bytes": [rank.peak_memory_bytes for rank in ranks],
+            "fdl_memory_bytes": [{"device": rank.fdl_device_bytes, "host": rank.fdl_host_bytes}
+                                 for rank in ranks],
+            "ddp_comm_s": step_comm,
+            "average_bytes": self.average_bytes,
+            "average_dtype": self.average_dtype,
+            "outer_optimizer": asdict(self.outer_optimizer),
+            "gradient_bytes": self.gradient_bytes,
+            "accumulate": self.accumulate,
+            "samples_planned": self.samples_planned,
+            "attempt": self.attempt,
+            "resumed_from": self.resumed_from,
+            "nccl_p2p": self.nccl_p2p,
+            "policy_choice": self.policy_choice,
+        }
+
+
+def write_summary(run_dir: Path, summary: RunSummary | dict[str, Any]) -> Path:
+    """``summary.json`` written atomically (a RunSummary as its document)."""
+    document = summary.to_dict() if isinstance(summary, RunSummary) else summary
+    return write_json_atomic(run_dir / FILE, document)
 
 
 def has_summary(run_dir: Path) -> bool:

@@ -1,5 +1,5 @@
 """Per-rank timing events, one JSON object a line, in ``<run_dir>/timeline/rank<r>.jsonl``, and
-the node's utilisation samples beside them (``samples-node<n>.jsonl``, fdl.engine.sampler).
+the node's utilisation samples beside them (``samples-node<n>.jsonl``, fdl.engine.utilisation).
 
 Events (``t`` is seconds since the epoch, ``rank`` the global rank):
 
@@ -102,7 +102,7 @@ class GpuReading:
 
 @dataclass(frozen=True)
 class UtilisationSample:
-    """One line of ``samples-node<n>.jsonl`` (fdl.engine.sampler takes them)."""
+    """One line of ``samples-node<n>.jsonl`` (fdl.engine.utilisation takes them)."""
 
     t: float
     node: int

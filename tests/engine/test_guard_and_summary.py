@@ -21,7 +21,7 @@ from fdl.engine.guard import (
 )
 from fdl.engine.plan import PlanConfig, PlanState, RoundStats, advance, initial_state, next_round
 from fdl.engine.state import GuardState, RankState
-from fdl.rundir.summary import build_summary
+from fdl.rundir.summary import RankSummary, RunSummary
 from fdl.rundir.timeline import EVENTS, Timeline, read_events
 from fdl.settings import ENGINE_DEFAULTS
 
@@ -256,19 +256,19 @@ def test_a_guard_restored_from_a_checkpoint_goes_on_where_it_stopped():
 
 
 # ---------------------------------------------------------------------------------------------
-# build_summary
+# RunSummary's document
 
 
-def summary(**overrides) -> dict:
-    values = {
-        "config": resolve_config(script={"policy": "async", "epochs": 2},
-                                 env={"FDL_SLOWDOWN": "1,2.5"}),
-        "world_size": 2, "devices": ["cpu (4 threads)", "cpu (4 threads)"], "wall_s": 10.0,
-        "samples": [600, 400], "busy_s": [8.0, 9.0],
-        "comm_ms": [20.0, 40.0, 30.0], "syncs": 3, "eval_metrics": {"accuracy": 0.9},
-        "final_loss": 0.25, "extra": {"anchor": 4},
-    }
-    return build_summary(**(values | overrides))
+def summary(*, samples=(600, 400), busy_s=(8.0, 9.0), **overrides) -> dict:
+    config = overrides.pop("config", resolve_config(script={"policy": "async", "epochs": 2},
+                                                    env={"FDL_SLOWDOWN": "1,2.5"}))
+    ranks = [RankSummary(device="cpu (4 threads)", samples=count, busy_s=busy)
+             for count, busy in zip(samples, busy_s, strict=True)]
+    values = {"policy": config.policy.name, "backend": config.backend,
+              "emulated_slowdown": config.simulate_slowdown, "epochs": config.epochs,
+              "wall_s": 10.0, "ranks": ranks, "comm_ms": [20.0, 40.0, 30.0], "syncs": 3,
+              "eval": {"accuracy": 0.9}, "final_loss": 0.25, "final_anchor": 4}
+    return RunSummary(**(values | overrides)).to_dict()
 
 
 def test_summary_numbers_from_fixed_inputs():
@@ -289,7 +289,7 @@ def test_summary_numbers_from_fixed_inputs():
     assert document["idle_fraction"] == [pytest.approx(0.2), pytest.approx(0.1)]
     assert document["eval"] == {"accuracy": 0.9}
     assert document["final_loss"] == 0.25
-    assert document["anchor"] == 4
+    assert document["final_anchor"] == 4
     json.dumps(document)  # the contract is a JSON document
 
 
@@ -319,10 +319,10 @@ def test_idle_fraction_never_goes_negative():
 
 
 def test_summary_of_an_unemulated_run():
-    document = summary(config=resolve_config(script={}, env={}), extra={})
+    document = summary(config=resolve_config(script={}, env={}), final_anchor=0)
     assert document["emulated_slowdown"] is None
     assert document["policy"] == "cadence"
-    assert "anchor" not in document
+    assert document["final_anchor"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

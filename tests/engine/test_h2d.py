@@ -103,7 +103,7 @@ def test_a_run_steps_every_batch_through_the_copies_and_trains_the_same(monkeypa
     from common import build_model, build_optimizer, make_data, train_step
 
     import fdl
-    import fdl.engine.loop as loop
+    import fdl.engine.feed as feed
 
     def trained():
         return fdl.Trainer(model=build_model, optimizer=build_optimizer, train_step=train_step,
@@ -112,7 +112,7 @@ def test_a_run_steps_every_batch_through_the_copies_and_trains_the_same(monkeypa
 
     plain = trained()
     recorder = Recorder()
-    monkeypatch.setattr(loop.DeviceCopies, "for_device",
+    monkeypatch.setattr(feed.DeviceCopies, "for_device",
                         classmethod(lambda cls, device: cls(device, streams=recorder)))
     through = trained()
     waits = [c for c in recorder.calls if c[0] == "wait"]

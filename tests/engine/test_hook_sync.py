@@ -1,4 +1,4 @@
-"""A loop script's sync (fdl.engine.grad_sync) over a real 2-process gloo group, on the harness
+"""A loop script's sync (fdl.engine.hook_sync) over a real 2-process gloo group, on the harness
 of ``test_averaging.py``: the gradients are each rank's mean, as DDP's, bucket by bucket; a
 bucket whose gradients are all there is reduced while backward still runs; the gradients are
 views of the buckets; an unused parameter, a float64 layer, an accumulated step, a gradient
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from test_averaging import run_ranks, scenario
 from torch import nn
 
-from fdl.engine.grad_sync import GradSync
+from fdl.engine.hook_sync import HookSync
 
 WORLD_SIZE = 2
 
@@ -81,13 +81,13 @@ def in_flight_early(rank: int) -> dict[str, Any]:
     reference = mean_grads(copy.deepcopy(model), rank, [0, 1])
     seen: list[int] = []
 
-    def last_gradient(_: torch.Tensor) -> None:  # registered before GradSync's: runs first
+    def last_gradient(_: torch.Tensor) -> None:  # registered before HookSync's: runs first
         if sync._armed:
             seen.append(sum(b.work is not None for b in sync.buckets))
 
     model.first.weight.register_post_accumulate_grad_hook(last_gradient)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = GradSync(model, optimizer, device=torch.device("cpu"), via_host=True)
+    sync = HookSync(model, optimizer, device=torch.device("cpu"), via_host=True)
     loss(model, batch(rank, 0)).backward()
     sync.arm()
     loss(model, batch(rank, 1)).backward()
@@ -118,7 +118,7 @@ def two_steps_zeroed_in_place(rank: int) -> dict[str, Any]:
     shadow = copy.deepcopy(model)
     shadow_optimizer = torch.optim.SGD(shadow.parameters(), lr=0.1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = GradSync(model, optimizer, device=torch.device("cpu"), via_host=True)
+    sync = HookSync(model, optimizer, device=torch.device("cpu"), via_host=True)
     results = []
     for step in (0, 1):
         reference = mean_grads(shadow, rank, [step])
@@ -142,7 +142,7 @@ def one_rank_without_data(rank: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     local = copy.deepcopy(model)
     loss(local, batch(rank, 0)).backward()
-    sync = GradSync(model, optimizer, device=torch.device("cpu"), via_host=True)
+    sync = HookSync(model, optimizer, device=torch.device("cpu"), via_host=True)
     sync.ranks_with_data = 1
     if rank == 0:
         sync.arm()
@@ -198,7 +198,7 @@ def one_rank_step(tmp_path: Path, device: torch.device, backend: str) -> None:
         model = Used().to(device)
         reference = copy.deepcopy(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        sync = GradSync(model, optimizer, device=device, via_host=backend == "gloo"
+        sync = HookSync(model, optimizer, device=device, via_host=backend == "gloo"
                         and device.type == "cuda", process_group=None)
         data = tuple(t.to(device) for t in batch(0, 0))
         for step in range(2):

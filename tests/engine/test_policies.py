@@ -52,8 +52,9 @@ def test_sync_averages_only_at_epoch_ends_and_the_others_every_round():
         assert policy.averages_at(plan(last_in_epoch=True)) is True
 
 
-def test_only_sync_wraps_ddp_and_only_local_step_policies_average_parameters():
-    assert (SYNC.wraps_ddp, CADENCE.wraps_ddp, ASYNC.wraps_ddp) == (True, False, False)
+def test_only_sync_syncs_gradients_and_only_local_step_policies_average_parameters():
+    assert (SYNC.syncs_gradients, CADENCE.syncs_gradients, ASYNC.syncs_gradients) == (
+        True, False, False)
     assert (SYNC.averages_params, CADENCE.averages_params, ASYNC.averages_params) == (
         False, True, True)
     assert (SYNC.local_steps, CADENCE.local_steps, ASYNC.local_steps) == (False, True, True)

@@ -129,7 +129,7 @@ class Rig:
 
 class FakeComm:
     """DDP's gradient all-reduce at the end of a step's backward pass, as
-    fdl.engine.ddp_comm.DdpCommMeter reports it: seconds on the host clock, or on the fake GPU
+    fdl.engine.ddp_sync.DdpCommMeter reports it: seconds on the host clock, or on the fake GPU
     the events around the compute stream's wait for it."""
 
     def __init__(self, rig: Rig):

@@ -260,7 +260,7 @@ def test_a_factory_taking_the_model_gets_the_model():
 
 
 def test_sync_batch_norm_and_a_sharded_optimizer_are_refused_before_any_step():
-    from fdl.engine.loop import refuse_collectives_in_steps
+    from fdl.engine.checks import refuse_collectives_in_steps
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SyncBatchNorm(8))
     plain = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,4 +1,4 @@
-"""The per-node utilisation sampler (fdl/engine/sampler.py).
+"""The per-node utilisation sampler (fdl/engine/utilisation.py).
 
 This machine has no GPU: NVML is faked at its boundary (a fake ``pynvml``-like object passed
 as ``nvml=``), and torch's CUDA device properties, where needed, by monkeypatching
@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fdl.engine.sampler import (
-    Sampler,
+from fdl.engine.utilisation import (
+    UtilisationSampler,
     cuda_bus_id,
     map_cuda_to_nvml,
     normalise_bus_id,
-    start_node_sampler,
+    start_utilisation_sampler,
 )
 
 GIB = 1 << 30
@@ -177,7 +177,7 @@ def test_cuda_bus_id_formats_torch_integers(monkeypatch):
 def test_sample_reads_gpus_by_bus_id_and_nulls_a_broken_one(monkeypatch, tmp_path):
     fake_cuda_buses(monkeypatch, [0xAF, 0x3B, 0x05])  # CUDA 2 is unknown to NVML
     nvml = FakeNvml(PHYSICAL, broken=("00000000:3B:00.0",))
-    with Sampler(tmp_path / "s.jsonl", node=0, cuda_indices=[0, 1, 2], interval_s=10,
+    with UtilisationSampler(tmp_path / "s.jsonl", node=0, cuda_indices=[0, 1, 2], interval_s=10,
                  nvml=nvml) as sampler:
         gpus = sampler.sample()["gpus"]
     null = {"util_percent": None, "mem_used_bytes": None, "mem_total_bytes": None}
@@ -194,7 +194,7 @@ def test_sample_reads_gpus_by_bus_id_and_nulls_a_broken_one(monkeypatch, tmp_pat
 def test_no_sample_before_the_first_interval(tmp_path):
     ticks = ManualTicks()
     path = tmp_path / "s.jsonl"
-    sampler = Sampler(path, node=0, cuda_indices=[], nvml=FakeNvml({}), stop_event=ticks).start()
+    sampler = UtilisationSampler(path, node=0, cuda_indices=[], nvml=FakeNvml({}), stop_event=ticks).start()
     ticks.wait_for_thread()
     assert path.read_text(encoding="utf-8") == "" and sampler.num_samples == 0
     sampler.stop()
@@ -204,7 +204,7 @@ def test_each_interval_appends_one_sample_and_stop_a_last_one(monkeypatch, tmp_p
     fake_cuda_buses(monkeypatch, [0x3B])
     ticks, times = ManualTicks(), itertools.count(1000)
     path = tmp_path / "timeline" / "samples-node2.jsonl"
-    sampler = Sampler(path, node=2, cuda_indices=[0], interval_s=0.05, nvml=FakeNvml(PHYSICAL),
+    sampler = UtilisationSampler(path, node=2, cuda_indices=[0], interval_s=0.05, nvml=FakeNvml(PHYSICAL),
                       clock=lambda: float(next(times)), stop_event=ticks).start()
     ticks.tick(3)
     assert len(read_lines(path)) == sampler.num_samples == 3  # on disk as soon as taken
@@ -226,7 +226,7 @@ def test_each_interval_appends_one_sample_and_stop_a_last_one(monkeypatch, tmp_p
 def test_stop_wakes_the_thread_instead_of_waiting_out_the_interval(tmp_path):
     nvml = FakeNvml(PHYSICAL)
     path = tmp_path / "s.jsonl"
-    sampler = Sampler(path, node=0, cuda_indices=[], interval_s=3600, nvml=nvml).start()
+    sampler = UtilisationSampler(path, node=0, cuda_indices=[], interval_s=3600, nvml=nvml).start()
     stopped = threading.Event()
     threading.Thread(target=lambda: (sampler.stop(), stopped.set()), daemon=True).start()
     # stop() joins for up to interval_s + 2 s: only a woken thread lets it return in time
@@ -240,7 +240,7 @@ def test_stop_wakes_the_thread_instead_of_waiting_out_the_interval(tmp_path):
 def test_append_keeps_an_earlier_attempts_lines(tmp_path):
     path = tmp_path / "s.jsonl"
     for _ in range(2):  # a worker and its elastic restart
-        Sampler(path, node=0, cuda_indices=[], interval_s=30, nvml=FakeNvml({})).start().stop()
+        UtilisationSampler(path, node=0, cuda_indices=[], interval_s=30, nvml=FakeNvml({})).start().stop()
     lines = read_lines(path)
     assert len(lines) == 2 and lines[0]["t"] <= lines[1]["t"]
 
@@ -249,7 +249,7 @@ def test_nvml_unavailable_still_records_cpu_and_ram(monkeypatch, tmp_path):
     fake_cuda_buses(monkeypatch, [0x3B])
     nvml, ticks = FakeNvml(PHYSICAL, init_error=True), ManualTicks()
     path = tmp_path / "s.jsonl"
-    with Sampler(path, node=0, cuda_indices=[0], nvml=nvml, stop_event=ticks):
+    with UtilisationSampler(path, node=0, cuda_indices=[0], nvml=nvml, stop_event=ticks):
         ticks.tick(2)
     lines = read_lines(path)
     assert len(lines) == 3 and all(line["gpus"] == [] for line in lines)
@@ -267,7 +267,7 @@ def test_errors_in_the_thread_are_counted_not_raised(tmp_path):
 
     ticks = ManualTicks()
     path = tmp_path / "s.jsonl"
-    sampler = Sampler(path, node=0, cuda_indices=[], nvml=FakeNvml({}), clock=flaky_clock,
+    sampler = UtilisationSampler(path, node=0, cuda_indices=[], nvml=FakeNvml({}), clock=flaky_clock,
                       stop_event=ticks).start()
     ticks.tick(4)
     assert (sampler.num_samples, sampler.num_errors) == (2, 2)
@@ -276,26 +276,26 @@ def test_errors_in_the_thread_are_counted_not_raised(tmp_path):
     assert len(read_lines(path)) == 2
 
 
-def test_start_node_sampler_only_on_local_rank_zero_with_a_run_dir(tmp_path):
+def test_start_utilisation_sampler_only_on_local_rank_zero_with_a_run_dir(tmp_path):
     cpu = torch.device("cpu")
-    assert start_node_sampler(tmp_path, local_rank=1, node=0, device=cpu,
+    assert start_utilisation_sampler(tmp_path, local_rank=1, node=0, device=cpu,
                               local_world_size=2) is None
-    assert start_node_sampler(None, local_rank=0, node=0, device=cpu,
+    assert start_utilisation_sampler(None, local_rank=0, node=0, device=cpu,
                               local_world_size=2) is None
     assert not (tmp_path / "timeline").exists()
 
-    sampler = start_node_sampler(tmp_path, local_rank=0, node=3, device=cpu, local_world_size=2)
+    sampler = start_utilisation_sampler(tmp_path, local_rank=0, node=3, device=cpu, local_world_size=2)
     assert sampler is not None and sampler.cuda_indices == []
     sampler.stop()
     (line,) = read_lines(tmp_path / "timeline" / "samples-node3.jsonl")
     assert line["node"] == 3 and line["gpus"] == []
 
 
-def test_start_node_sampler_reports_the_devices_local_ranks_use(monkeypatch, tmp_path):
+def test_start_utilisation_sampler_reports_the_devices_local_ranks_use(monkeypatch, tmp_path):
     """3 local ranks on 2 visible GPUs share them as the trainer does: rank r on r % 2."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     fake_cuda_buses(monkeypatch, [0x3B, 0xAF])
-    sampler = start_node_sampler(tmp_path, local_rank=0, node=0,
+    sampler = start_utilisation_sampler(tmp_path, local_rank=0, node=0,
                                  device=torch.device("cuda", 0), local_world_size=3)
     assert sampler is not None
     sampler.stop()

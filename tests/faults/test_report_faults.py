@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_one_error, run_fdl
 
 from fdl.bench.results import append_record
-from fdl.engine.sampler import Sampler
+from fdl.engine.utilisation import UtilisationSampler
 from fdl.errors import UsageError
 from fdl.files import read_jsonl
 from fdl.rundir.config import merge_engine
@@ -259,7 +259,7 @@ def test_a_bench_result_after_a_torn_line_survives(tmp_path):
 def test_a_utilisation_sample_after_a_torn_line_survives(tmp_path):
     path = tmp_path / "samples-node0.jsonl"
     path.write_text(TORN)
-    sampler = Sampler(path, node=0, cuda_indices=[], interval_s=10.0)
+    sampler = UtilisationSampler(path, node=0, cuda_indices=[], interval_s=10.0)
     sampler.start()
     sampler.stop()  # writes one last sample
     records = read_jsonl(path)

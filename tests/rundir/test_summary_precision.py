@@ -1,4 +1,4 @@
-"""summary.json's ``precision``: each rank's, as the engine gives it to build_summary, written
+"""summary.json's ``precision``: each rank's, as the engine gives it to RunSummary, written
 and read back checked; a summary without it (an older run's, or one built without it) stays
 readable."""
 
@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from fdl.engine.config import resolve_config
 from fdl.errors import UsageError
-from fdl.rundir.summary import build_summary, load_summary, write_summary
+from fdl.rundir.summary import RankSummary, RunSummary, load_summary, write_summary
 
 
-def summary(**overrides) -> dict:
-    values = {"config": resolve_config(script={}, env={}),
-              "world_size": 2, "devices": ["cuda:0 NVIDIA H100", "cuda:1 Tesla T4"],
-              "wall_s": 10.0, "samples": [600, 400], "busy_s": [8.0, 9.0], "comm_ms": [20.0],
-              "syncs": 1, "eval_metrics": {}, "final_loss": 0.25, "extra": {}}
-    return build_summary(**(values | overrides))
+def summary(precisions: list[str] | None = None, **overrides) -> dict:
+    devices = ["cuda:0 NVIDIA H100", "cuda:1 Tesla T4"]
+    ranks = [RankSummary(device=device, precision=precision, samples=samples, busy_s=busy)
+             for device, precision, samples, busy in zip(
+                 devices, precisions or [None, None], [600, 400], [8.0, 9.0], strict=True)]
+    return RunSummary(policy="cadence", backend="auto", emulated_slowdown=None, epochs=1,
+                      wall_s=10.0, ranks=ranks, syncs=1, comm_ms=[20.0],
+                      final_loss=0.25).to_dict() | overrides
 
 
 def test_each_ranks_precision_is_written_and_read_back(tmp_path: Path) -> None:

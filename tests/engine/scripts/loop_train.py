@@ -40,8 +40,8 @@ from common import build_model, evaluate, make_data, native_threads
 from torch.distributed import all_reduce
 
 import fdl
-import fdl.engine.epochs
 import fdl.engine.liveness
+import fdl.engine.recorder
 
 
 def flag(name, default):
@@ -63,8 +63,8 @@ class Counter:
 
 # a spy on the epoch end's own collective (fdl's epoch figures ride in the epoch's last average)
 exchanges = []
-_exchange_rows = fdl.engine.epochs.exchange_rows
-fdl.engine.epochs.exchange_rows = lambda *a, **k: exchanges.append(1) or _exchange_rows(*a, **k)
+_exchange_rows = fdl.engine.recorder.exchange_rows
+fdl.engine.recorder.exchange_rows = lambda *a, **k: exchanges.append(1) or _exchange_rows(*a, **k)
 out, accumulate = sys.argv[1], flag("--accumulate", 1)
 fdl.engine.liveness.BEAT_S = flag("--tick-every", fdl.engine.liveness.BEAT_S)
 plain, never_step = "--plain" in sys.argv, "--never-step" in sys.argv

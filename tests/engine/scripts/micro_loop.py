@@ -1,5 +1,6 @@
 """A loop of its own computing each batch in run.micro_parts (fdl run --micro-batch); writes
-the parts' sizes of its first batch to OUT/rank<r>.json. Usage: micro_loop.py OUT"""
+the parts' sizes of its first batch to OUT/rank<r>.json and the consensus model to
+OUT/rank<r>.pt. Usage: micro_loop.py OUT"""
 
 import json
 import os
@@ -22,6 +23,7 @@ for batch in run.batches(make_data(256, seed=1), model=model, optimizer=optimize
         (F.cross_entropy(model(x), y) * share).backward()
     optimizer.step()
     optimizer.zero_grad()
-run.finish()
+result = run.finish()
+torch.save(result.model.state_dict(), os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', '0')}.pt"))
 with open(os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', '0')}.json"), "w") as handle:
     json.dump(first, handle)
