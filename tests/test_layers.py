@@ -85,6 +85,19 @@ must be placed here (test_every_module_has_a_layer).
 Modules inside one layer may import each other; the cycle check keeps that a tree.
 """
 
+ENGINE_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("api", ("loop", "trainer")),
+    ("round", ("assembly", "boundary", "finish", "rounds")),
+    ("parts", ("checks", "feed", "parts", "recorder", "recovery", "replica", "tallies")),
+    ("primitives", ()),  # every other module of fdl.engine
+)
+"""The engine's own order, highest first (docs/architecture.md "The engine"): the public face
+(``fdl.init``'s ``Run``, ``fdl.Trainer``); the round (the parts' assembly, the loop of steps, its
+boundary, the run's end); the parts of one rank's run (the replica, the feed, the tallies, the
+recorder, the checkpointer, the checks of what the script gives); and the primitives every part
+is made of (the plan and the policies, averaging, the gradient syncs, collectives, data,
+timing). A module imports its own level or the levels below it."""
+
 # ruff's per-file-ignores switch TID253 off for a whole file, so in these packages, which may
 # import torch at module level, httpx, pynvml and rich are held to lazy imports here instead.
 EAGER_TORCH_PACKAGES = ("fdl.engine", "fdl.bench")
@@ -265,6 +278,52 @@ def test_imports_only_go_down_the_layers():
 def test_no_module_imports_itself_through_others():
     report = cycle_report(fdl_imports())
     assert report == [], "import cycles between fdl's files:\n" + "\n".join(report)
+
+
+def engine_level(module: str) -> int | None:
+    """The index of ``module``'s level in :data:`ENGINE_ORDER` (0 the highest); None outside
+    the engine."""
+    if not module.startswith("fdl.engine."):
+        return None
+    name = module.removeprefix("fdl.engine.").split(".")[0]
+    return next((index for index, (_, names) in enumerate(ENGINE_ORDER) if name in names),
+                len(ENGINE_ORDER) - 1)
+
+
+def engine_violations(edges: list[Import]) -> list[str]:
+    """The engine's imports that go up its own order."""
+    problems = []
+    for edge in edges:
+        mine, theirs = engine_level(edge.source), engine_level(edge.target)
+        if mine is not None and theirs is not None and theirs < mine:
+            problems.append(f"{edge}: {ENGINE_ORDER[mine][0]} may not import "
+                            f"{ENGINE_ORDER[theirs][0]}")
+    return problems
+
+
+def test_the_engine_imports_only_down_its_own_order():
+    names = {name.removeprefix("fdl.engine.") for name in module_names(ROOT, "fdl")
+             if name.startswith("fdl.engine.")}
+    listed = {name for _, members in ENGINE_ORDER for name in members}
+    assert listed <= names, f"ENGINE_ORDER names modules that do not exist: {listed - names}"
+    problems = engine_violations(fdl_imports())
+    assert problems == [], "imports against the engine's order:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(("source", "target", "allowed"), [
+    ("fdl.engine.loop", "fdl.engine.assembly", True),
+    ("fdl.engine.rounds", "fdl.engine.boundary", True),
+    ("fdl.engine.boundary", "fdl.engine.parts", True),
+    ("fdl.engine.replica", "fdl.engine.hook_sync", True),
+    ("fdl.engine.plan", "fdl.engine.policies", True),
+    ("fdl.engine.rounds", "fdl.engine.loop", False),
+    ("fdl.engine.replica", "fdl.engine.rounds", False),
+    ("fdl.engine.averaging", "fdl.engine.replica", False),
+    ("fdl.engine.plan", "fdl.engine.boundary", False),
+])
+def test_engine_rule_tells_down_from_up(source, target, allowed):
+    edge = Import(source, target, Path("x.py"), 1, "module level")
+    assert (engine_violations([edge]) == []) is allowed
 
 
 def test_only_torch_is_eager_where_ruff_cannot_tell():
