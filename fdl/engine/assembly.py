@@ -63,7 +63,6 @@ def assemble(inputs: Inputs, *, config: EngineConfig, membership: Membership, gr
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         run_config.merge_engine(run_dir, {**config.to_dict(), "resolved_backend": group.backend})
-    utilisation = _utilisation(run_dir, membership, device=device)
     timeline = Timeline(run_dir, rank=rank)
     recorder = Recorder(config, run_dir if rank == 0 else None, rank, world_size, evaluator,
                         timeline, verify=_verify(),
@@ -72,8 +71,7 @@ def assemble(inputs: Inputs, *, config: EngineConfig, membership: Membership, gr
                    accumulate=inputs.accumulate, seed=config.seed)
     replica = Replica.build(inputs.model, inputs.optimizer, config=config, group=group,
                             rank=rank, world_size=world_size, device=device, ddp=inputs.ddp,
-                            data=inputs.data,
-                            seed_after=seed_after)
+                            data=inputs.data, seed_after=seed_after)
     replica.scheduler = inputs.scheduler
     plan_config = inputs.plan_config
     precisions = gather_labels(precision, world_size=world_size) if world_size > 1 \
@@ -87,9 +85,10 @@ def assemble(inputs: Inputs, *, config: EngineConfig, membership: Membership, gr
     slowdown = config.simulate_slowdown[rank] if config.simulate_slowdown else 1.0
     return Parts(config=config, plan_config=plan_config, replica=replica, feed=feed,
                  tallies=Tallies(slowdown=slowdown), evaluator=evaluator, recorder=recorder,
-                 checkpointer=None, timeline=timeline, progress=progress, script=script, precisions=precisions,
-                 evaluate_every=plan_config.round_cap, verify=_verify(),
-                 utilisation=utilisation)
+                 checkpointer=None, timeline=timeline, progress=progress, script=script,
+                 precisions=precisions, evaluate_every=plan_config.round_cap,
+                 verify=_verify(),  # last: a part that fails to build leaves no thread behind
+                 utilisation=_utilisation(run_dir, membership, device=device))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ for batch in run.batches(make_data(256, seed=1), model=model, optimizer=optimize
     optimizer.step()
     optimizer.zero_grad()
 result = run.finish()
-torch.save(result.model.state_dict(), os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', '0')}.pt"))
-with open(os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', '0')}.json"), "w") as handle:
+rank = os.environ.get("RANK", "0")
+torch.save(result.model.state_dict(), os.path.join(sys.argv[1], f"rank{rank}.pt"))
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as handle:
     json.dump(first, handle)
