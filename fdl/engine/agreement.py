@@ -1,10 +1,10 @@
 """Agreement before training: every rank checks that it runs what the others run.
 
 Each node resolves its own flags, ``FDL_*`` variables and ``fdl.toml``, imports its own fdl
-and torch, runs its own copy of the script and reads its own files. Nothing compared them: two
-nodes with different files of the same length trained on a silent mixture; different lengths
-gave different plans and a hang later; a different epoch count or batch size, a hang at the end.
-So twice, each rank publishes what it has and compares it with rank 0's (one
+and torch, runs its own copy of the script and reads its own files. Left uncompared, two nodes
+with different files of the same length train on a silent mixture; different lengths give
+different plans and a hang later; a different epoch count or batch size, a hang at the end. So
+twice, each rank publishes what it has and compares it with rank 0's (one
 ``all_gather_object`` each time, before anything trains):
 
 * at ``fdl.init()``, right after the group forms: the fdl version, the torch release (its

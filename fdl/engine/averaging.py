@@ -6,12 +6,12 @@
       numel values                                     world_size rows each
 
 A SUM all-reduce yields the weighted average ``sum_r w_r theta_r`` (the weights the plan
-gives, summing to 1: uniform, see fdl.engine.plan.RoundPlan.weights) and, because rank r fills only its own row of the two row blocks and
-leaves the others zero, every rank's integer buffers and timing stats, identical on every rank
-— so every rank plans the next round alike. Integer buffers (BatchNorm's
-``num_batches_tracked``) take the maximum over ranks, computed locally from those rows rather
-than by a MAX all-reduce of their own: that was one more blocking round trip per integer buffer
-(19 per average for ResNet-20).
+gives, summing to 1: uniform, see fdl.engine.plan.RoundPlan.weights) and, because rank r fills
+only its own row of the two row blocks and leaves the others zero, every rank's integer buffers
+and timing stats, identical on every rank — so every rank plans the next round alike. Integer
+buffers (BatchNorm's ``num_batches_tracked``) take the maximum over ranks, computed locally from
+those rows rather than by a MAX all-reduce of their own, which would add a blocking round trip
+per integer buffer (19 per average for ResNet-20).
 
 **Exact in the model's dtype.** The buffer is float64 when any averaged tensor is float64,
 otherwise float32: a float64 model is averaged in float64, not truncated to float32 at every
@@ -40,17 +40,18 @@ bits), and sends ``q_r = encode(w_r (theta_r - R) + e_r)``, keeping ``e_r`` (flo
 encoding dropped, for its next average (error feedback: nothing is lost, it arrives one average
 late). bf16 rounds each value; int8 scales each block by ``s = absmax / 127`` (int4: / 7)
 and sends ``round(x / s)`` (a block of zeros: scale 0, codes 0), its codes and scales packed in
-one uint8 buffer. The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every add, an
-error no rank could carry (and int8 codes with different scales do not add). Their decoded
-float32 sum (in rank order: the same bits everywhere) plus R is the average (the weights sum to
-1), landed in the float32 buffer, so what follows (loading it, async's delta, the divergence
-guard) is unchanged, and R becomes it. A non-finite displacement (a replica blew up) lands
-non-finite: bf16 carries inf and NaN, int8/int4 make the block's scale inf or NaN, so the landed
-block is NaN and the divergence guard sees it. A displacement is small beside the parameters,
-so bf16's 8 bits of mantissa, or int8's 127 steps of a block's largest value, cost little of
-it (int4's 7 steps more: what they drop is fed back, not lost); the parameters themselves in bf16 would lose the small updates. The integer and stats rows
-go in a float32 collective of their own, beside. The reference is the model as built (after
-rank 0's broadcast) and is taken again from the model where it was overwritten whole (a resume:
+one uint8 buffer. The ``q_r`` are gathered, not all-reduced: a bf16 SUM rounds to bf16 at every
+add, an error no rank could carry (and int8 codes with different scales do not add). Their
+decoded float32 sum (in rank order: the same bits everywhere) plus R is the average (the weights
+sum to 1), landed in the float32 buffer, so what follows (loading it, async's delta, the
+divergence guard) is unchanged, and R becomes it. A non-finite displacement (a replica blew up)
+lands non-finite: bf16 carries inf and NaN, int8/int4 make the block's scale inf or NaN, so the
+landed block is NaN and the divergence guard sees it. A displacement is small beside the
+parameters, so bf16's 8 bits of mantissa, or int8's 127 steps of a block's largest value, cost
+little of it (int4's 7 steps more: what they drop is fed back, not lost); the parameters
+themselves in bf16 would lose the small updates. The integer and stats rows go in a float32
+collective of their own, beside. The reference is the model as built (after rank 0's broadcast)
+and is taken again from the model where it was overwritten whole (a resume:
 :meth:`Averager.rebase`).
 
 **The outer optimizer** (``--outer-optimizer nesterov``, fdl.engine.outer) steps the
@@ -60,15 +61,14 @@ measured it and before anything loads it: what a blocking average loads, what as
 
 * ``cpu``: the flat buffer lives in host memory (page-locked for a CUDA replica: the copies go
   by DMA, and none of fdl's averaging memory is on the card) and is reduced over a gloo group.
-  Copies into and out of it are blocking, so no device-to-host copy is read before it completes and no
-  host-to-device copy is pending when the next snapshot is taken (flodl 0.3 raced here).
-  Two ranks (a box's two devices, or two nodes) reduce a blocking average by exchanging the
-  buffers instead: each sends its own and adds the other's (in messages of at most
-  ``EXCHANGE_FLOATS`` values, two received ahead, their receives posted before the sends). ``a + b == b + a`` in
-  IEEE arithmetic, so both hold the same bits, as after the all-reduce, and the same bytes cross
-  the link. On a 2-core VM, two processes, the slow one sleeping between bursts of compute: a
-  340 KB buffer (``fdl bench``'s mlp) in 0.54-0.56 ms on average against gloo's all-reduce's
-  1.34-1.52 ms (its slowest tenth 3.4 ms and more); 9.9 MB in 7.5 against 9.4 ms.
+  Copies into and out of it are blocking: a non-blocking one would let a device-to-host copy be
+  read before it completes, or a host-to-device copy still be pending when the next snapshot is
+  taken. Two ranks (a box's two devices, or two nodes) reduce a blocking average by exchanging
+  the buffers instead: each sends its own and adds the other's (in messages of at most
+  ``EXCHANGE_FLOATS`` values, two received ahead, their receives posted before the sends).
+  ``a + b == b + a`` in IEEE arithmetic, so both hold the same bits, as after the all-reduce,
+  and the same bytes cross the link, where the exchange waits less than gloo's all-reduce of the
+  same buffer, and less often long (docs/elche.md, "Measurements behind the engine's choices").
 * ``nccl``: the flat buffer lives on the GPU and is reduced by NCCL.
 
 ``group`` (a ``ProcessGroup``, default the default group) carries every collective; ``rank``
@@ -108,10 +108,10 @@ class Averager:
         and re-averaging identical values could change their last bits). ``snapshot=False``
         (every policy but async, which applies ``average - snapshot`` a round late) keeps no
         copy of the packed replica: its buffer's memory is not allocated. ``wire="bf16"``,
-        ``"int8"`` or ``"int4"`` sends the parameters as encoded displacements (the module docstring);
-        ``outer`` (its learning rate and momentum) steps the parameters' average with the
-        outer optimizer (fdl.engine.outer). With either, the replicas must be identical when
-        it is built."""
+        ``"int8"`` or ``"int4"`` sends the parameters as encoded displacements (the module
+        docstring); ``outer`` (its learning rate and momentum) steps the parameters' average
+        with the outer optimizer (fdl.engine.outer). With either, the replicas must be
+        identical when it is built."""
         self.rank, self.world_size, self.num_stats, self.group = rank, world_size, num_stats, group
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
@@ -228,9 +228,9 @@ class Averager:
         the two buffers, then every message of this rank's sent at once, each received message
         added where it was sent from once that send completed, its buffer then awaiting the
         message after next. The receives go first: posted after the sends, each rank's large
-        send went out while the other's waited, and on a link capped at 100 Mbit/s the
-        exchange of 9.9 MB took 1.45-1.65 s against gloo's all-reduce's 0.83-0.86 s (0.83-0.86
-        s receiving first; two namespace nodes, ``tc tbf``)."""
+        send goes out while the other's waits, and on a capped link the exchange then costs far
+        more than gloo's all-reduce (docs/elche.md, "Measurements behind the engine's
+        choices")."""
         peer = 1 - self.rank
         if self.group is not None:
             peer = dist.get_global_rank(self.group, peer)
@@ -325,8 +325,9 @@ class Averager:
         if self.snapshot is not None:
             return float(torch.dist(self.snapshot, average)) / norm
         # one norm kernel per tensor, summed where the tensors live and read once per device:
-        # a float() per tensor waited for the device at every tensor (a CUDA replica's dozens
-        # of parameters), and subtracting then squaring wrote two full-size temporaries
+        # a float() per tensor would wait for the device at every tensor (a CUDA replica's
+        # dozens of parameters), and subtracting then squaring would write two full-size
+        # temporaries
         squares: dict[torch.device, torch.Tensor] = {}
         offset = 0
         for tensor, residual in zip(self.tensors, self.residuals, strict=True):

@@ -1,16 +1,15 @@
 """A rank's batches for the whole run, through DataLoader workers that outlive each round.
 
 A round's slice is known only when the round is planned, and is 10-100 batches. A DataLoader
-started per slice pays its workers' start in every round. ``scripts/bench_batch_loader.py`` on
-a shared 2-core CPU host (2 workers, 3x32x32 samples, batches of 32; three runs, medians of
-7-11): the first batch of a fresh loader came after 42-250 ms (the most beside 2 GiB of
-ballast: fork copies the page tables), of workers kept between slices after 7-17 ms, in this
-process after 1.5 ms; a slice of 10 batches took 76-505 ms fresh against 24-36 ms kept, one of
-100 batches 250-574 ms against 240-243 ms. So :class:`BatchLoader` keeps one DataLoader with
-persistent workers whose ``batch_sampler`` is an :class:`IndexFeed`: each slice replaces the
-feed's index lists and starts a new pass of the same workers (``iter`` on a persistent
-DataLoader resets them, and drops the batches an abandoned pass had in flight). Without workers, or for a TensorDataset under the default
-collate (indexed at once, faster than workers), batches are made in this process.
+started per slice pays its workers' start in every round, and on a small host that start (fork
+copies the page tables of a process that grew with the model and data) can cost more than a
+short slice's own batches (docs/elche.md "Data loading" has ``scripts/bench_batch_loader.py``'s
+figures). So :class:`BatchLoader` keeps one DataLoader with persistent workers whose
+``batch_sampler`` is an :class:`IndexFeed`: each slice replaces the feed's index lists and
+starts a new pass of the same workers (``iter`` on a persistent DataLoader resets them, and
+drops the batches an abandoned pass had in flight). Without workers, or for a TensorDataset
+under the default collate (indexed at once, faster than workers), batches are made in this
+process.
 
 **The next round's first batches come while the average runs.** The round loop hands the
 loader the slice it foresees for the next round (:meth:`BatchLoader.fetch_ahead`) before the
@@ -22,21 +21,18 @@ and a new one starts, as without the foresight.
 
 **A batch is taken from the DataLoader off the step's thread.** Taking a batch from a
 DataLoader's workers (its unpickling, the tensors rebuilt from shared memory) costs the thread
-that takes it 1.6-2 ms a batch on a 2-core host and 0.35-0.4 ms on an H200's host
-(``scripts/test-gpu``'s loader check), booked as data wait on every step. So a pass is taken
-by a thread of its own (:class:`TakenAhead`), up to :data:`DEPTH` batches ahead of the step,
-while the step computes (the step's kernels, a GPU's wait, the emulation's sleep release the
-GIL); the step waits only when the workers are really behind. ``scripts/bench-loader``, 2
-workers reading 0.1 ms a sample: 0.92 of the in-memory rate with 9.3% data wait before, 0.98
-with 1.2% after (docs/elche.md "Data loading"). The thread starts when the pass's first batch
-is asked for, so a pass started ahead is not run through while the average runs (its lists stay
-the DataLoader's prefetch, which ``go_on`` extends); a new pass first stops the running one's
-thread, so the DataLoader's one iterator is never used by two threads at once. Only ``next``
-runs on the thread: ``iter`` (which starts the workers and sets the DataLoader's signal
-handler) and every CUDA call stay on the step's. With ``pin_memory`` (CUDA) the DataLoader's
-own pin thread unpickles and pins, and this thread takes the pinned batch from it: on an H200
-(``scripts/bench-fetch``) the step then ran 1.2-1.4x a plain loop's rate when loader-bound, and
-below the loader every way of taking batches waited 0.25-0.42 ms a batch.
+that takes it a share of a short step, booked as data wait on every step even when the workers
+are far ahead. So a pass is taken by a thread of its own (:class:`TakenAhead`), up to
+:data:`DEPTH` batches ahead of the step, while the step computes (the step's kernels, a GPU's
+wait, the emulation's sleep release the GIL); the step waits only when the workers are really
+behind (docs/elche.md "Data loading": ``scripts/bench-loader`` and ``scripts/bench-fetch``). The
+thread starts when the pass's first batch is asked for, so a pass started ahead is not run
+through while the average runs (its lists stay the DataLoader's prefetch, which ``go_on``
+extends); a new pass first stops the running one's thread, so the DataLoader's one iterator is
+never used by two threads at once. Only ``next`` runs on the thread: ``iter`` (which starts the
+workers and sets the DataLoader's signal handler) and every CUDA call stay on the step's. With
+``pin_memory`` (CUDA) the DataLoader's own pin thread unpickles and pins, and this thread takes
+the pinned batch from it.
 """
 
 from __future__ import annotations

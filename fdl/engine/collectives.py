@@ -143,19 +143,16 @@ def nccl_p2p(env: MutableMapping[str, str], *, local_world_size: int | None = No
 def _bind_world_before_it_exists() -> None:
     """Import torch.distributed.fsdp before the default group exists. It binds
     ``dist.group.WORLD`` as a default argument when imported (ShardedGradScaler's
-    ``process_group``), and torch._dynamo imports it, so any optimizer made after the group
-    imported it: the group then stayed referenced past ``destroy_process_group``, its gloo
-    threads lived on to the interpreter's teardown, and a worker that had finished training
-    aborted there now and then ("terminate called without an active exception", SIGABRT:
-    ~1 run in 40 on this project's tests). Imported first, it binds None; a torch without it
-    is left alone. It costs nothing measurable: fdl sync on 2 equal CPU workers, 8 interleaved
-    pairs with and without it (bench MLP, 2026-11-26 19:3x UTC), medians 6347 and 6205
-    samples/s (spread 5363-6594); a first, 2-pair reading of ~6% slower was this host's noise.
+    ``process_group``), and torch._dynamo imports it, so an optimizer made after the group would
+    import it: the group would then stay referenced past ``destroy_process_group``, its gloo
+    threads would live on to the interpreter's teardown, and a worker that had finished training
+    would now and then abort there ("terminate called without an active exception", SIGABRT).
+    Imported first, it binds None; a torch without it is left alone. Its cost in throughput is
+    below the noise of interleaved runs (docs/elche.md "Benchmark").
 
     Imported with the cyclic collector paused (and the user's objects not frozen): the import
-    allocates enough to set off full collections that walk everything torch made, ~0.15 s of
-    every worker's start on a 2-core VM (after ``import torch``: 0.56-0.62 s against 0.43-0.47 s
-    with it paused, a burst of allocations after it included, 3 runs each, 2026-11-27)."""
+    allocates enough to set off full collections that walk everything torch made, a visible part
+    of every worker's start (docs/run.md "Launch latency")."""
     paused = gc.isenabled()
     gc.disable()
     try:
@@ -169,7 +166,7 @@ def _bind_world_before_it_exists() -> None:
 def leave_group(group: Group) -> None:
     """Destroy the default group if this process created it. DDP's reducer sits in reference
     cycles: it is freed first, while its process group still exists, not at interpreter exit
-    (a worker once aborted there with "terminate called without an active exception")."""
+    (where a worker can abort with "terminate called without an active exception")."""
     if group.created and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

@@ -34,12 +34,10 @@ BatchNorm; ``broadcast_buffers``) and its one-off bucket rebuild in the second s
 the step's compute.
 
 When: only under the slowdown emulation (``--simulate-slowdown`` with a factor other than 1),
-which must sleep on compute alone. The hook's Python callbacks cost about 5% of a step on gloo
-(fdl sync / torch DDP on 2 equal CPU workers, bench-elche's MLP at 16384 samples x 3 epochs,
-three interleaved A/B runs on 2026-11-26: 0.951, 0.951, 1.022 with it; 0.999, 0.999, 1.042
-without; then the hook divided with ``div_``, not measured since it multiplies), so otherwise
-DDP keeps its own C++ all-reduce and the all-reduce stays inside the step's time, as a plain
-DDP script measures it (``fdl report`` then shows no sync time for a sync run).
+which must sleep on compute alone. The hook's Python callbacks cost a few percent of a step on
+gloo against DDP's own C++ all-reduce (docs/elche.md "Measurements behind the engine's
+choices"), so otherwise DDP keeps its own and the all-reduce stays inside the step's time, as a
+plain DDP script measures it (``fdl report`` then shows no sync time for a sync run).
 
 Division: DDP's own (hook-less) all-reduce divides by the ranks that still have data when some
 rank has run out of it in a round (``join(divide_by_initial_world_size=False)``: an epoch's
@@ -152,7 +150,7 @@ class DdpCommMeter:
     def hook(self, bucket):
         """DDP's default all-reduce of ``bucket`` (the mean over the ranks with data), timed."""
         tensor = bucket.buffer()
-        tensor.mul_(1.0 / self.ranks_with_data)  # as DDP's own reducer: a div_ costs ~2.7x
+        tensor.mul_(1.0 / self.ranks_with_data)  # as DDP's own reducer: cheaper than a div_
         self._handed = mark(self.device)
         work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
 

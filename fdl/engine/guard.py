@@ -2,27 +2,27 @@
 them, fewer local steps per round (a halved anchor) pull them back together.
 
 At each average every rank reports ``||snapshot_r - average|| / ||average||``. Normal local
-training makes that distance grow with the learning rate and the steps between averages, so
-the guard judges ``x = distance / (lr_scale * steps)`` (``lr_scale`` the schedule's multiplier,
+training makes that distance grow with the learning rate and the steps between averages, so the
+guard judges ``x = distance / (lr_scale * steps)`` (``lr_scale`` the schedule's multiplier,
 ``steps`` the slowest rank's batches in the round) against the run's own usual level: the mean
 of ``x`` over its first :data:`BASELINE_ROUNDS` measured averages, then following every calm
-round (at most half the threshold) with weight :data:`BASELINE_ALPHA`, except while a halving
-is held (then it stays the level from before the drift, so a lasting divergence is never
-learnt as usual). A round with ``x``
-above ``threshold`` times that level (or a NaN / infinite distance: a replica blew up) extends a
-streak; the third in a row halves the anchor and sets the plan's ceiling to it, so the anchor
-tuner cannot grow it back (flodl's guard never acted; v1's threshold of 0.5 was never reached,
-and its tuner undid a halving within a round). The ceiling is lifted after
-:data:`RELEASE_ROUNDS` averages in a row below ``threshold / 2`` times the level.
+round (at most half the threshold) with weight :data:`BASELINE_ALPHA`, except while a halving is
+held (then it stays the level from before the drift, so a lasting divergence is never learnt as
+usual). A round with ``x`` above ``threshold`` times that level (or a NaN / infinite distance: a
+replica blew up) extends a streak; the third in a row halves the anchor and sets the plan's
+ceiling to it, so the anchor tuner cannot grow it back (a tuner left free undoes a halving
+within a round; and a fixed threshold on the raw distance is far from what real runs reach,
+hence ``x`` and the run's own level). The ceiling is lifted after :data:`RELEASE_ROUNDS`
+averages in a row below ``threshold / 2`` times the level.
 
-Why the level follows normal rounds, and why the default threshold is 16: the drift per step
-is not a constant of a run. On a GPU beside a CPU worker (scripts/test-gpu, 2026-11-26: a CNN,
-SGD with momentum, a 6x speed gap), it rose 3.4x in one round when the model left its
-plateau and started learning, to 8-10x the level of the first rounds, and a guard that judged
-against those first rounds with a threshold of 4 halved the anchor down to 1 and held it
-there (drift is sublinear in steps, so every halving raised ``x``): 102 averages instead of
-~15, at the accuracy of the run alone. A blow-up is another order: the loss scaled 100x
-(tests/engine/test_divergence_run.py) shows 30-100x the level.
+Why the level follows normal rounds, and why the default threshold is 16: the drift per step is
+not a constant of a run. It rises several-fold within a round when a model leaves a plateau and
+starts learning, and stays there; a guard that judged against the first rounds with a low
+threshold then halved the anchor down to 1 and held it there (drift is sublinear in steps, so
+every halving raised ``x``), averaging several times as often and ending no more accurate than
+the fast device alone. A blow-up is another order again (tests/engine/test_divergence_run.py
+scales the loss to make one). The GPU run and the test's readings that set these are in
+docs/elche.md "Divergence guard".
 
 Every rank sees the same reports, so every rank decides alike. Pure: the state is a
 :class:`~fdl.engine.state.GuardState` that checkpoints carry.

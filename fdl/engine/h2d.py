@@ -2,17 +2,18 @@
 
 On the compute stream, a batch's copy waits for the previous step's kernels and the step's
 kernels wait for the copy: the copy's time is added to every step (a 128-image CIFAR batch is
-1.5 MB, ~0.1 ms at 12 GB/s; an ImageNet-sized one 77 MB, ~6 ms: computed, not measured). :class:`DeviceCopies` issues
-batch i+1's copy on a stream of its own as batch i is handed to the step, so the copy runs
-while batch i computes. The order is kept with an event per batch: the compute stream waits
-for it on the GPU (``wait_event``), the host never waits for the device (no synchronize on the
-step path). Each batch's memory is marked as used by the compute stream (``record_stream``) so
-the caching allocator does not hand it out again while a kernel still reads it.
+1.5 MB, ~0.1 ms at 12 GB/s; an ImageNet-sized one 77 MB, ~6 ms: computed, not measured).
+:class:`DeviceCopies` issues batch i+1's copy on a stream of its own as batch i is handed to the
+step, so the copy runs while batch i computes. The order is kept with an event per batch: the
+compute stream waits for it on the GPU (``wait_event``), the host never waits for the device (no
+synchronize on the step path). Each batch's memory is marked as used by the compute stream
+(``record_stream``) so the caching allocator does not hand it out again while a kernel still
+reads it.
 
 The copy is asynchronous only from pinned host memory: a DataLoader's workers pin their batches
 when ``pin_memory`` is on (the default on CUDA, fdl.engine.data); a batch made in the training
-process is pageable and its copy blocks the host as before, on the side stream all the same.
-One batch more than before is on the device at a time.
+process is pageable and its copy blocks the host, on the side stream all the same. One batch
+more is on the device at a time than without the copies ahead.
 
 The CUDA calls go through :class:`CudaStreams`, the one place that names them; tests give a
 recording stand-in (this project's CI has no GPU) and ``tests/engine/test_gpu.py`` runs the

@@ -134,7 +134,8 @@ class HookSync:
         """Parameter ``index``'s gradient, divided by the ranks with data, into its part of its
         bucket (zeros: none). The division rides on the copy, as a multiplication by the
         reciprocal (DDP's reducer does the same): one pass over the gradient, where a copy then
-        a ``div_`` of the bucket took two, the second about 2.7x a copy's time on a CPU."""
+        a ``div_`` of the bucket would take two, the second the dearer on a CPU (docs/elche.md,
+        "Measurements behind the engine's choices")."""
         param, part = self.params[index], self._part(index)
         grad, scale = param.grad, 1.0 / self.ranks_with_data
         if grad is None:

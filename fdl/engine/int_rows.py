@@ -1,7 +1,7 @@
 """A model's integer buffers (BatchNorm's ``num_batches_tracked``) in an average: each rank
 fills its own row of a block of the averaging buffer, the SUM all-reduce gives every rank every
 row, and each buffer takes the maximum over the ranks, computed locally from the rows (no
-collective of its own: that was one blocking round trip per integer buffer).
+collective of its own, which would be one blocking round trip per integer buffer).
 
 The values travel exactly: in a float64 buffer directly (``|v| <= 2**53``), in a float32 one
 split into two 24-bit halves (``|v| <= 2**48``). A larger value is an

@@ -1,20 +1,19 @@
 """Signs of life between ranks, so that a rank waiting on the store for a peer's message learns
 within seconds that the peer is gone, instead of waiting out the store's timeout.
 
-A collective notices a peer that died (gloo sees its connection close). A wait on the store
-does not: the round's messages (the elastic rank's report, the pool's count, what the slowest
-rank posts when done) are keys that a dead peer never sets, and the store itself, hosted by
-node 0's launcher, is fine. So every rank keeps a counter in the store ticking from a thread of
-its own (:data:`BEAT_S`), on a clone of the store (torch's way to use a store from a second
-thread), and a rank that waits for a key waits in slices, reading the others' counters between
-them (:func:`wait_for`): a counter that has not moved for :data:`SILENT_S` names its rank,
-and the wait ends with :class:`PeerGone`. A live rank, however slow its steps, ticks. Only
-policies whose rounds have such messages tick (cadence, async, auto); sync's ranks meet in
-collectives alone. (At one beat a second, sync's emulated-slowdown test read the slow rank's
-sleep at 2.15x its compute once in five runs, against 1.6-1.7x without a ticking thread.)
-Between the same slices the wait reads whether a rank posted why it failed
-(fdl.engine.peers): a peer that fails with an error stops the others within a slice, named
-with its error.
+A collective notices a peer that died (gloo sees its connection close). A wait on the store does
+not: the round's messages (the elastic rank's report, the pool's count, what the slowest rank
+posts when done) are keys that a dead peer never sets, and the store itself, hosted by node 0's
+launcher, is fine. So every rank keeps a counter in the store ticking from a thread of its own
+(:data:`BEAT_S`), on a clone of the store (torch's way to use a store from a second thread), and
+a rank that waits for a key waits in slices, reading the others' counters between them
+(:func:`wait_for`): a counter that has not moved for :data:`SILENT_S` names its rank, and the
+wait ends with :class:`PeerGone`. A live rank, however slow its steps, ticks. Only policies
+whose rounds have such messages tick (cadence, async, auto); sync's ranks meet in collectives
+alone, and a ticking thread is not free: beside short steps it can disturb the step times the
+slowdown emulation sleeps on. Between the same slices the wait reads whether a rank posted why
+it failed (fdl.engine.peers): a peer that fails with an error stops the others within a slice,
+named with its error.
 """
 
 from __future__ import annotations

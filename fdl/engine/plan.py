@@ -24,8 +24,8 @@ I/O, reads a clock or draws a random number::
   the run), and they measure their speed over more steps.
 * **Speed estimate.** ``ms_r`` is an EMA of each round's busy time per sample (the whole step:
   data, host work, compute), its ``alpha`` scaled by how much of the rank's own full round the
-  measurement covers and each measurement clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``: a short
-  tail round barely moves it, a full round's mean is followed closely.
+  measurement covers and each measurement clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``:
+  a short tail round barely moves it, a full round's mean is followed closely.
 * **Anchor.** ``wanted = sync_ms / (overhead_target * batch_size * ms_slow)`` is the anchor
   whose averaging costs ``overhead_target`` of the compute; above the current anchor it is
   taken (rounded up), at most doubling at the first average that asks for it and whole when the
@@ -79,12 +79,14 @@ CALIBRATION_POOL = 8
 # The share of an epoch's last round left in a shared pool that the ranks drain after their
 # own slices: a speed estimate off by up to ~20% (one rank's steps slower this round than
 # the last, two workers on shared cores) is then absorbed by the others instead of idling them
-# at the epoch's end (lenet5 in fdl bench --quick: 0.1-0.2 s of a 0.6 s round, before).
+# at the epoch's end, where a fixed split idled a fast rank for a good part of a short round
+# (docs/elche.md "Measurements behind the engine's choices").
 TAIL_POOL = 0.15
 # A take from the tail pool is this fraction of the rank's speed share of what is left (at
 # least pool_chunk): a few large takes first, then smaller ones, so a fast rank pays a handful
-# of store round trips per epoch instead of one per chunk (87 per 8 bench epochs, 18 ms of
-# 1.5 s on loopback; milliseconds each on WiFi), and the last take is still about one step.
+# of store round trips per epoch instead of one per chunk (milliseconds each over WiFi;
+# docs/elche.md "Measurements behind the engine's choices"), and the last take is still about
+# one step.
 POOL_GUIDED = 0.5
 SPEED_ALPHA = 0.7
 SPEED_CLIP = 2.0
@@ -288,7 +290,8 @@ class RoundStats:
 
     ``busy_ms[r]``: rank r's busy time in the round (whole steps: data, compute, emulated
     slowdown), ``samples[r]`` the samples that time covers (0: no measurement, the rank keeps
-    its estimate); in an elastic round the elastic rank's ``samples`` is what it used. ``sync_ms``: what the averaging cost, the communication proper (NaN: unknown).
+    its estimate); in an elastic round the elastic rank's ``samples`` is what it used.
+    ``sync_ms``: what the averaging cost, the communication proper (NaN: unknown).
     """
 
     busy_ms: tuple[float, ...]
@@ -461,7 +464,7 @@ def update_speed(old: float | None, new: float, *, weight: float = 1.0) -> float
     with ``weight`` in [0, 1] the share of a full round the measurement covers and ``new``
     clipped to ``[old / SPEED_CLIP, old * SPEED_CLIP]``. A round's mean over many steps is a
     good measurement and is followed closely (rounds are few: a whole run may have a dozen);
-    a one-step tail round, the outlier flodl's error-adaptive EMA gave the *most* weight,
+    a one-step tail round, the outlier an error-adaptive EMA would give the *most* weight,
     moves the estimate by a few percent at most.
     """
     if not (math.isfinite(new) and new > 0):
@@ -774,8 +777,8 @@ def _tuned_anchor(state: PlanState, stats: RoundStats) -> tuple[int, str]:
     that round was). Above the anchor, the anchor grows to ``ceil(wanted)``: at most doubling
     when the last round did not grow it (one slow average, e.g. the first one while connections
     are made, must not set the anchor for the run), whole when it did and this average asks
-    again (a slow link: doubling from 4 to 200 took six rounds of a 0.9 s average each at
-    100 Mbit/s, 0.3 of a short run); below half of it, it shrinks by one. Clamped to
+    again (on a slow link, doubling alone takes six rounds from 4 to 200, each paying a slow
+    average: docs/run.md "Slow links"); below half of it, it shrinks by one. Clamped to
     ``[min_anchor, min(max_anchor, ceiling)]``. Unusable stats leave it alone."""
     config, anchor = state.config, state.anchor
     measured = [busy / n for busy, n in zip(stats.busy_ms, stats.samples, strict=True)

@@ -1,4 +1,5 @@
-"""The three policies (and auto, which picks one) as objects: what each one does at a round boundary, in one place.
+"""The three policies (and auto, which picks one) as objects: what each one does at a round
+boundary, in one place.
 
 The name from the settings (``--policy async``) is looked up once, where the engine's config is
 made (:func:`policy_named`); from there the policy travels as this object, and the round loop
@@ -50,7 +51,7 @@ class Policy:
     local_steps: bool  # False: one gradient-synced step per rank per round (sync)
     background: bool  # the average runs while the next round computes (async)
     # The fastest rank runs until the slowest has finished its share (fdl.engine.plan): speed
-    # noise no longer becomes waiting.
+    # noise does not become waiting.
     elastic: bool = True
 
     def __str__(self) -> str:

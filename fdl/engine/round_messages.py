@@ -24,10 +24,10 @@ class ElasticSignal:
 
     The fastest rank never asks the store between steps: a thread of its own blocks in the
     store's ``wait`` on a clone of the store (torch's way to use a store from a second thread)
-    and sets an event, so a step pays an event check (~0.1 microseconds) where a store round
-    trip cost 0.3-0.6 ms on a busy 2-core host (18% of lenet5's 2.5 ms steps) and milliseconds
-    over WiFi. gloo's point-to-point receive could not carry ``done``: it reports completion
-    only once waited on."""
+    and sets an event, so a step pays an event check where a store round trip per step costs a
+    visible share of a short step on a busy host, and milliseconds over WiFi (docs/elche.md,
+    "Measurements behind the engine's choices"). gloo's point-to-point receive cannot carry
+    ``done``: it reports completion only once waited on."""
 
     role: str = ""  # "receive" (the elastic rank) or "send" (every other rank); "": no elastic
     store: Any = None

@@ -198,7 +198,7 @@ def _timed_step(parts: Parts, plan: RoundPlan, state: PlanState, tally: RoundTal
         replica.sync.empty_step()  # the others' all-reduce of this step, joined
         return
     if parts.progress is not None and not parts.progress.written:
-        # the display says so while the first step lasts (a compilation: half a minute)
+        # the display says so while the first step lasts (a compilation: seconds to minutes)
         _show_progress(parts, plan, samples=progress, first_step=True)
     clock = tally.warmup if warm else tally.timer
     clock.start()

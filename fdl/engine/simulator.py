@@ -11,15 +11,16 @@ samples, so a partial batch is cheaper but not proportionally), multiplicative l
 jitter per step, host work per step (inside the step timer, as in the engine), the reduce time
 (``latency + bytes / bandwidth``), a slow first step on every rank, and how a background
 reduce overlaps compute: on a CUDA stream it costs the compute nothing, on a host thread (gloo)
-it slows the compute it overlaps by ``contention``. A blocking boundary ends when the last rank arrives plus the reduce; a
-background one lets each rank go on at once and makes it wait at the next boundary for the
-average it launched. In an elastic round the fastest rank steps until the slowest one's share
-is done (its last step may end after it); in the calibration round every rank done with its
-share takes batches from the pool until every rank is done, and in an epoch's last round
-until the pool (the epoch's tail) is empty. Epoch ends wait for every rank (the loss all-reduce and evaluation, whose
-time is not counted, as in the engine's ``wall_s``); under async, which runs through them, at the
-next boundary, once the epoch's average has landed. ``sync`` is modelled as lock-step steps
-plus the exposed part of DDP's gradient all-reduce.
+it slows the compute it overlaps by ``contention``. A blocking boundary ends when the last rank
+arrives plus the reduce; a background one lets each rank go on at once and makes it wait at the
+next boundary for the average it launched. In an elastic round the fastest rank steps until the
+slowest one's share is done (its last step may end after it); in the calibration round every
+rank done with its share takes batches from the pool until every rank is done, and in an
+epoch's last round until the pool (the epoch's tail) is empty. Epoch ends wait for every rank
+(the loss all-reduce and evaluation, whose time is not counted, as in the engine's ``wall_s``);
+under async, which runs through them, at the next boundary, once the epoch's average has
+landed. ``sync`` is modelled as lock-step steps plus the exposed part of DDP's gradient
+all-reduce.
 
 Deterministic (a seeded ``random.Random``), no sleeping, no torch.
 """

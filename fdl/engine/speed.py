@@ -33,29 +33,27 @@ queued the kernels.
 ``(f_r - 1) x`` its compute per step after each step, so a CPU box behaves like two devices 2.5x
 apart: the planner sees the slow rank as slow (its sleep counts in its busy time) and gives the
 fast one more work. What is multiplied is the rank's own compute only — never the step's
-communication or its wait for a peer, which a slower device would not make slower: under sync that
-wait is the fast rank's whole idle time, and multiplying the slow rank's all-reduce slowed sync on
-short steps far beyond the factor (fdl init's MLP at 1,2.5 on a 2-core VM: 25,360 samples/s, 35,812
-once the all-reduce was left out). The compute slept on is the mean of the rank's last
+communication or its wait for a peer, which a slower device would not make slower: under sync
+that wait is the fast rank's whole idle time, and multiplying the slow rank's all-reduce slows
+sync on short steps far beyond the factor. The compute slept on is the mean of the rank's last
 :data:`MEAN_STEPS` steps (:class:`RunningMean`), not the last step's: sleeping on the last step
-would multiply the host's own timing noise by ``f - 1`` (a real slower device does not amplify its
-host's noise), and the mean over the whole run that it replaced kept the first slow steps
-(allocations, a busy host) for hundreds of steps (the issue's 2.9 against 0.8 ms a step at 2.5x,
-3.6x; 3.7x late in a solo run of fdl init's MLP here). A mean, not a median: over any stretch the
-sleep is then ``f - 1`` times the compute, so the factor holds in time, where a median of
-right-skewed step times slept ~10 % short. Once-only costs are kept out of it: a step's compute
-enters the mean at most :data:`OUTLIER_FACTOR` times the median of the recent steps (a
-recompilation, a resumed rank's first step, a host stall: host work a slower device does not
-make slower), and the round loop does not slow the run's first step at all
-(fdl.engine.rounds.RoundTally.open). The sleep is measured with the clock: what
-``time.sleep`` oversleeps (~0.1 ms, a large part of a 1 ms step's sleep) is owed back by the next
-steps' sleeps (at most :data:`MAX_OWED_STEPS` steps' worth, so a host stall does not leave the rank
-unslowed for long), so the factor holds on steps of a millisecond. What it cannot hold: on a shared
-CPU host a rank's compute per step itself grows when the rank waits every step (a sleep, sync's
-all-reduce: fdl bench's quick mlp computed 1.01 ms a step slowed against 0.79 ms unslowed), and the
-sleep multiplies what was measured. Emulation needs each step's time when it ends, so on CUDA a
-timer with ``slowdown > 1`` waits for that step's ``stop`` event (again the compute stream only)
-before it sleeps. Summaries mark emulated runs.
+would multiply the host's own timing noise by ``f - 1`` (a real slower device does not amplify
+its host's noise), and a mean over the whole run keeps the first slow steps (allocations, a busy
+host) for hundreds of steps, so a rank runs well past its factor long after they are over. A
+mean, not a median: over any stretch the sleep is then ``f - 1`` times the compute, so the
+factor holds in time, where a median of right-skewed step times sleeps short. Once-only costs
+are kept out of it: a step's compute enters the mean at most :data:`OUTLIER_FACTOR` times the
+median of the recent steps (a recompilation, a resumed rank's first step, a host stall: host
+work a slower device does not make slower), and the round loop does not slow the run's first
+step at all (fdl.engine.rounds.RoundTally.open). The sleep is measured with the clock: what
+``time.sleep`` oversleeps (a large part of a millisecond step's sleep) is owed back by the next
+steps' sleeps (at most :data:`MAX_OWED_STEPS` steps' worth, so a host stall does not leave the
+rank unslowed for long), so the factor holds on steps of a millisecond. What it cannot hold: on
+a shared CPU host a rank's compute per step itself grows when the rank waits every step (a
+sleep, sync's all-reduce), and the sleep multiplies what was measured. Emulation needs each
+step's time when it ends, so on CUDA a timer with ``slowdown > 1`` waits for that step's
+``stop`` event (again the compute stream only) before it sleeps. Summaries mark emulated runs.
+The runs behind each of these choices are in docs/elche.md "Slowdown emulation".
 """
 
 from __future__ import annotations

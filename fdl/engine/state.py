@@ -159,9 +159,9 @@ class RankState:
 
     def after_sync(self, elapsed_ms: float, *, blocking: bool) -> None:
         """Book what an average cost this rank. A background average still costs its full
-        time in CPU, memory and link bandwidth that the compute shares (on a 2-core host, all
-        of it): it counts at least at what the last blocking average cost, or the anchor
-        shrinks and averages multiply, each slowing the compute."""
+        time in CPU, memory and link bandwidth that the compute shares (on a host whose cores
+        the workers fill, all of it): it counts at least at what the last blocking average
+        cost, or the anchor shrinks and averages multiply, each slowing the compute."""
         if blocking:
             self.last_blocking_ms = elapsed_ms
             self.last_wait_ms = elapsed_ms

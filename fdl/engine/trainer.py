@@ -82,8 +82,8 @@ class Trainer:
     that needs its own loop (accumulation, a GradScaler of its own, an evaluation cadence)
     writes that instead, with the same engine underneath.
 
-    ``fit()`` trains and returns a :class:`~fdl.engine.finish.RunResult`; settings from ``fdl run`` flags,
-    ``FDL_*`` and fdl.toml win over the values given here (docs/run.md).
+    ``fit()`` trains and returns a :class:`~fdl.engine.finish.RunResult`; settings from
+    ``fdl run`` flags, ``FDL_*`` and fdl.toml win over the values given here (docs/run.md).
     """
 
     model: Callable[[], nn.Module]

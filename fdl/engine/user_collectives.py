@@ -2,9 +2,8 @@
 cannot pair up: in a step under cadence and async (the ranks take different numbers of steps
 between averages) or in sync's round that ends an epoch cut unevenly over the ranks, and in an
 evaluation's function (each rank evaluates a shard of its own size, under every policy). Such
-a call waits for one that another rank never makes, and the run sat silent until killed (a
-2-worker cadence run of a loop that all-reduced its loss for logging, as torchrun scripts
-do).
+a call waits for one that another rank never makes, and the run would sit silent until killed
+(a loop that all-reduces its loss for logging, as torchrun scripts do, is the common case).
 
 While :func:`refused` holds, torch.distributed's functions that wait for other ranks
 (:data:`WAITING`) are replaced, as attributes of the ``torch.distributed`` package, by guards
@@ -100,8 +99,9 @@ def _uninstall() -> None:
 def _script_namespaces() -> Iterator[dict[str, Any]]:
     """The namespaces of the script's own modules: ``__main__`` and the modules loaded from a
     file outside the interpreter's installed paths (its standard library, site-packages), but
-    torch's and fdl's (installing the guards takes 0.6-1.9 ms over the 1172 modules a worker
-    that imported torch and fdl holds, on a 2-core VM)."""
+    torch's and fdl's. Installing the guards looks at every module a worker holds, over a
+    thousand once torch and fdl are imported, at a cost docs/elche.md gives ("Measurements
+    behind the engine's choices")."""
     installed = tuple(path + "/" for path in {
         sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")})
     for name, module in list(sys.modules.items()):

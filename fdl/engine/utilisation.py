@@ -19,8 +19,8 @@ On each node the worker with ``local_rank == 0`` runs one background thread that
   ``[]`` and CPU/RAM are still recorded.
 
 The sampler never takes training down: an exception inside its thread is counted
-(``UtilisationSampler.num_errors``) and the next tick tries again. The file is opened line-buffered in
-append mode, so an elastically restarted worker continues the same file.
+(``UtilisationSampler.num_errors``) and the next tick tries again. The file is opened
+line-buffered in append mode, so an elastically restarted worker continues the same file.
 """
 
 from __future__ import annotations
