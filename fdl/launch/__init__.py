@@ -80,7 +80,6 @@ def _probe(request: RunRequest, placement: WorkerPlacement, *, survey: GpuSurvey
     probe's own usage errors are raised here, in that order; an endpoint that does not resolve
     here is kept as data, since whether it is refused is the spec's decision (``--dry-run``)."""
     from fdl.launch.interpreters import probe_worker_pythons
-    from fdl.launch.kernels import probe_builds
     from fdl.launch.network import EndpointNotResolved, NodeNetwork, probe_network
     from fdl.launch.spec import LaunchProbes
     from fdl.paths import flodl_home
@@ -88,8 +87,11 @@ def _probe(request: RunRequest, placement: WorkerPlacement, *, survey: GpuSurvey
     devices = placement.devices
     pythons = probe_worker_pythons(request.get("worker_python"), devices=devices, cwd=cwd,
                                    home=flodl_home())
-    builds = probe_builds({rank: pythons.python_of(rank) for rank in range(devices.nproc)}) \
-        if devices.kind == "cuda" else None
+    builds = None
+    if devices.kind == "cuda":  # a CPU run pays nothing for the kernel check, not its import
+        from fdl.launch.kernels import probe_builds
+
+        builds = probe_builds({rank: pythons.python_of(rank) for rank in range(devices.nproc)})
     network: NodeNetwork | EndpointNotResolved
     try:
         network = probe_network(placement.rendezvous, env)  # from this node's routes

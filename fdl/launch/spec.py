@@ -25,13 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fdl.errors import UsageError
 from fdl.files import named_path
 from fdl.launch.devices import DevicePlan, check_devices, plan_devices
 from fdl.launch.interpreters import Interpreter, WorkerPythons, python_of
-from fdl.launch.kernels import KernelProblem, kernel_problems, shared_nccl
 from fdl.launch.network import EndpointNotResolved, NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
@@ -39,11 +38,17 @@ from fdl.launch.worker_env import build_worker_env
 from fdl.ranges import shortened
 from fdl.settings import BY_NAME, PER_WORKER, RESUME_ENV, Setting, check_per_worker
 from fdl.system.gpus import GpuSurvey
-from fdl.system.torchenv import TorchInfo
+
+if TYPE_CHECKING:  # fdl.launch.kernels is imported for GPU workers only: a CPU run pays nothing
+    from fdl.launch.kernels import KernelProblem
+    from fdl.system.torchenv import TorchInfo
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
+    """What ``fdl run`` will run, every decision made (:func:`build_launch_spec`):
+    :meth:`to_dict` is what ``--dry-run`` prints and ``config.json`` records."""
+
     script: Path
     script_args: tuple[str, ...]
     module: bool
@@ -166,6 +171,8 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
     devices, named = placement.devices, probes.pythons.named
     problems = None
     if devices.kind == "cuda" and probes.builds is not None:
+        from fdl.launch.kernels import kernel_problems
+
         pythons = {rank: python_of(named, rank) for rank in range(devices.nproc)}
         problems = kernel_problems(devices, probes.survey, pythons, probes.builds)
         if problems and not preview:
@@ -199,8 +206,11 @@ def decide_backend(chosen: Setting, *, pythons: WorkerPythons, nproc: int,
     the same NCCL (``builds``: GPU workers only). Its source says why."""
     if chosen.source != "default" or pythons.environments(nproc) <= 1:
         return chosen
-    if builds is not None and shared_nccl(builds):
-        return chosen
+    if builds is not None:
+        from fdl.launch.kernels import shared_nccl
+
+        if shared_nccl(builds):
+            return chosen
     return Setting("cpu", f"{pythons.origin}: several environments")
 
 
