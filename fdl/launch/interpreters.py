@@ -63,13 +63,13 @@ class Interpreter:
 
     local_rank: int
     path: str
-    python: str
+    python_version: str  # major.minor
     fdl: str
     torch: str
 
     def to_dict(self) -> dict[str, object]:
         return {"local_rank": self.local_rank, "path": self.path,
-                "python_version": self.python, "fdl": self.fdl, "torch": self.torch}
+                "python_version": self.python_version, "fdl": self.fdl, "torch": self.torch}
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def check_alike(interpreters: list[Interpreter], *, own: Interpreter,
     against the first named; one line naming the first that differs."""
     reference = own if own_runs else interpreters[0]
     for other in interpreters:
-        for field, mine, theirs in (("Python", reference.python, other.python),
+        for field, mine, theirs in (("Python", reference.python_version, other.python_version),
                                     ("fdl", reference.fdl, other.fdl),
                                     ("torch release", release(reference.torch),
                                      release(other.torch))):
