@@ -204,3 +204,22 @@ def test_the_logs_layout_gives_each_worker_its_ranks_variables(tmp_path):
     for local_rank, env in envs.items():
         assert env == {"RANK": env["RANK"]} | build_rank_env(tmp_path / "logs", rank=env["RANK"])
         assert dest.error_files[local_rank] == env["TORCHELASTIC_ERROR_FILE"]
+
+
+@pytest.mark.parametrize(("survey", "imported"), [(None, False), ("gtx1060_rtx5060ti", True)])
+def test_only_gpu_workers_pay_for_the_kernel_check(tmp_path, survey, imported):
+    """A CPU run neither probes the torch builds nor imports the check (fdl.launch.kernels)."""
+    import subprocess
+
+    from helpers import clean_env
+
+    (tmp_path / "train.py").write_text("")
+    extra = {} if survey is None else {
+        "FDL_GPU_SURVEY": str(Path(__file__).parents[1] / "fixtures" / "gpus" / f"{survey}.json")}
+    code = ("import sys; from fdl.launch import plan_run; from fdl.launch.request import "
+            "RunRequest; plan_run(RunRequest('train.py'), preview=True); "
+            "print('fdl.launch.kernels' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, env=clean_env(extra), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(imported)
