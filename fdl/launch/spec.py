@@ -169,22 +169,8 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
     problem and an endpoint that does not resolve here are shown in the spec, not refused.
     Pure."""
     devices, named = placement.devices, probes.pythons.named
-    problems = None
-    if devices.kind == "cuda" and probes.builds is not None:
-        from fdl.launch.kernels import kernel_problems
-
-        pythons = {rank: python_of(named, rank) for rank in range(devices.nproc)}
-        problems = kernel_problems(devices, probes.survey, pythons, probes.builds)
-        if problems and not preview:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise UsageError(f"{problems[0].message}{more}",
-                             hint="`fdl diagnose` says which torch build runs each GPU; "
-                                  "--worker-python runs a worker under another environment")
-    network, network_problem = probes.network, None
-    if isinstance(network, EndpointNotResolved):
-        if not preview:
-            raise network
-        network, network_problem = None, network.message
+    problems = _kernel_check(devices, probes, preview=preview)
+    network, network_problem = _network(probes.network, preview=preview)
     decided = {**settings, "backend": decide_backend(settings["backend"], pythons=probes.pythons,
                                                      nproc=devices.nproc, builds=probes.builds)}
     worker_env = build_worker_env(
@@ -196,6 +182,35 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
                       decided, worker_env, quiet_ranks=request.get("quiet_ranks"),
                       run_dir_use=placement.run_dir_use, network=network,
                       network_problem=network_problem, interpreters=named, kernel_check=problems)
+
+
+def _kernel_check(devices: DevicePlan, probes: LaunchProbes, *,
+                  preview: bool) -> tuple[KernelProblem, ...] | None:
+    """GPU workers: each whose torch cannot run on its GPU, refused unless ``preview``; None
+    for CPU workers (or builds not probed)."""
+    if devices.kind != "cuda" or probes.builds is None:
+        return None
+    from fdl.launch.kernels import kernel_problems
+
+    pythons = {rank: probes.pythons.python_of(rank) for rank in range(devices.nproc)}
+    problems = kernel_problems(devices, probes.survey, pythons, probes.builds)
+    if problems and not preview:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageError(f"{problems[0].message}{more}",
+                         hint="`fdl diagnose` says which torch build runs each GPU; "
+                              "--worker-python runs a worker under another environment")
+    return problems
+
+
+def _network(found: NodeNetwork | EndpointNotResolved | None, *,
+             preview: bool) -> tuple[NodeNetwork | None, str | None]:
+    """The network the probe found, and why there is none: an endpoint that does not resolve
+    here is refused, or with ``preview`` shown as the problem the run would refuse."""
+    if not isinstance(found, EndpointNotResolved):
+        return found, None
+    if not preview:
+        raise found
+    return None, found.message
 
 
 def decide_backend(chosen: Setting, *, pythons: WorkerPythons, nproc: int,
