@@ -21,8 +21,8 @@ import pytest
 from fdl.engine.config import resolve_config
 from fdl.launch.config_file import load_config_file
 from fdl.launch.request import RunRequest
-from fdl.launch.spec import build_launch_spec
-from fdl.settings import SETTINGS, SettingSpec, resolve_run_settings
+from fdl.launch.spec import LaunchProbes, LaunchSpec, build_launch_spec, place_workers
+from fdl.settings import SETTINGS, Setting, SettingSpec, resolve_run_settings
 from fdl.system.gpus import GpuInfo, GpuSurvey
 
 # name -> {source: example}; flag and env values are text, file values TOML, script values
@@ -92,6 +92,16 @@ def _toml(value: Any) -> str:
     return str(value)
 
 
+def _launch_spec(request: RunRequest, *, settings: dict[str, Setting], survey: GpuSurvey,
+                 env: dict[str, str], cwd: Path, logical_cores: int) -> LaunchSpec:
+    """The launch spec of ``request``, planned without the probes (fdl.launch.spec)."""
+    placement = place_workers(request, settings=settings, survey=survey, env=env, cwd=cwd,
+                              now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x",
+                              logical_cores=logical_cores, taken=lambda path: False)
+    return build_launch_spec(request, settings=settings, placement=placement,
+                             probes=LaunchProbes(survey), env=env)
+
+
 def _run(spec: SettingSpec, given: tuple[str, ...], tmp: Path) -> tuple[Any, str]:
     """The value and source the setting ends with when ``given`` sources set it."""
     examples = EXAMPLES[spec.name]
@@ -105,12 +115,10 @@ def _run(spec: SettingSpec, given: tuple[str, ...], tmp: Path) -> tuple[Any, str
     file_values, file_path = load_config_file(project)
     settings = resolve_run_settings(flags=flags, env=env, file_values=file_values,
                                     file_path=file_path)
-    launch = build_launch_spec(
+    launch = _launch_spec(
         RunRequest("train.py", (), flags), settings=settings,
         survey=TWO_GPUS if spec.name in ON_GPUS else GpuSurvey("none", (), None, None),
-        env=env, cwd=project,
-        now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=8,
-        taken=lambda path: False)
+        env=env, cwd=project, logical_cores=8)
     if not spec.engine:
         setting = launch.settings[spec.name]
         return setting.value, setting.source
@@ -140,12 +148,11 @@ def test_each_source_wins_over_the_ones_below_it(spec: SettingSpec, tmp_path: Pa
 def test_a_flag_reaches_the_engine_as_its_own_variable() -> None:
     """The worker environment carries the flag's value and its provenance."""
     flags = {"policy": "sync", "simulate_slowdown": "1,2.5"}
-    launch = build_launch_spec(
+    launch = _launch_spec(
         RunRequest("train.py", (), flags),
         settings=resolve_run_settings(flags=flags, env={}, file_values={}, file_path=None),
         survey=GpuSurvey("none", (), None, None), env={}, cwd=Path("/nonexistent"),
-        now=datetime(2030, 1, 1, tzinfo=timezone.utc), run_id="x", logical_cores=2,
-        taken=lambda path: False)
+        logical_cores=2)
     assert launch.env["FDL_POLICY"] == "sync"
     assert launch.env["FDL_SLOWDOWN"] == "1,2.5"
     config = resolve_config(script={"policy": "async"}, env=launch.env)

@@ -5,9 +5,10 @@
     fdl run --dry-run train.py                      # print the launch spec, start nothing
     fdl run --nnodes 2 --rdzv-endpoint node0:29400 train.py   # on every node
 
-:func:`plan_run` turns a :class:`~fdl.launch.request.RunRequest` into a
-:class:`~fdl.launch.spec.LaunchSpec` (reading the environment, ``fdl.toml`` and the GPU
-survey, and resolving the settings once); :func:`fdl.launch.elastic.launch` runs it.
+:func:`plan_run` is the planning shell, the only part of planning that reads the environment,
+``fdl.toml``, the clock and the machine: it resolves the settings once, runs the probes and
+hands their results, as plain data, to the pure functions of :mod:`fdl.launch.spec`, which
+return the :class:`~fdl.launch.spec.LaunchSpec`; :func:`fdl.launch.elastic.launch` runs it.
 docs/run.md is the manual.
 """
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # every worker imports this package (fdl.launch.worker): keep
     from pathlib import Path
 
     from fdl.launch.request import RunRequest
-    from fdl.launch.spec import LaunchSpec
+    from fdl.launch.spec import LaunchProbes, LaunchSpec, WorkerPlacement
     from fdl.system.gpus import GpuSurvey
 
 
@@ -32,18 +33,20 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
     plan that is only checked, as ``fdl compare`` checks its cells). Both go into the worker
     environment (:mod:`fdl.launch.worker_env`). ``preview`` (``--dry-run``): a node network
     that cannot be decided here (an endpoint this machine cannot resolve: a Slurm node list
-    read off the cluster) is shown as the problem the real run would refuse, not raised; every
-    other problem is refused alike."""
+    read off the cluster) and workers whose torch cannot run on their GPU are shown as the
+    problems the real run would refuse, not raised; every other problem is refused alike.
+
+    In order: the settings (flag > env > file > default, once), the GPU survey, the workers'
+    placement (pure, with every check of the flags), the probes that ask about those workers
+    (:func:`_probe`), then the spec (pure), decided once from all of it."""
     import os
     import uuid
-    from dataclasses import replace
     from datetime import datetime, timezone
     from pathlib import Path
 
     from fdl.launch.config_file import load_config_file
     from fdl.launch.devices import usable_cores
-    from fdl.launch.network import EndpointNotResolved, node_network
-    from fdl.launch.spec import build_launch_spec
+    from fdl.launch.spec import build_launch_spec, place_workers
     from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey, probe_gpus
 
@@ -59,90 +62,42 @@ def plan_run(request: RunRequest, *, env: Mapping[str, str] | None = None,
                                     file_path=file_path)
     wants_cpu = settings["nproc_per_node"].value == "cpu"  # no GPU probe then
     survey = GpuSurvey("none", (), None, None) if wants_cpu else probe_gpus(env=env)
-    spec = build_launch_spec(
+    placement = place_workers(
         request, settings=settings, survey=survey, env=env, cwd=cwd,
         now=datetime.now(timezone.utc), run_id=uuid.uuid4().hex[:12],
-        logical_cores=usable_cores(),  # the affinity's cores, without psutil's 10 ms import
-        taken=Path.exists, live=live, launcher_pid=launcher_pid,
-    )
-    spec = _with_interpreters(request, spec, cwd=cwd)
-    spec = _with_kernel_check(spec, survey, preview=preview)
-    try:
-        network = node_network(spec.rendezvous, env)  # several nodes: from this node's routes
-    except EndpointNotResolved as exc:
-        if not preview:
-            raise
-        return replace(spec, network_problem=exc.message)
-    return replace(spec, network=network, env={**spec.env, **network.env})
+        logical_cores=usable_cores(),  # the affinity's cores, without importing psutil
+        taken=Path.exists)
+    return build_launch_spec(request, settings=settings, placement=placement,
+                             probes=_probe(request, placement, survey=survey, env=env, cwd=cwd),
+                             env=env, live=live, launcher_pid=launcher_pid, preview=preview)
 
 
-def _with_interpreters(request: RunRequest, spec: LaunchSpec, *, cwd: Path) -> LaunchSpec:
-    """Each local worker's interpreter: ``--worker-python``, else (GPU workers) the device map
-    ``fdl setup`` wrote. Each named one is checked (it runs, has fdl and torch, of the
-    launcher's releases) and the map put in the worker environment; with workers under more
-    than one interpreter the averaging backend is ``cpu`` (two wheels, two NCCLs) unless the
-    user chose one (:func:`_with_kernel_check` may give it back where every build carries the
-    same NCCL)."""
-    import json
-    import os
-    import sys
-    from dataclasses import replace
-
-    from fdl.launch import interpreters
+def _probe(request: RunRequest, placement: WorkerPlacement, *, survey: GpuSurvey,
+           env: Mapping[str, str], cwd: Path) -> LaunchProbes:
+    """What the placed workers meet on this machine: the interpreters named for them
+    (``--worker-python``, else the device map ``fdl setup`` wrote), checked alike; with GPU
+    workers, each interpreter's torch build; this node's network toward the rendezvous. Each
+    probe's own usage errors are raised here, in that order; an endpoint that does not resolve
+    here is kept as data, since whether it is refused is the spec's decision (``--dry-run``)."""
+    from fdl.launch.interpreters import probe_worker_pythons
+    from fdl.launch.network import EndpointNotResolved, NodeNetwork, probe_network
+    from fdl.launch.spec import LaunchProbes
     from fdl.paths import flodl_home
-    from fdl.settings import Setting, engine_env
 
-    text = request.get("worker_python")
-    if text:
-        mapping = interpreters.parse_worker_python(text, nproc=spec.nproc_per_node, cwd=cwd)
-        source = "--worker-python"
-    else:
-        mapping = interpreters.from_device_map(spec.devices, home=flodl_home())
-        source = "device map"
-    if not mapping:
-        return spec
-    named = [interpreters.probe(rank, path, origin=source)
-             for rank, path in sorted(mapping.items())]
-    interpreters.check_alike(named, own=interpreters.own_interpreter(), origin=source,
-                             own_runs=len(mapping) < spec.nproc_per_node)
-    encoded = json.dumps({str(rank): path for rank, path in sorted(mapping.items())})
-    env = {**spec.env, interpreters.WORKER_PYTHON_ENV: encoded}
-    settings = spec.settings
-    used = set(mapping.values()) | ({os.path.abspath(sys.executable)}
-                                    if len(mapping) < spec.nproc_per_node else set())
-    if settings["backend"].source == "default" and len(used) > 1:
-        settings = {**settings, "backend": Setting("cpu", f"{source}: several environments")}
-        env.update(engine_env(settings))
-    return replace(spec, interpreters=tuple(named), env=env, settings=settings)
+    devices = placement.devices
+    pythons = probe_worker_pythons(request.get("worker_python"), devices=devices, cwd=cwd,
+                                   home=flodl_home())
+    builds = None
+    if devices.kind == "cuda":  # a CPU run pays nothing for the kernel check, not its import
+        from fdl.launch.kernels import probe_builds
 
-
-def _with_kernel_check(spec: LaunchSpec, survey: GpuSurvey, *, preview: bool) -> LaunchSpec:
-    """GPU workers: each one's torch has a kernel for its GPU (fdl.launch.kernels), or the run
-    is refused before anything starts; ``--dry-run`` shows what the check found. Several
-    environments that carry one and the same NCCL may average over it after all."""
-    from dataclasses import replace
-
-    from fdl.errors import UsageError
-    from fdl.launch.kernels import kernel_problems, probe_builds, shared_nccl
-    from fdl.settings import SETTINGS, SOURCES_ENV, Setting, engine_env
-
-    if spec.devices.kind != "cuda":
-        return spec
-    pythons = {r: spec.python_of(r) for r in range(spec.nproc_per_node)}
-    builds = probe_builds(pythons)
-    problems = kernel_problems(spec.devices, survey, pythons, builds)
-    if problems and not preview:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UsageError(f"{problems[0]}{more}",
-                         hint="`fdl diagnose` says which torch build runs each GPU; "
-                              "--worker-python runs a worker under another environment")
-    settings, env = spec.settings, dict(spec.env)
-    if settings["backend"].source.endswith("several environments") and shared_nccl(builds):
-        default = next(s.default for s in SETTINGS if s.name == "backend")
-        settings = {**settings, "backend": Setting(default, "default")}
-        env.pop(next(s.env for s in SETTINGS if s.name == "backend"), None)
-        env[SOURCES_ENV] = engine_env(settings)[SOURCES_ENV]
-    return replace(spec, kernel_check=problems, settings=settings, env=env)
+        builds = probe_builds({rank: pythons.python_of(rank) for rank in range(devices.nproc)})
+    network: NodeNetwork | EndpointNotResolved
+    try:
+        network = probe_network(placement.rendezvous, env)  # from this node's routes
+    except EndpointNotResolved as exc:
+        network = exc
+    return LaunchProbes(survey, pythons, builds, network)
 
 
 def _check_script(request: RunRequest, *, cwd: Path) -> None:

@@ -1,13 +1,15 @@
 """Run a :class:`LaunchSpec` on torch.distributed.elastic — torchrun's own agent, not a
 home-made process manager.
 
-Each worker is ``python -u -m fdl.launch.worker SCRIPT ARGS`` with exactly torchrun's
-environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
-ROLE_RANK, ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*) plus the
-spec's ``env``, all that fdl adds (:mod:`fdl.launch.worker_env` lists it and says why); nothing
-is added here. The agent copies the launcher's environment into every worker, so the spec's
-``env`` is set in it for the run's duration (the agent itself reads
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE from there).
+Each worker is ``python -u -m fdl.launch.worker SCRIPT ARGS`` with torchrun's environment
+(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+ROLE_NAME, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*) plus what fdl adds, all
+of it made by :mod:`fdl.launch.worker_env`, which lists it and says why: the spec's ``env``,
+set in the launcher's environment for the run's duration since the agent copies that into
+every worker (the agent itself reads TORCH_DISABLE_SHARE_RDZV_TCP_STORE from there), and the
+variables of a worker's global rank (TORCHELASTIC_ERROR_FILE), which fdl's logs layout
+(:func:`run_logs_specs`) adds as each attempt's workers start, since only the rendezvous
+assigns the ranks.
 
 Before anything is written or started, :func:`preflight` checks what needs the outside world
 (torch, the ``-m`` module, the rendezvous host) and, for a one-node run, binds the rendezvous
@@ -54,6 +56,7 @@ from fdl.launch.rendezvous import (
 from fdl.launch.spec import LaunchSpec
 from fdl.launch.startup import torch_import_without_collections
 from fdl.launch.terminal import terminal_for_workers
+from fdl.launch.worker_env import ERROR_FILE_ENV, build_rank_env
 from fdl.rundir import layout as run_layout
 from fdl.rundir.crash import Crash, read_crash
 
@@ -270,9 +273,10 @@ def supported_fields(config_class: type, fields: dict[str, Any]) -> dict[str, An
 def run_logs_specs(logs_dir: Path, *, quiet: bool,
                    on_workers: Callable[[], None] | None = None) -> Any:
     """torch's LogsSpecs for fdl's layout: ``logs/rank<r>.log`` per global rank, teed to the
-    terminal (rank 0 only when ``quiet``); a restarted attempt keeps the previous log. The
-    agent asks for them as an attempt's workers are about to start: ``on_workers`` is called
-    then."""
+    terminal (rank 0 only when ``quiet``); a restarted attempt keeps the previous log; each
+    worker's error file and its variable (:func:`fdl.launch.worker_env.build_rank_env`), as
+    torch's default LogsSpecs gives them. The agent asks for them as an attempt's workers are
+    about to start, their ranks known: ``on_workers`` is called then."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
     class RunLogsSpecs(LogsSpecs):
@@ -305,9 +309,9 @@ def run_logs_specs(logs_dir: Path, *, quiet: bool,
                 dest.stderrs[local_rank] = ""  # the worker merges stderr into stdout
                 if not quiet or rank == "0":
                     dest.tee_stdouts[local_rank] = name
-                error_file = str(run_layout.error_file(logs_dir, rank))
-                dest.error_files[local_rank] = error_file
-                env["TORCHELASTIC_ERROR_FILE"] = error_file  # as torchrun gives it (for @record)
+                added = build_rank_env(logs_dir, rank=rank)  # in place of torch's layout's
+                env.update(added)
+                dest.error_files[local_rank] = added[ERROR_FILE_ENV]
             if on_workers is not None:
                 on_workers()
             return dest

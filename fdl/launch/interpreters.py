@@ -11,14 +11,16 @@ fdl.launch.worker ...``); the map travels in ``FDL_WORKER_PYTHON`` and a worker 
 is in it replaces itself at once (``exec``: the same process, so the agent's bookkeeping, the
 launcher's tie and the logs stay as they are) with that interpreter running the same command.
 
-Before any worker starts, the launcher asks each named interpreter (a subprocess, no torch
-import) for its Python, fdl and torch versions: one that does not run, lacks fdl or torch, or
-differs from the launcher's in Python (major.minor), fdl or the torch *release* (the CUDA tag,
-``+cu126`` against ``+cu128``, may differ: that is the point) is a usage error naming the worker.
-With workers under more than one interpreter the averaging backend is ``cpu`` (two wheels carry
-two NCCLs), unless the user set one or every GPU worker's torch carries the same NCCL
-(fdl.launch.kernels). Each worker's engine compares fdl and the torch release again at the
-rendezvous (fdl.engine.agreement), as torch reports them at run time.
+Before any worker starts, the launcher probes (:func:`probe_worker_pythons`): it asks each named
+interpreter (a subprocess, no torch import) for its Python, fdl and torch versions; one that
+does not run, lacks fdl or torch, or differs from the launcher's in Python (major.minor), fdl
+or the torch *release* (the CUDA tag, ``+cu126`` against ``+cu128``, may differ: that is the
+point) is a usage error naming the worker. What it found (:class:`WorkerPythons`) is plain
+data: :func:`fdl.launch.spec.build_launch_spec` decides from it and the torch builds'
+probe (fdl.launch.kernels) which backend averages: with workers under more than one
+interpreter it is ``cpu`` (two wheels carry two NCCLs), unless the user set one or every GPU
+worker's torch carries the same NCCL. Each worker's engine compares fdl and the torch release
+again at the rendezvous (fdl.engine.agreement), as torch reports them at run time.
 """
 
 from __future__ import annotations
@@ -61,13 +63,57 @@ class Interpreter:
 
     local_rank: int
     path: str
-    python: str
+    python_version: str  # major.minor
     fdl: str
     torch: str
 
     def to_dict(self) -> dict[str, object]:
         return {"local_rank": self.local_rank, "path": self.path,
-                "python_version": self.python, "fdl": self.fdl, "torch": self.torch}
+                "python_version": self.python_version, "fdl": self.fdl, "torch": self.torch}
+
+
+@dataclass(frozen=True)
+class WorkerPythons:
+    """What :func:`probe_worker_pythons` found: the interpreters named for local workers, each
+    as it reported itself, checked alike; the workers not named run under the launcher's."""
+
+    origin: str = "--worker-python"  # what named them: "--worker-python" | "device map"
+    named: tuple[Interpreter, ...] = ()  # by local rank; () = every worker under the launcher's
+
+    def python_of(self, local_rank: int) -> str:
+        """The interpreter local worker ``local_rank`` runs under."""
+        return python_of(self.named, local_rank)
+
+    def environments(self, nproc: int) -> int:
+        """How many interpreters ``nproc`` local workers run under (the launcher's counts when
+        a worker is not named)."""
+        used = {i.path for i in self.named}
+        if len(self.named) < nproc:
+            used.add(os.path.abspath(sys.executable))
+        return len(used)
+
+
+def python_of(named: tuple[Interpreter, ...], local_rank: int) -> str:
+    """The interpreter of local worker ``local_rank``: its named one, else the launcher's."""
+    return next((i.path for i in named if i.local_rank == local_rank), sys.executable)
+
+
+def probe_worker_pythons(worker_python: str | None, *, devices: DevicePlan, cwd: Path,
+                         home: Path) -> WorkerPythons:
+    """Each local worker's interpreter, when it is not the launcher's: ``worker_python`` (the
+    ``--worker-python`` text), else (GPU workers) the device map under ``home``. Each named one
+    is asked for its versions and they are checked alike (:func:`check_alike`); usage errors
+    name the worker. Reads files and starts a process per named interpreter."""
+    if worker_python:
+        origin = "--worker-python"
+        mapping = parse_worker_python(worker_python, nproc=devices.nproc, cwd=cwd)
+    else:
+        origin, mapping = "device map", from_device_map(devices, home=home)
+    if not mapping:
+        return WorkerPythons(origin)
+    named = [probe_interpreter(rank, path, origin=origin) for rank, path in sorted(mapping.items())]
+    check_alike(named, own=own_interpreter(), origin=origin, own_runs=len(mapping) < devices.nproc)
+    return WorkerPythons(origin, tuple(named))
 
 
 def parse_worker_python(text: str, *, nproc: int, cwd: Path) -> dict[int, str]:
@@ -134,7 +180,8 @@ def from_device_map(devices: DevicePlan, *, home: Path) -> dict[int, str]:
     return mapping
 
 
-def probe(local_rank: int, path: str, *, origin: str = "--worker-python") -> Interpreter:
+def probe_interpreter(local_rank: int, path: str, *,
+                      origin: str = "--worker-python") -> Interpreter:
     """Ask ``path`` for its Python, fdl and torch versions (a usage error when it cannot)."""
     import subprocess  # here: every worker imports this module first (exec_if_named)
 
@@ -166,7 +213,7 @@ def check_alike(interpreters: list[Interpreter], *, own: Interpreter,
     against the first named; one line naming the first that differs."""
     reference = own if own_runs else interpreters[0]
     for other in interpreters:
-        for field, mine, theirs in (("Python", reference.python, other.python),
+        for field, mine, theirs in (("Python", reference.python_version, other.python_version),
                                     ("fdl", reference.fdl, other.fdl),
                                     ("torch release", release(reference.torch),
                                      release(other.torch))):

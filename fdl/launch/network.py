@@ -21,6 +21,9 @@ advertises loopback to its peers. So, for several nodes, fdl decides from the ro
 * **the interface**: the one that holds that address, exported as ``GLOO_SOCKET_IFNAME`` and
   ``NCCL_SOCKET_IFNAME`` to every worker unless the user set them (a user's value wins).
 
+:func:`probe_network` finds all of it (:class:`NodeNetwork`, whose ``env`` the worker
+environment takes whole: fdl.launch.worker_env).
+
 One node: its rendezvous and stores stay on loopback (:mod:`fdl.launch.rendezvous`), and gloo,
 which would otherwise bind whatever the host's name resolves to (a LAN address on many hosts,
 reachable from the network), is pinned to the loopback interface through
@@ -65,7 +68,8 @@ class NodeNetwork:
     hosts_rendezvous: bool | None  # None: a loopback endpoint (or one node), left to torch
     local_addr: str
     interface: str | None  # None: no interface of this node holds local_addr
-    env: dict[str, str] = field(default_factory=dict)  # what fdl exports (not the user's)
+    # what the workers get for it (fdl.launch.worker_env adds it); none the user set
+    env: dict[str, str] = field(default_factory=dict)
     user_set: tuple[str, ...] = ()  # the interface variables the user had set
     several_nodes: bool = True
     # several nodes: this host's name resolves to loopback (torch left alone would advertise it)
@@ -81,8 +85,10 @@ class NodeNetwork:
                 "hostname_on_loopback": self.hostname_on_loopback, "link_mbit": self.link_mbit}
 
 
-def node_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
-    """This node's network for ``rdzv``. Usage errors: an endpoint that does not resolve, a
+def probe_network(rdzv: Rendezvous, env: Mapping[str, str]) -> NodeNetwork:
+    """This node's network for ``rdzv``, probed: names resolved, sockets bound (nothing sent),
+    the interfaces read. Usage errors: an endpoint that does not resolve
+    (:class:`EndpointNotResolved`, which the planning shell keeps as the probe's result), a
     ``--local-addr`` that is not this node's, an interface the user set that cannot work."""
     if rdzv.max_nodes == 1:
         return _one_node(env, endpoint=rdzv.endpoint)
@@ -153,8 +159,8 @@ def _one_node(env: Mapping[str, str], *, endpoint: str) -> NodeNetwork:
 
 def loopback_interface() -> str | None:
     """The loopback interface's name, from the kernel's interface flags (IFF_LOOPBACK) where
-    /sys shows them: every ``fdl run`` asks, and psutil's import costs ~10 ms of its start-up;
-    elsewhere, the interface holding 127.0.0.1."""
+    /sys shows them: every ``fdl run`` asks, and importing psutil would lengthen its start-up
+    (docs/run.md "Launch latency"); elsewhere, the interface holding 127.0.0.1."""
     iff_loopback = 0x8
     try:
         for _, name in socket.if_nameindex():

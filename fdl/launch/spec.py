@@ -1,7 +1,20 @@
-"""``fdl run`` as data: a :class:`~fdl.launch.request.RunRequest` (the flags) and its resolved
-settings become a :class:`LaunchSpec` (what will run: devices, rendezvous, the whole worker
-environment, run directory, settings with provenance) before anything starts. ``fdl run
---dry-run`` prints the spec; :mod:`fdl.launch.elastic` executes it.
+"""``fdl run`` as data: a :class:`~fdl.launch.request.RunRequest` (the flags), its resolved
+settings and what the planning shell probed become a :class:`LaunchSpec` (what will run:
+devices, rendezvous, each worker's interpreter, the backend, the whole worker environment, run
+directory, settings with provenance) before anything starts. ``fdl run --dry-run`` prints the
+spec; :mod:`fdl.launch.elastic` executes it.
+
+Two pure functions, around the probes :func:`fdl.launch.plan_run` runs between them:
+
+* :func:`place_workers`: from the request, its settings and the GPU survey alone, the workers'
+  devices, their rendezvous and the run directory (:class:`WorkerPlacement`), with every check
+  of the flags; the probes then ask about these workers: their interpreters, their torch builds
+  (GPU workers) and this node's network toward that rendezvous (:class:`LaunchProbes`);
+* :func:`build_launch_spec`: from the request, its settings, the placement and every probe's
+  result, the finished spec. Each decision that needs a probe is made here, once: the
+  interpreters' map, the kernel check's refusal, the averaging backend, the network (or, for
+  ``--dry-run``, why it could not be decided), and the worker environment
+  (:func:`fdl.launch.worker_env.build_worker_env`) from all of them.
 
 Rendezvous rules: :mod:`fdl.launch.rendezvous`.
 """
@@ -12,13 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fdl.errors import UsageError
 from fdl.files import named_path
 from fdl.launch.devices import DevicePlan, check_devices, plan_devices
-from fdl.launch.interpreters import Interpreter
-from fdl.launch.network import NodeNetwork
+from fdl.launch.interpreters import Interpreter, WorkerPythons, python_of
+from fdl.launch.network import EndpointNotResolved, NodeNetwork
 from fdl.launch.rendezvous import Rendezvous, plan_rendezvous
 from fdl.launch.request import RunRequest
 from fdl.launch.worker_env import build_worker_env
@@ -26,9 +39,16 @@ from fdl.ranges import shortened
 from fdl.settings import BY_NAME, PER_WORKER, RESUME_ENV, Setting, check_per_worker
 from fdl.system.gpus import GpuSurvey
 
+if TYPE_CHECKING:  # fdl.launch.kernels is imported for GPU workers only: a CPU run pays nothing
+    from fdl.launch.kernels import KernelProblem
+    from fdl.system.torchenv import TorchInfo
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
+    """What ``fdl run`` will run, every decision made (:func:`build_launch_spec`):
+    :meth:`to_dict` is what ``--dry-run`` prints and ``config.json`` records."""
+
     script: Path
     script_args: tuple[str, ...]
     module: bool
@@ -43,12 +63,12 @@ class LaunchSpec:
     run_dir_use: str = "new"  # "new" | "resume" | "overwrite" (fdl.rundir.layout.check_run_dir)
     network: NodeNetwork | None = None  # several nodes: how this one reaches the others
     network_problem: str | None = None  # --dry-run: why the network could not be decided
-    # --worker-python: the local workers that run under another interpreter, as they reported
-    # themselves (fdl.launch.interpreters); the others run under the launcher's
+    # --worker-python or the device map: the local workers that run under another interpreter,
+    # as they reported themselves (fdl.launch.interpreters); the others run under the launcher's
     interpreters: tuple[Interpreter, ...] = ()
     # GPU workers: what the check of each one's torch against its GPU found (fdl.launch.kernels;
     # () = every one can run; None = not checked: CPU workers)
-    kernel_check: tuple[str, ...] | None = None
+    kernel_check: tuple[KernelProblem, ...] | None = None
 
     @property
     def nproc_per_node(self) -> int:
@@ -56,10 +76,7 @@ class LaunchSpec:
 
     def python_of(self, local_rank: int) -> str:
         """The interpreter local worker ``local_rank`` runs under."""
-        import sys
-
-        named = {i.local_rank: i.path for i in self.interpreters}
-        return named.get(local_rank, sys.executable)
+        return python_of(self.interpreters, local_rank)
 
     def to_dict(self) -> dict[str, Any]:
         rdzv = self.rendezvous
@@ -80,7 +97,8 @@ class LaunchSpec:
                          "device": self.devices.describe(r), "python": self.python_of(r)}
                         for r in range(self.nproc_per_node)],
             "interpreters": [i.to_dict() for i in self.interpreters],
-            "kernel_check": None if self.kernel_check is None else list(self.kernel_check),
+            "kernel_check": None if self.kernel_check is None else
+            [problem.message for problem in self.kernel_check],
             "network": self.network.to_dict() if self.network is not None else (
                 {"problem": self.network_problem} if self.network_problem else None),
             "env": dict(sorted(self.env.items())),
@@ -89,15 +107,40 @@ class LaunchSpec:
         }
 
 
-def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
-                      survey: GpuSurvey, env: Mapping[str, str], cwd: Path, now: datetime,
-                      run_id: str, logical_cores: int, taken: Callable[[Path], bool],
-                      live: bool = False, launcher_pid: int | None = None) -> LaunchSpec:
-    """What will run, from the request and its ``settings`` (resolved flag > env > file >
-    default by :func:`fdl.launch.plan_run`, which also completes ``request`` from ``--resume``).
-    Pure: all inputs are given; ``env`` is the launcher's environment, ``taken`` says whether a
-    default run directory name is in use; ``live`` and ``launcher_pid`` go into the worker
-    environment (:func:`fdl.launch.worker_env.build_worker_env`)."""
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where and how many: what :func:`place_workers` decides before the probes that ask
+    about these workers."""
+
+    script: Path
+    devices: DevicePlan
+    rendezvous: Rendezvous
+    run_dir: Path
+    run_dir_use: str  # "new" | "resume" | "overwrite"
+
+
+@dataclass(frozen=True)
+class LaunchProbes:
+    """What :func:`fdl.launch.plan_run` found outside the request, as plain data. A field
+    left at its default was not probed (a plan checked without them)."""
+
+    survey: GpuSurvey  # the GPUs (fdl.system.gpus), the one probe place_workers needs
+    # the interpreters named for local workers, checked alike (fdl.launch.interpreters)
+    pythons: WorkerPythons = field(default_factory=WorkerPythons)
+    # GPU workers: each interpreter's torch build, by path (fdl.launch.kernels.probe_builds)
+    builds: Mapping[str, TorchInfo] | None = None
+    # this node's network (fdl.launch.network), or the endpoint that does not resolve here
+    network: NodeNetwork | EndpointNotResolved | None = None
+
+
+def place_workers(request: RunRequest, *, settings: Mapping[str, Setting], survey: GpuSurvey,
+                  env: Mapping[str, str], cwd: Path, now: datetime, run_id: str,
+                  logical_cores: int, taken: Callable[[Path], bool]) -> WorkerPlacement:
+    """The workers' devices, rendezvous and run directory, from the request and its
+    ``settings`` (resolved flag > env > file > default by :func:`fdl.launch.plan_run`, which
+    also completes ``request`` from ``--resume``), with every check of the flags: usage errors
+    before any slower probe runs. Pure: all inputs are given; ``env`` is the launcher's
+    environment, ``taken`` says whether a default run directory name is in use."""
     run_dir_use = _run_dir_use(request)
     script = _script_path(request, cwd)
     devices = plan_devices(survey=survey, devices=request.get("devices"),
@@ -111,12 +154,79 @@ def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
     _check_sample_budget(settings, devices.nproc * rendezvous.max_nodes)
     run_dir = _run_dir(settings, cwd=cwd, now=now, stem=script.stem,
                        policy=settings["policy"].value, taken=taken)
-    return LaunchSpec(script, request.script_args, request.get("module"), devices, rendezvous,
-                      settings["max_restarts"].value, run_dir, dict(settings),
-                      build_worker_env(settings, devices=devices, run_dir=run_dir, parent=env,
-                                       resume=request.get("resume") is not None, live=live,
-                                       launcher_pid=launcher_pid),
-                      request.get("quiet_ranks"), run_dir_use)
+    return WorkerPlacement(script, devices, rendezvous, run_dir, run_dir_use)
+
+
+def build_launch_spec(request: RunRequest, *, settings: Mapping[str, Setting],
+                      placement: WorkerPlacement, probes: LaunchProbes, env: Mapping[str, str],
+                      live: bool = False, launcher_pid: int | None = None,
+                      preview: bool = False) -> LaunchSpec:
+    """The finished spec, every decision that needs a probe made once: a worker whose torch
+    cannot run on its GPU is refused, the backend decided (:func:`decide_backend`), the
+    network taken, and the worker environment made from all of it. ``env``: the launcher's
+    environment; ``live`` and ``launcher_pid`` go into the worker environment
+    (:func:`fdl.launch.worker_env.build_worker_env`); ``preview`` (``--dry-run``): a kernel
+    problem and an endpoint that does not resolve here are shown in the spec, not refused.
+    Pure."""
+    devices, named = placement.devices, probes.pythons.named
+    problems = _kernel_check(devices, probes, preview=preview)
+    network, network_problem = _network(probes.network, preview=preview)
+    decided = {**settings, "backend": decide_backend(settings["backend"], pythons=probes.pythons,
+                                                     nproc=devices.nproc, builds=probes.builds)}
+    worker_env = build_worker_env(
+        decided, devices=devices, run_dir=placement.run_dir, parent=env,
+        resume=request.get("resume") is not None, live=live, launcher_pid=launcher_pid,
+        worker_pythons={i.local_rank: i.path for i in named}, network=network)
+    return LaunchSpec(placement.script, request.script_args, request.get("module"), devices,
+                      placement.rendezvous, settings["max_restarts"].value, placement.run_dir,
+                      decided, worker_env, quiet_ranks=request.get("quiet_ranks"),
+                      run_dir_use=placement.run_dir_use, network=network,
+                      network_problem=network_problem, interpreters=named, kernel_check=problems)
+
+
+def _kernel_check(devices: DevicePlan, probes: LaunchProbes, *,
+                  preview: bool) -> tuple[KernelProblem, ...] | None:
+    """GPU workers: each whose torch cannot run on its GPU, refused unless ``preview``; None
+    for CPU workers (or builds not probed)."""
+    if devices.kind != "cuda" or probes.builds is None:
+        return None
+    from fdl.launch.kernels import kernel_problems
+
+    pythons = {rank: probes.pythons.python_of(rank) for rank in range(devices.nproc)}
+    problems = kernel_problems(devices, probes.survey, pythons, probes.builds)
+    if problems and not preview:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageError(f"{problems[0].message}{more}",
+                         hint="`fdl diagnose` says which torch build runs each GPU; "
+                              "--worker-python runs a worker under another environment")
+    return problems
+
+
+def _network(found: NodeNetwork | EndpointNotResolved | None, *,
+             preview: bool) -> tuple[NodeNetwork | None, str | None]:
+    """The network the probe found, and why there is none: an endpoint that does not resolve
+    here is refused, or with ``preview`` shown as the problem the run would refuse."""
+    if not isinstance(found, EndpointNotResolved):
+        return found, None
+    if not preview:
+        raise found
+    return None, found.message
+
+
+def decide_backend(chosen: Setting, *, pythons: WorkerPythons, nproc: int,
+                   builds: Mapping[str, TorchInfo] | None) -> Setting:
+    """The averaging backend. One the user set (flag, variable, file) stands; left at its
+    default, workers under more than one interpreter average on ``cpu`` (two wheels carry two
+    NCCLs; averages go through host memory), unless every GPU worker's build carries one and
+    the same NCCL (``builds``: GPU workers only). Its source says why."""
+    if chosen.source != "default" or pythons.environments(nproc) <= 1:
+        return chosen
+    if builds is not None:
+        from fdl.launch.kernels import shared_nccl
+
+        if shared_nccl(builds):
+            return chosen
+    return Setting("cpu", f"{pythons.origin}: several environments")
 
 
 def _run_dir_use(request: RunRequest) -> str:

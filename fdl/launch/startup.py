@@ -17,9 +17,10 @@ from contextlib import contextmanager
 def torch_import_without_collections() -> Iterator[None]:
     """Import torch with the cyclic garbage collector paused, then freeze what was imported.
     Importing torch allocates enough objects to set off full collections, each one walking
-    everything imported so far: 0.3 to 0.45 s of a 1.0 to 1.4 s import on a 2-core VM, all
-    before the first worker starts. Frozen, torch's modules are never walked again by the
-    collections of the agent's loop. Only in a process that has not imported torch yet."""
+    everything imported so far, a large share of the import and all of it before the first
+    worker starts (docs/run.md "Launch latency" has the figures). Frozen, torch's modules are
+    never walked again by the collections of the agent's loop. Only in a process that has not
+    imported torch yet."""
     import gc
 
     if "torch" in sys.modules or not gc.isenabled():

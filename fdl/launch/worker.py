@@ -31,11 +31,9 @@ Before the script runs, the worker
 After a script that ended well (it returned, or ``sys.exit(0)``), the worker collects what is
 garbage then and freezes the rest (:func:`freeze_for_exit`): Python's teardown then frees what is
 left by reference count without the full collections that walk every object torch and
-torch._dynamo made at import, which were most of a worker's exit (a process that imported
-torch._dynamo and nothing else exits in 0.85 s, 0.17 s frozen, on this project's 2-core VM; an
-``fdl run`` of examples/mlp_synthetic.py for one epoch ended 0.55 s sooner, 5.49-5.66 s against
-4.87-5.17 s, 3 interleaved pairs). A script that raised, or exited with another code, exits as
-before: its frames stay collectable.
+torch._dynamo made at import, which were most of a worker's exit (docs/run.md "Launch latency"
+has the figures). A script that raised, or exited with another code, exits as before: its
+frames stay collectable.
 """
 
 from __future__ import annotations

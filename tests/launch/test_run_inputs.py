@@ -323,14 +323,14 @@ def test_default_run_dir_taken_in_the_same_second_gets_a_suffix(project):
     from datetime import datetime, timezone
 
     from fdl.launch.request import RunRequest
-    from fdl.launch.spec import build_launch_spec
+    from fdl.launch.spec import place_workers
     from fdl.settings import resolve_run_settings
     from fdl.system.gpus import GpuSurvey
 
     settings = resolve_run_settings(flags={}, env={}, file_values={}, file_path=None)
 
     def planned() -> Path:
-        return build_launch_spec(
+        return place_workers(
             RunRequest("train.py"), settings=settings, survey=GpuSurvey("none", (), None, None),
             env={}, cwd=project,
             now=datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc), run_id="x",

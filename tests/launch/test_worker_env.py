@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fdl.launch.devices import DevicePlan
+from fdl.launch.network import NodeNetwork
 from fdl.launch.worker_env import build_worker_env
 from fdl.settings import SETTINGS, Setting
 from fdl.system.gpu_info import GpuInfo
@@ -24,10 +25,12 @@ def defaults(**given: Setting) -> dict[str, Setting]:
 
 def planned(settings: dict[str, Setting] | None = None, *, devices: DevicePlan = CPU,
             parent: dict[str, str] | None = None, resume: bool = False, live: bool = False,
-            launcher_pid: int | None = None) -> dict[str, str]:
+            launcher_pid: int | None = None, worker_pythons: dict[int, str] | None = None,
+            network: NodeNetwork | None = None) -> dict[str, str]:
     return build_worker_env(defaults() if settings is None else settings, devices=devices,
                             run_dir=RUN_DIR, parent=parent or {}, resume=resume, live=live,
-                            launcher_pid=launcher_pid)
+                            launcher_pid=launcher_pid, worker_pythons=worker_pythons or {},
+                            network=network)
 
 
 def test_a_plain_plan_gives_the_run_dir_sources_and_threads_only():
@@ -77,3 +80,43 @@ def test_gpu_workers_see_exactly_their_gpus_in_bus_order():
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-1,GPU-0"
     assert planned()["CUDA_VISIBLE_DEVICES"] == ""  # CPU workers see none
+
+
+def test_workers_under_another_interpreter_are_named_in_one_variable():
+    env = planned(worker_pythons={1: "/envs/b/bin/python", 0: "/envs/a/bin/python"})
+    assert json.loads(env["FDL_WORKER_PYTHON"]) == {"0": "/envs/a/bin/python",
+                                                    "1": "/envs/b/bin/python"}
+    assert "FDL_WORKER_PYTHON" not in planned()  # every worker under the launcher's
+
+
+def test_the_nodes_network_variables_reach_every_worker():
+    exported = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+                "FDL_NODE_ADDR": "10.0.0.2"}
+    network = NodeNetwork("ipv4", "10.0.0.1", False, "10.0.0.2", "eth0", exported)
+    env = planned(network=network)
+    assert {name: env[name] for name in exported} == exported
+    assert not set(exported) & set(planned())  # no network decided: none of them
+
+
+def test_the_module_docstring_names_every_variable_fdl_adds():
+    """worker_env's docstring is the manual of the worker environment: each variable either
+    function adds is in it (the engine settings' FDL_* come from one table, fdl.settings)."""
+    import fdl.launch.worker_env as module
+    from fdl.launch.worker_env import build_rank_env
+    from fdl.settings import engine_env
+
+    gpus = (GpuInfo(0, "GPU 0", (9, 0), uuid="GPU-0"),)
+    network = NodeNetwork("ipv4", "10.0.0.1", True, "10.0.0.1", "eth0",
+                          {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+                           "FDL_NODE_ADDR": "10.0.0.1"})
+    settings = defaults(max_restarts=Setting(1, "flag"))
+    env = planned(settings, devices=DevicePlan("cuda", 1, gpus, 4, "GPU-0", "1 GPU worker(s)"),
+                  resume=True, live=True, launcher_pid=1, worker_pythons={0: "/py"},
+                  network=network) | build_rank_env(RUN_DIR / "logs", rank=0)
+    named = set(env) - set(engine_env(settings))
+    assert named == {"FDL_RUN_DIR", "OMP_NUM_THREADS", "FDL_RESUME", "FDL_PROGRESS",
+                     "FDL_LAUNCHER_PID", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES",
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "FDL_WORKER_PYTHON",
+                     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "FDL_NODE_ADDR",
+                     "TORCHELASTIC_ERROR_FILE"}
+    assert [name for name in sorted(named) if f"``{name}" not in module.__doc__] == []
