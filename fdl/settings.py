@@ -315,6 +315,10 @@ def parse_tensorboard(value: Any) -> str | None:
 
     if value is None or value is False:
         return None
+    if value is not True and not isinstance(value, str):  # fdl.toml's `tensorboard = 5`
+        raise UsageError(f"tensorboard takes on, off or a directory as text; got {value!r}",
+                         hint='in fdl.toml: tensorboard = "on", or tensorboard = "logs/tb" '
+                              "(quoted)")
     text = str(value).strip() if value is not True else "on"
     if text.lower() in ("off", "false", "no", "0", "none", ""):
         return None

@@ -38,7 +38,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,7 +331,9 @@ def _failed(exc: Any, logs_dir: Path) -> LaunchResult:
     first, _ = exc.get_first_failure()
     crashes = {rank: read_crash(logs_dir, rank, pid=failure.pid)
                for rank, failure in exc.failures.items()}
-    rank = root_rank(first, crashes)
+    stopped = {rank for rank, failure in exc.failures.items()
+               if failure.exitcode == -signal.SIGTERM}
+    rank = root_rank(first, crashes, stopped=stopped)
     failure = exc.failures[rank]
     code = failure.exitcode
     signame = None
@@ -347,12 +349,14 @@ def _failed(exc: Any, logs_dir: Path) -> LaunchResult:
     return LaunchResult(code or 1, cause)
 
 
-def root_rank(first: int, crashes: Mapping[int, Crash | None]) -> int:
+def root_rank(first: int, crashes: Mapping[int, Crash | None], *,
+              stopped: Collection[int] = ()) -> int:
     """The rank to blame: torch's ``first`` failure, unless it raised (it has a crash record)
-    and another rank raised earlier. A rank that was killed or exited leaves no record, and
-    torch's order is all there is to go on."""
+    and another rank raised earlier, or it ended on SIGTERM (``stopped``: the signal the agent
+    stops the other workers with once one failed) while another rank raised. A rank that was
+    killed otherwise or exited leaves no record, and torch's order is all there is to go on."""
     recorded = {rank: crash for rank, crash in crashes.items() if crash is not None}
-    if first not in recorded:
+    if first not in recorded and (first not in stopped or not recorded):
         return first
     return min(recorded, key=lambda rank: (recorded[rank].t, rank))
 

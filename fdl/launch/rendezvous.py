@@ -195,7 +195,29 @@ def parse_endpoint(text: str, *, flag: str, default_port: int | None,
             not min_port <= port < 2**16:
         raise UsageError(f"{flag} must be HOST:PORT with a port 1-65535, got {text!r}",
                          hint=f"e.g. {flag} node0:29400 ([::1]:29400 for an IPv6 address)")
+    unreachable = _unreachable(host)
+    if unreachable:
+        raise UsageError(f"{flag}: {host} is {unreachable}, not an address a node connects to",
+                         hint=f"give the address or name of the node that holds the rendezvous "
+                              f"(e.g. {flag} 192.168.1.10:{port})")
     return host, port
+
+
+def _unreachable(host: str) -> str | None:
+    """What makes an IP address one no node can connect to (None: a host name, or an address
+    that may be reached): 0.0.0.0 and :: listen on every address, a broadcast or multicast
+    address is no one host."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if address.is_unspecified:
+        return "the any-address (listen on every interface)"
+    if address.is_multicast:
+        return "a multicast address"
+    if address == ipaddress.IPv4Address("255.255.255.255"):
+        return "the broadcast address"
+    return None
 
 
 def join_endpoint(host: str, port: int) -> str:

@@ -271,6 +271,17 @@ def test_parse_endpoint_refuses_the_rest(text):
     assert caught.value.hint
 
 
+@pytest.mark.parametrize(("text", "what"), [
+    ("0.0.0.0:29444", "the any-address"), ("[::]:29400", "the any-address"),
+    ("255.255.255.255:29400", "the broadcast address"), ("224.0.0.1:29400", "a multicast address"),
+    ("[ff02::1]:29400", "a multicast address")])
+def test_an_address_no_node_can_connect_to_is_refused(project, text, what):
+    """0.0.0.0 was taken and handed to the other nodes, which cannot connect to it."""
+    proc = fdl_run(project, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", text,
+                   "--dry-run", "train.py")
+    assert_one_error(proc, 2, "--rdzv-endpoint: ", f"is {what}", "not an address a node connects")
+
+
 def test_dry_run_ipv6_static_endpoint_is_bracketed(project):
     spec = dry_run(project, "--master-addr", "::1", "--master-port", "2345")
     assert spec["rendezvous"]["backend"] == "static"

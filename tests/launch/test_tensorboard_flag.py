@@ -75,6 +75,14 @@ def test_fdl_toml_sets_it(project: Path) -> None:
     assert spec["settings"]["tensorboard"]["source"].startswith("file:")
 
 
+@pytest.mark.parametrize("value", ["5", "2.5", "[1]", "{ dir = 1 }"])
+def test_fdl_toml_s_value_that_is_not_text_is_refused(project: Path, value: str) -> None:
+    """`tensorboard = 5` wrote TensorBoard files into ./5: a number is not a directory."""
+    (project / "fdl.toml").write_text(f"tensorboard = {value}\n")
+    proc = run_fdl("run", "--dry-run", "train.py", cwd=project)
+    assert_one_error(proc, 2, "tensorboard takes on, off or a directory as text", "quoted")
+
+
 def test_without_the_tensorboard_package_nothing_starts(project: Path) -> None:
     # The one boundary faked: a tensorboard that cannot be imported, via a module finder that
     # refuses it in the fdl process (sitecustomize on PYTHONPATH).

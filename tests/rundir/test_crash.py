@@ -110,6 +110,21 @@ def test_the_root_cause_is_the_rank_that_raised_first(first, crashes, expected):
     assert root_rank(first, crashes) == expected
 
 
+@pytest.mark.parametrize(("first", "crashes", "stopped", "expected"), [
+    # every rank raises; the agent stopped rank 1 (SIGTERM) before it could, and torch
+    # reported it first: the rank that raised is the cause (it was "killed by SIGTERM", exit 143)
+    (1, {0: crash_at(1.0), 1: None}, {1}, 0),
+    (2, {0: None, 1: crash_at(2.0), 2: None}, {0, 2}, 1),
+    # stopped, but no rank raised: torch's order is all there is
+    (1, {0: None, 1: None}, {1}, 1),
+    # killed by something else (the OOM killer's SIGKILL): that rank stays the cause
+    (1, {0: crash_at(1.0), 1: None}, set(), 1),
+])
+def test_a_rank_the_agent_stopped_is_not_the_cause_when_another_raised(first, crashes, stopped,
+                                                                        expected):
+    assert root_rank(first, crashes, stopped=stopped) == expected
+
+
 def test_the_record_is_json_a_person_can_read(tmp_path):
     write_crash(tmp_path, 3, Crash(pid=5, t=1.0, frame=("a",), error=("b",)))
     assert json.loads(crash_path(tmp_path, 3).read_text()) == {
