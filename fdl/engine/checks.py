@@ -40,6 +40,21 @@ def check_accumulate(accumulate: Any) -> None:
         raise UsageError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
 
 
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """Refuse a ``model`` that is no ``torch.nn.Module``, or an ``optimizer`` with no
+    ``param_groups`` and ``step`` (an optimizer wrapper that has both is taken as one):
+    ``run.batches(model=None)`` raised AttributeError inside fdl."""
+    problem = None
+    if not isinstance(model, nn.Module):
+        problem = f"run.batches' model is {type(model).__name__}, not a torch.nn.Module"
+    elif not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+        problem = f"run.batches' optimizer is {type(optimizer).__name__}, not an optimizer " \
+                  f"(a torch.optim.Optimizer: param_groups and step())"
+    if problem is not None:
+        raise UsageError(problem, hint="run.batches(data, model=model, optimizer=optimizer, ...) "
+                                       "with the model being trained and its optimizer")
+
+
 def check_unwrapped(model: nn.Module) -> None:
     """Refuse a model that is, or holds, a DDP or FSDP wrapper (a torchrun script's leftover):
     its all-reduce in every backward would meet another rank's only while every rank steps

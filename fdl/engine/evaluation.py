@@ -182,24 +182,44 @@ def evaluate_model(model: nn.Module, data: Any,
 
 
 def derived(derive: Callable[[dict[str, float]], Any], means: dict[str, float]) -> dict[str, float]:
-    """``derive``'s metrics from ``means`` (a copy: it cannot change them), checked: a mapping
-    of names to real numbers (a one-element tensor is read), or UsageError naming what it
-    returned."""
-    found = derive(dict(means))
+    """``derive``'s metrics from ``means`` (a copy: it cannot change them), checked by
+    :func:`metrics_of`."""
+    return metrics_of(derive(dict(means)), who="run.evaluate's derive",
+                      example="derive=lambda means: {'f1': ...}")
+
+
+def metrics_of(found: Any, *, who: str, example: str) -> dict[str, float]:
+    """What an evaluation function returned, as metric names with floats: a mapping of names
+    (str) to real numbers (an int that fits a float, a float, a one-element tensor), or one
+    UsageError naming what ``who`` returned and what it must return."""
     if not isinstance(found, Mapping):
-        raise UsageError(f"run.evaluate's derive returned {type(found).__name__}; it returns "
-                         "a dict of metric names to numbers", hint="derive=lambda means: "
-                         "{'f1': ...}")
+        raise UsageError(f"{who} returned {_shown(found)}; it returns a dict of metric names "
+                         "to numbers", hint=example)
     values = {}
     for key, value in found.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if not isinstance(key, str) or isinstance(value, bool) or \
-                not isinstance(value, (int, float)):
-            raise UsageError(f"run.evaluate's derive returned {key!r}: {value!r}; it returns "
-                             "metric names (str) with numbers")
-        values[key] = float(value)
+        number = None
+        if isinstance(key, str) and isinstance(value, (int, float)) and \
+                not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an int past float's range
+                number = None
+        if number is None:
+            raise UsageError(f"{who} returned {key!r}: {_shown(value)}; it returns metric names "
+                             "(str) with numbers (an int, a float or a one-element tensor)",
+                             hint=example)
+        values[key] = number
     return values
+
+
+def _shown(value: Any) -> str:
+    """A value for an error line: its text cut to 60 characters and its type."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} (a {type(value).__name__})"
 
 
 def _shard_sums(model: nn.Module, data: TrainData,
@@ -214,8 +234,11 @@ def _shard_sums(model: nn.Module, data: TrainData,
     try:
         for batch in fetch_batches(data, batches):
             size = batch_size_of(batch)
-            for key, value in evaluate(model, to_device(batch, device)).items():
-                sums[key] = sums.get(key, 0.0) + float(value) * size
+            found = metrics_of(evaluate(model, to_device(batch, device)),
+                               who="run.evaluate's function",
+                               example="def evaluate(model, batch): return {'loss': loss.item()}")
+            for key, value in found.items():
+                sums[key] = sums.get(key, 0.0) + value * size
                 counts[key] = counts.get(key, 0) + size
     finally:
         model.train(was_training)

@@ -46,6 +46,7 @@ from fdl.engine.assembly import Inputs, Start, assemble, start
 from fdl.engine.boundary import Boundary
 from fdl.engine.checks import (
     check_accumulate,
+    check_model_and_optimizer,
     check_optimized,
     check_unwrapped,
     scheduler_warning,
@@ -339,6 +340,7 @@ class Run:
                      "and switch on run.progress or the epoch; or train each phase as its own "
                      "fdl run")
         check_accumulate(accumulate)
+        check_model_and_optimizer(model, optimizer)
         check_unwrapped(model)
         check_optimized(model, optimizer)
         train = None if streaming(data) else TrainData.of(data)

@@ -5,6 +5,7 @@ sample computed in one process."""
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -218,13 +219,40 @@ def test_a_derived_metric_is_the_whole_set_s_on_every_rank(ranks):
 
 
 @pytest.mark.parametrize(("derive", "needle"), [
-    (lambda means: 0.5, "returned float"),
-    (lambda means: {"f1": "high"}, "returned 'f1': 'high'"),
+    (lambda means: 0.5, "returned 0.5 (a float)"),
+    (lambda means: {"f1": "high"}, "returned 'f1': 'high' (a str)"),
 ])
 def test_a_derive_that_returns_no_metrics_is_told(derive, needle):
-    with pytest.raises(UsageError, match=needle):
+    with pytest.raises(UsageError, match=re.escape(needle)):
         evaluate_model(model(), values(), counts, batch_size=BATCH_SIZE,
                        device=torch.device("cpu"), rank=0, world_size=1, derive=derive)
+
+
+@pytest.mark.parametrize(("returned", "needle"), [
+    ("accuracy", "returned 'accuracy' (a str); it returns a dict of metric names to numbers"),
+    (None, "returned None (a NoneType)"),
+    ([0.5], "returned [0.5] (a list)"),
+    ({"acc": torch.ones(3)}, "returned 'acc': a tensor of shape (3,)"),
+    ({"acc": "high"}, "returned 'acc': 'high' (a str)"),
+    ({"acc": True}, "returned 'acc': True (a bool)"),
+    ({"acc": 10 ** 400}, "returned 'acc': 1000000000"),
+    ({1: 0.5}, "returned 1: 0.5 (a float)"),
+])
+def test_an_evaluation_that_returns_no_metrics_is_told_what_to_return(returned, needle):
+    """Each of these raised inside fdl (float() of a str, .items() of None) with no word of
+    what the function must return."""
+    with pytest.raises(UsageError, match=re.escape(needle)) as refused:
+        evaluate_model(model(), values(), lambda model, batch: returned, batch_size=BATCH_SIZE,
+                       device=torch.device("cpu"), rank=0, world_size=1)
+    assert refused.value.message.startswith("run.evaluate's function returned")
+    assert "return {'loss'" in refused.value.hint
+
+
+def test_a_one_element_tensor_and_an_int_are_metrics():
+    result = evaluate_model(model(), values(), lambda model, batch: {
+        "loss": torch.tensor([0.25]), "count": 2}, batch_size=BATCH_SIZE,
+        device=torch.device("cpu"), rank=0, world_size=1)
+    assert result == {"count": 2.0, "loss": 0.25}
 
 
 def test_in_one_process_a_metric_is_averaged_over_the_batches_that_returned_it():

@@ -9,6 +9,7 @@ loop that never steps is told so."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -469,6 +470,29 @@ def test_an_optimizer_stepping_a_parameter_outside_the_model_is_refused(tmp_path
         run.batches([(torch.zeros(4), 0)] * 16, model=model, optimizer=optimizer, batch_size=8,
                     epochs=1)
     assert "nn.ModuleDict" in refused.value.hint
+    run.abandon()
+
+
+@pytest.mark.parametrize(("which", "needle"), [
+    ("model", "run.batches' model is NoneType, not a torch.nn.Module"),
+    ("optimizer", "run.batches' optimizer is NoneType, not an optimizer"),
+    ("both", "run.batches' model is SGD"),  # the two swapped
+])
+def test_a_model_or_optimizer_that_is_none_is_refused_in_one_line(tmp_path, monkeypatch, which,
+                                                                  needle):
+    """``run.batches(model=None)`` raised AttributeError inside fdl."""
+    import fdl
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    run = fdl.init()
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = {"model": (None, optimizer), "optimizer": (model, None),
+             "both": (optimizer, model)}[which]
+    with pytest.raises(fdl.errors.UsageError, match=re.escape(needle)) as refused:
+        run.batches([(torch.zeros(4), 0)] * 16, model=given[0], optimizer=given[1],
+                    batch_size=8, epochs=1)
+    assert "model=model, optimizer=optimizer" in refused.value.hint
     run.abandon()
 
 
