@@ -154,6 +154,13 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
         result = launch(spec, listener=listener,
                         node=spec.network.local_addr if joined and spec.network else None,
                         on_workers=load_in_background if _core_to_spare(spec) else None)
+    if result.exit_code == 0 and _unfinished(spec):
+        _write_timeline(spec)
+        console.error(f"the script trained with fdl but ended without run.finish(): no "
+                      f"summary.json and no model.pt in {spec.run_dir}",
+                      hint="end the script with result = run.finish() after its loop "
+                           "(fdl.Trainer.fit() calls it)")
+        return 1
     if result.exit_code == 0:
         _report_done(spec)
         _write_timeline(spec)
@@ -201,6 +208,19 @@ def _write_timeline(spec: LaunchSpec) -> None:
             plottable(metrics.read_epochs(spec.run_dir)):
         console.info("fdl run: no loss/accuracy plot: matplotlib is not installed "
                      "(pip install 'fdl[report]')")
+
+
+def _unfinished(spec: LaunchSpec) -> bool:
+    """Whether the workers all exited 0 from a script that trained with fdl's engine (it
+    recorded its settings in config.json) and never called ``run.finish()``: no summary. Read
+    on the node of rank 0, where the engine writes both; a run is done only with them."""
+    from fdl.rundir.config import read_config
+    from fdl.rundir.layout import log_path, logs_dir
+    from fdl.rundir.summary import has_summary
+
+    if not log_path(logs_dir(spec.run_dir), 0).is_file() or has_summary(spec.run_dir):
+        return False
+    return "engine" in read_config(spec.run_dir, hint="")
 
 
 def _report_done(spec: LaunchSpec) -> None:

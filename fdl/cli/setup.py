@@ -30,6 +30,7 @@ probes, asks, and renders.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -68,6 +69,7 @@ def setup(
     from fdl.paths import libtorch_root
 
     allow_http = http_allowed(flag=allow_http)
+    _check_torch_index(allow_http=allow_http)
     store = Store(libtorch_root())
     plan, survey = _plan(store, version=version, variant=variant, download=download,
                          python=python)
@@ -98,6 +100,23 @@ def setup(
     if not yes and not _confirm():
         raise typer.Exit(1)
     _execute(plan, store, request, install_torch=install_torch, allow_http=allow_http)
+
+
+def _check_torch_index(*, allow_http: bool) -> None:
+    """``FDL_TORCH_INDEX`` (a mirror of PyTorch's wheel index for the per-card environments),
+    when set, is a URL pip may use: https or file, plain http only with the opt-in, as every
+    other URL fdl fetches from. A bad one failed in pip, after a venv was made."""
+    from fdl.download.urls import check_url
+    from fdl.errors import UsageError
+    from fdl.libtorch.environments import TORCH_INDEX_ENV
+
+    index = os.environ.get(TORCH_INDEX_ENV, "").strip()
+    if not index:
+        return
+    try:
+        check_url(index, allow_http=allow_http)
+    except UsageError as exc:
+        raise UsageError(f"{TORCH_INDEX_ENV}: {exc.message}", hint=exc.hint) from None
 
 
 def _plan(store: Store, *, version: str | None, variant: str | None, download: bool,

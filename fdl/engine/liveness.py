@@ -146,7 +146,28 @@ def wait_for(store: Any, key: str, *, alive: Liveness, waiting_for: str) -> None
     threading.Thread(target=run, name="fdl-store-wait", daemon=True).start()
     wait_alive(done, store, alive=alive, waiting_for=waiting_for)
     if error:
+        if _timed_out(error[0]):  # the store's timeout: --collective-timeout
+            seconds = _timeout_s(waiter)
+            raise PeerGone(f"the run gave up waiting for {waiting_for}: nothing came within the "
+                           f"collective timeout"
+                           + (f" ({seconds:g} s, --collective-timeout)" if seconds else "")
+                           + " (a rank stopped, suspended or far slower than the others)",
+                           hint=STOPPED_WITH_IT) from error[0]
         raise error[0]
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a store's ``wait`` gave up at its timeout (torch raises DistStoreError, "wait
+    timeout after 5000ms, keys: ...")."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower()
+
+
+def _timeout_s(store: Any) -> float | None:
+    """The store's timeout in seconds (None when it does not say)."""
+    timeout = getattr(store, "timeout", None)
+    return timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
 
 
 def wait_alive(done: threading.Event, store: Any, *, alive: Liveness, waiting_for: str) -> None:

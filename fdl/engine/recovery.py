@@ -161,6 +161,13 @@ class Resumed:
     user_state: dict[str, Any]  # run.state's objects' state_dicts, by name
 
 
+def _said(exc: Exception, limit: int = 300) -> str:
+    """What torch said, on one line: its lines joined (its first line alone, "Error(s) in
+    loading state_dict for Linear:", ended at a colon), cut to ``limit`` characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def resume(checkpoint: Checkpoint, replica: Replica, tallies: Tallies,
            plan_config: PlanConfig) -> Resumed:
     """Load ``checkpoint`` into ``replica`` (model, optimizer, RNG) and ``tallies`` (the rank's
@@ -177,7 +184,7 @@ def resume(checkpoint: Checkpoint, replica: Replica, tallies: Tallies,
         replica.optimizer.load_state_dict(rank_state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
         raise UsageError(f"cannot resume from {checkpoint.path}: its model or optimizer does "
-                         f"not fit this run's ({str(exc).splitlines()[0][:300]})",
+                         f"not fit this run's ({_said(exc)})",
                          hint="resume with the same model and optimizer, or start a new "
                               "run") from exc
     averager = replica.averager

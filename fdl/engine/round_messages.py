@@ -12,6 +12,7 @@ from typing import Any
 from fdl.engine.liveness import Liveness, liveness, store_clone, wait_alive, wait_for
 from fdl.engine.peers import group_attempt
 from fdl.engine.plan import RoundPlan, pool_take
+from fdl.errors import UsageError
 
 
 @dataclass
@@ -179,7 +180,10 @@ def restart_attempt() -> str:
 def _required_store() -> Any:
     store = group_store()
     if store is None:
-        raise RuntimeError("an elastic round or a pool needs the process group's store")
+        raise UsageError("the process group is gone mid-run (the script called "
+                         "torch.distributed.destroy_process_group() before run.finish()?): "
+                         "fdl's rounds go on over it until run.finish()",
+                         hint="leave the group to fdl: run.finish() destroys it at the end")
     return store
 
 

@@ -100,6 +100,25 @@ def _probe(request: RunRequest, placement: WorkerPlacement, *, survey: GpuSurvey
     return LaunchProbes(survey, pythons, builds, network)
 
 
+def _not_a_script(path: Path) -> str | None:
+    """What stands at ``path`` where a script should be (None: nothing there)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
 def _check_script(request: RunRequest, *, cwd: Path) -> None:
     from fdl.errors import UsageError, os_failure
 
@@ -107,7 +126,9 @@ def _check_script(request: RunRequest, *, cwd: Path) -> None:
         return
     path = cwd / request.script
     if not path.is_file():
-        raise UsageError(f"script not found: {request.script}",
+        kind = _not_a_script(path)
+        raise UsageError(f"script not found: {request.script}" if kind is None else
+                         f"the script {request.script} is {kind}, not a file",
                          hint="fdl run SCRIPT [ARGS...], e.g. fdl run train.py --policy async")
     try:  # every worker would fail on a script it cannot read, after the run began
         with open(path, "rb"):

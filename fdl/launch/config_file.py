@@ -55,7 +55,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a file",
                           hint=f"fdl run reads its settings from {path.name}; remove or rename it")
     try:
-        return tomllib.loads(readback.read_text(path, limit=readback.SMALL_BYTES, follow=True))
+        text = readback.read_text(path, limit=readback.SMALL_BYTES, follow=True)
+        return tomllib.loads(text.removeprefix("\ufeff"))  # an editor's UTF-8 byte-order mark
     except RecursionError:  # tomllib recurses once per level of nesting
         raise ConfigError(f"cannot read {path}: nested too deep",
                           hint=f"fix {path.name} (TOML), or remove it") from None

@@ -136,7 +136,7 @@ def parse_worker_python(text: str, *, nproc: int, cwd: Path) -> dict[int, str]:
                              hint="give each local rank one interpreter")
         full = os.path.abspath(cwd / os.path.expanduser(path.strip()))
         if not (os.path.isfile(full) and os.access(full, os.X_OK)):
-            raise UsageError(f"--worker-python: {full} (local rank {rank}) is not an "
+            raise UsageError(f"--worker-python: {_named(full)} (local rank {rank}) is not an "
                              "executable file", hint="give the path of a python executable, "
                                                      "e.g. ENV/bin/python")
         mapping[rank] = full
@@ -194,13 +194,13 @@ def probe_interpreter(local_rank: int, path: str, *,
         report = None
     if not isinstance(report, dict) or not all(isinstance(report.get(k), (str, type(None)))
                                                for k in ("python", "fdl", "torch")):
-        raise UsageError(f"{origin}: {path} (local rank {local_rank}) does not run as "
+        raise UsageError(f"{origin}: {_named(path)} (local rank {local_rank}) does not run as "
                          "a Python interpreter", hint="give the path of a python executable")
     missing = [name for name in ("fdl", "torch") if not report.get(name)]
     if missing:
-        raise UsageError(f"{origin}: {path} (local rank {local_rank}) has no "
+        raise UsageError(f"{origin}: {_named(path)} (local rank {local_rank}) has no "
                          f"{' and no '.join(missing)}",
-                         hint=f"install them in that environment: {path} -m pip install "
+                         hint=f"install them in that environment: {_named(path)} -m pip install "
                               "fdl torch==<this release>")
     return Interpreter(local_rank, path, str(report["python"]), str(report["fdl"]),
                        str(report["torch"]))
@@ -221,9 +221,17 @@ def check_alike(interpreters: list[Interpreter], *, own: Interpreter,
                 whose = "the launcher's workers" if own_runs else \
                     f"local rank {reference.local_rank}'s"
                 raise UsageError(f"{origin}: local rank {other.local_rank} "
-                                 f"({other.path}) has {field} {theirs}, {whose} {mine}",
+                                 f"({_named(other.path)}) has {field} {theirs}, {whose} {mine}",
                                  hint="every worker needs the same release (the CUDA tag "
                                       "may differ): install it in that environment")
+
+
+def _named(path: str) -> str:
+    """A path for an error line: a newline or other control character in it is shown escaped,
+    so the line stays one line (fdl.console.shown)."""
+    from fdl.console import shown
+
+    return shown(path)
 
 
 def release(version: str) -> str:

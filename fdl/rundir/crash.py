@@ -29,6 +29,8 @@ from fdl.rundir.fields import is_finite, is_int
 
 SUFFIX = ".crash.json"
 MAX_ERROR_LINES = 12  # an exception's message can run to pages; the log has all of it
+TAIL_LINES = 3  # of those, the last lines of a long message: a DataLoader worker's error ends
+# with the original exception ("ValueError: ..."), after its traceback
 _INSTALLED = frozenset({"site-packages", "dist-packages"})
 _FDL = Path(__file__).resolve().parents[1]
 
@@ -56,7 +58,9 @@ def describe_crash(exc: BaseException, *, home: Path, pid: int, t: float) -> Cra
     shown = [line.removeprefix("  ") for line in "".join(lines).rstrip("\n").splitlines()]
     error = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n").splitlines()
     if len(error) > MAX_ERROR_LINES:
-        error = [*error[:MAX_ERROR_LINES], f"... ({len(error) - MAX_ERROR_LINES} more lines)"]
+        head = MAX_ERROR_LINES - TAIL_LINES
+        error = [*error[:head], f"... ({len(error) - MAX_ERROR_LINES} more lines)",
+                 *error[-TAIL_LINES:]]
     return Crash(pid, t, tuple(shown), tuple(error))
 
 

@@ -13,6 +13,7 @@ import contextlib
 import io
 import math
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,21 +68,35 @@ def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None
     panels = [(panel, label) for panel, label in ((losses, "loss"), (others, "metric")) if panel]
     figure = Figure(figsize=(5.5 * len(panels), 4), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    for index, (panel, ylabel) in enumerate(panels):
-        axes = figure.add_subplot(1, len(panels), index + 1)
-        for name, points in panel.items():
-            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
-        axes.set_xlabel("epoch")
-        axes.set_ylabel(ylabel)
-        axes.xaxis.get_major_locator().set_params(integer=True)
-        axes.grid(alpha=0.3)
-        axes.legend()
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    # A metric's name is the script's: a glyph the font lacks is a warning that would print the
+    # name raw on the terminal (a control character acted on), so none is shown from here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index, (panel, ylabel) in enumerate(panels):
+            axes = figure.add_subplot(1, len(panels), index + 1)
+            for name, points in panel.items():
+                axes.plot([x for x, _ in points], [y for _, y in points], marker="o",
+                          label=_label(name))
+            axes.set_xlabel("epoch")
+            axes.set_ylabel(ylabel)
+            axes.xaxis.get_major_locator().set_params(integer=True)
+            axes.grid(alpha=0.3)
+            axes.legend()
+        figure.savefig(buffer, format="png")
     path = directory(run_dir) / FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, buffer.getvalue())
     return path
+
+
+def _label(name: str) -> str:
+    """A metric's name as a legend shows it: control characters escaped (fdl.console.shown) and
+    ``$`` taken literally (matplotlib reads ``$...$`` as mathtext, and a malformed one stopped
+    the drawing)."""
+    from fdl.console import shown
+
+    return shown(name).replace("$", r"\$")
 
 
 def plottable(epochs: list[dict[str, Any]]) -> bool:

@@ -44,6 +44,20 @@ def test_a_wait_ends_when_the_key_is_set_or_a_peer_is_gone(store, monkeypatch):
         wait_alive(threading.Event(), store, alive=alive, waiting_for="the report")
 
 
+def test_a_wait_past_the_collective_timeout_says_so_not_the_store_s_error():
+    """A rank suspended (SIGSTOP) under --collective-timeout 5s: the others' wait ended with
+    "DistStoreError: wait timeout after 5000ms, keys: /default_pg/0//fdl/elastic/0/done/14".
+    The store's timeout is the wait's (here 0.5 s; the silence check needs far longer)."""
+    short = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=0.5))
+    alive = Liveness(short, rank=0, world_size=2, key="fdl/alive/0/")
+    with pytest.raises(PeerGone) as gave_up:
+        wait_for(short, "fdl/elastic/0/done/14", alive=alive, waiting_for="round 14's end")
+    assert gave_up.value.message == (
+        "the run gave up waiting for round 14's end: nothing came within the collective timeout "
+        "(0.5 s, --collective-timeout) (a rank stopped, suspended or far slower than the others)")
+    assert "DistStoreError" not in gave_up.value.message
+
+
 def test_stopping_waits_for_the_ticking_thread_and_a_new_run_ticks_again(store, monkeypatch):
     """A run's end stops its ticking thread and waits for it (a thread left inside a store
     call aborts the worker at the interpreter's exit: tests/engine/test_loop.py)."""

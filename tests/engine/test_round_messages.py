@@ -87,3 +87,16 @@ def test_a_round_without_an_elastic_rank_sends_nothing(monkeypatch):
     plan = SimpleNamespace(elastic=None, round_index=1, signal_from=None)
     signal = ElasticSignal.open(plan, rank=0)
     assert not signal.arrived(plan) and signal.close(plan, rank=0, used=5) is None
+
+
+def test_a_group_destroyed_mid_run_is_named_not_a_runtime_error():
+    """The script called destroy_process_group() in a step: "RuntimeError: an elastic round or
+    a pool needs the process group's store" said nothing of what happened."""
+    import torch.distributed as dist
+
+    from fdl.errors import UsageError
+
+    assert not dist.is_initialized()  # as after the script destroyed it
+    with pytest.raises(UsageError, match=r"destroy_process_group\(\) before run.finish") as gone:
+        messages._required_store()
+    assert "run.finish() destroys it" in gone.value.hint

@@ -272,5 +272,9 @@ def test_resuming_with_another_model_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
     solo_trainer(hidden=16).fit()  # leaves the epoch-1 checkpoint
     monkeypatch.setenv("FDL_RESUME", "1")
-    with pytest.raises(UsageError, match="its model or optimizer does not fit this run's"):
+    with pytest.raises(UsageError, match="its model or optimizer does not fit this run's") as \
+            refused:
         solo_trainer(hidden=32).fit()
+    # torch's first line ends at a colon: what does not fit is on the lines after it
+    assert "size mismatch for 0.weight" in refused.value.message
+    assert "\n" not in refused.value.message

@@ -112,6 +112,41 @@ def test_a_trainer_script_reads_its_settings_and_nothing_is_said(tmp_path):
     assert "fdl report: cadence on 2 worker(s)" in proc.stdout
 
 
+# --- a loop that never calls run.finish() -------------------------------------------------------
+
+UNFINISHED = """
+import fdl, torch
+run = fdl.init(seed=1)
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for features, target in run.batches([(torch.ones(2), torch.ones(1))] * 8, model=model,
+                                    optimizer=optimizer, batch_size=4, epochs=1):
+    torch.nn.functional.mse_loss(model(features), target).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+{ending}
+"""
+
+
+def test_a_loop_that_never_calls_finish_is_not_done(tmp_path):
+    """It ended "fdl run: done", exit 0, with no summary and no model."""
+    (tmp_path / "train.py").write_text(UNFINISHED.format(ending=""))
+    proc = run_fdl("run", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run"),
+                   "train.py", cwd=tmp_path, env=CPU_ONLY, timeout=GUARD_S)
+    assert proc.returncode == 1, proc.stderr
+    assert "fdl run: done" not in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-2:] == [
+        f"error: the script trained with fdl but ended without run.finish(): no summary.json "
+        f"and no model.pt in {tmp_path / 'run'}",
+        "hint: end the script with result = run.finish() after its loop (fdl.Trainer.fit() "
+        "calls it)"]
+    (tmp_path / "train.py").write_text(UNFINISHED.format(ending="run.finish()"))
+    proc = run_fdl("run", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "again"),
+                   "train.py", cwd=tmp_path, env=CPU_ONLY, timeout=GUARD_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "fdl run: done" in proc.stdout + proc.stderr
+
+
 # --- Ctrl-C ------------------------------------------------------------------------------------
 
 

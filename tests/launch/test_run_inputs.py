@@ -36,6 +36,18 @@ def assert_usage_error(proc, *needles: str) -> None:
     assert "hello from the worker" not in proc.stdout
 
 
+@pytest.mark.parametrize(("make", "what"), [
+    (lambda path: path.mkdir(), "a directory"),
+    (lambda path: os.mkfifo(path), "a named pipe (FIFO)"),
+    (lambda path: path.symlink_to("/dev/null"), "a device"),
+])
+def test_a_script_that_is_no_file_is_named_for_what_it_is(project, make, what):
+    """A FIFO, a device or a directory was called "script not found" (and a FIFO that fdl
+    opened to check it could be read would have blocked)."""
+    make(project / "odd.py")
+    assert_usage_error(fdl_run(project, "odd.py"), f"the script odd.py is {what}, not a file")
+
+
 @pytest.mark.parametrize(("args", "needles"), [
     (["missing.py"], ["script not found: missing.py"]),
     (["--nproc-per-node", "two", "train.py"], ["--nproc-per-node", "'two'"]),

@@ -180,6 +180,13 @@ def test_fdl_toml_top_level_keys_are_parsed(tmp_path: Path) -> None:
     }
 
 
+def test_a_byte_order_mark_an_editor_wrote_is_read_past(tmp_path: Path) -> None:
+    """Notepad's UTF-8 with BOM gave "Invalid statement (at line 1, column 1)"."""
+    path = tmp_path / "fdl.toml"
+    path.write_bytes(b"\xef\xbb\xbfpolicy = \"async\"\nepochs = 2\n")
+    assert load_config_file(tmp_path) == ({"policy": "async", "epochs": 2}, path)
+
+
 def test_pyproject_tool_fdl_table_is_read(tmp_path: Path) -> None:
     path = write(
         tmp_path,

@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from helpers import bare_venv, run_fdl, standin_torch
+from helpers import assert_one_error, bare_venv, run_fdl, standin_torch
 
 SCRIPT = Path(__file__).parent / "scripts" / "where_am_i.py"
 
@@ -106,6 +106,18 @@ def test_a_bad_worker_python_is_one_usage_error(tmp_path, value, says):
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: --worker-python") and says in first, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_worker_python_path_with_a_newline_stays_on_one_error_line(tmp_path):
+    """A raw newline in the path split the error line in two."""
+    (tmp_path / "train.py").write_text("")
+    odd = tmp_path / "bin\nsh"
+    odd.write_text("#!/bin/sh\nexit 0\n")
+    odd.chmod(0o755)
+    proc = run_fdl("run", "--nproc-per-node", "2", "--worker-python", f"1={odd}", "train.py",
+                   cwd=tmp_path)
+    assert_one_error(proc, 2, "--worker-python: ", "bin\\nsh (local rank 1) does not run as a "
+                                                  "Python interpreter")
 
 
 def make_cu128_standin(root: Path) -> Path:

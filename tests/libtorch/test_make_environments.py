@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import run_fdl, standin_torch
+from helpers import assert_one_error, run_fdl, standin_torch
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpus" / "gtx1060_rtx5060ti.json"
 ARCHS = {"cu126": "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90",
@@ -86,7 +86,7 @@ def test_setup_makes_one_environment_per_card_and_run_uses_them(tmp_path, torch_
     leaves the backend to the usual choice."""
     home = tmp_path / "flodl"
     env = {"FDL_GPU_SURVEY": str(FIXTURE), "FLODL_HOME": str(home),
-           "FDL_TORCH_INDEX": torch_index, "PIP_NO_DEPS": "1",
+           "FDL_TORCH_INDEX": torch_index, "FDL_ALLOW_HTTP": "1", "PIP_NO_DEPS": "1",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
     made = run_fdl("setup", "--yes", env=env, timeout=600)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
@@ -122,13 +122,28 @@ def test_an_environment_whose_torch_misses_its_card_is_refused_and_no_map_is_wri
     (index_root / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n')
     home = tmp_path / "flodl"
     env = {"FDL_GPU_SURVEY": str(FIXTURE), "FLODL_HOME": str(home),
-           "FDL_TORCH_INDEX": torch_index, "PIP_NO_DEPS": "1",
+           "FDL_TORCH_INDEX": torch_index, "FDL_ALLOW_HTTP": "1", "PIP_NO_DEPS": "1",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
     made = run_fdl("setup", "--yes", env=env, timeout=600)
     assert made.returncode == 1
     assert "error: environment 2.11.0-cu126: its torch 2.11.0+cu126 has no kernels for " \
            "NVIDIA GeForce GTX 1060 6GB (sm_61)" in made.stderr
     assert not (home / "envs" / "device-map.json").exists()
+
+
+@pytest.mark.parametrize(("index", "says"), [
+    ("notaurl", "FDL_TORCH_INDEX: URL 'notaurl' has scheme 'none'"),
+    ("http://127.0.0.1:9/whl", "FDL_TORCH_INDEX: refusing to download over plain http"),
+    ("ftp://mirror/whl", "FDL_TORCH_INDEX: URL 'ftp://mirror/whl' has scheme 'ftp'")])
+def test_a_torch_index_that_is_no_usable_url_is_refused_before_anything_is_made(tmp_path, index,
+                                                                                says):
+    """notaurl failed in pip after a venv was made; plain http was used without the opt-in
+    every other URL fdl fetches needs."""
+    home = tmp_path / "flodl"
+    made = run_fdl("setup", "--yes", env={"FDL_GPU_SURVEY": str(FIXTURE), "FLODL_HOME": str(home),
+                                          "FDL_TORCH_INDEX": index})
+    assert_one_error(made, 2, says)
+    assert not (home / "envs").exists()
 
 
 def test_environments_share_nccl_only_when_every_build_carries_the_same():

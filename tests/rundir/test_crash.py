@@ -13,6 +13,7 @@ import pytest
 from fdl.launch.elastic import root_rank
 from fdl.rundir.crash import (
     MAX_ERROR_LINES,
+    TAIL_LINES,
     Crash,
     crash_path,
     describe_crash,
@@ -71,7 +72,32 @@ def test_a_long_error_message_is_cut_the_log_keeps_it(tmp_path):
     crash = describe_crash(exc, home=tmp_path, pid=1, t=0.0)
     assert crash.frame == ()  # raised nowhere: no frame
     assert len(crash.error) == MAX_ERROR_LINES + 1
-    assert crash.error[-1] == f"... ({40 - MAX_ERROR_LINES} more lines)"
+    assert crash.error[:-TAIL_LINES - 1] == tuple(
+        ["RuntimeError: line 0"] + [f"line {i}" for i in range(1, MAX_ERROR_LINES - TAIL_LINES)])
+    assert crash.error[-TAIL_LINES - 1] == f"... ({40 - MAX_ERROR_LINES} more lines)"
+    assert crash.error[-TAIL_LINES:] == tuple(f"line {i}" for i in range(40 - TAIL_LINES, 40))
+
+
+def test_a_dataloader_worker_s_error_keeps_the_line_that_explains_it(tmp_path):
+    """A collate_fn that raised in a DataLoader worker: torch re-raises it in the main process
+    with the worker's whole traceback in the message, and the explaining line, last, was cut."""
+    import torch
+
+    def check(sample, depth):  # a collate that calls helpers, as a real one does
+        if depth:
+            return check(sample, depth - 1)
+        raise ValueError("sample 3 has 7 tokens, the batch 8")
+
+    def collate(samples):
+        return [check(sample, 3) for sample in samples]
+
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=1,
+                                         collate_fn=collate)
+    with pytest.raises(ValueError) as raised:
+        next(iter(loader))
+    crash = describe_crash(raised.value, home=tmp_path, pid=1, t=0.0)
+    assert len(str(raised.value).splitlines()) > MAX_ERROR_LINES  # long enough to be cut
+    assert crash.error[-1] == "ValueError: sample 3 has 7 tokens, the batch 8"
 
 
 def test_a_record_is_read_back_only_for_the_process_that_wrote_it(tmp_path):

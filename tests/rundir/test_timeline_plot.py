@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 from helpers import without_module
@@ -23,6 +24,20 @@ def test_curves_png_is_written_beside_the_timeline(tmp_path):
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > 10_000  # two panels of lines, not an empty canvas
     assert [p.name for p in path.parent.iterdir()] == ["curves.png"]  # no temporary left
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed: pip install 'fdl[report]'")
+@pytest.mark.parametrize("name", ["acc\x1b]0;owned\x07", "\u202eycarucca", "$\\frac{", "正確率"])
+def test_a_hostile_metric_name_is_drawn_and_nothing_reaches_the_terminal(tmp_path, name):
+    """A glyph the font lacked was a warning that printed the name raw (its escape sequence
+    acted on); a ``$`` started mathtext, and a malformed one stopped the drawing."""
+    epochs = [{"epoch": e, "eval": {name: 0.5 + 0.1 * e}} for e in (1, 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = write_curves_png(tmp_path, epochs)
+    assert path is not None and path.read_bytes().startswith(PNG_SIGNATURE)
+    assert [str(w.message) for w in caught] == []
 
 
 def test_nothing_to_plot_writes_nothing(tmp_path):
