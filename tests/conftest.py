@@ -183,6 +183,7 @@ class Act:
     cut_after: int | None = None  # send this many body bytes, then drop the connection
     delay_s: float = 0.0  # wait this long after the headers, before the body
     pause_after: int | None = None  # send this many body bytes, then wait for ``release``
+    drip_s: float | None = None  # send the body a byte at a time, this long apart (a drip)
     release: threading.Event = field(default_factory=threading.Event)  # set it to go on
 
 
@@ -280,6 +281,13 @@ def _handler(server_state: FileServer) -> type[BaseHTTPRequestHandler]:
                 sent = min(len(body), act.pause_after)
                 act.release.wait(timeout=120)  # a guard: the test sets it
                 body = body[act.pause_after:]
+            if act.drip_s is not None:  # until the client hangs up (BrokenPipe ends the handler)
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    sent += 1
+                    time.sleep(act.drip_s)
+                return sent
             if act.cut_after is not None:
                 self.wfile.write(body[:act.cut_after])
                 self.wfile.flush()

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from fdl import paths
+from fdl import console, paths
 from fdl.bench import fetch
 from fdl.download.fetch import Progress
 from fdl.errors import FdlError, UsageError
@@ -181,7 +181,7 @@ def _ensure_files(name: str, *, folder: Path, download: bool, progress: Progress
                 fetch.verify_cached(path, expected=CHECKSUMS[file])
                 continue
             fetch.download(_urls(name, file), path, expected=CHECKSUMS[file],
-                           progress=progress)
+                           progress=progress, on_retry=console.warn)
             fetched = True
         batches = folder / _CIFAR_DIR
         if name == "cifar10" and (fetched or not batches.is_dir()):

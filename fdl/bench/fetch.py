@@ -12,6 +12,7 @@ for libtorch downloads (``fdl.download.urls``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from fdl.download.fetch import Progress
@@ -51,7 +52,7 @@ def verify_cached(path: Path, *, expected: str) -> None:
 
 
 def download(urls: list[str], dest: Path, *, expected: str,
-             progress: Progress | None) -> None:
+             progress: Progress | None, on_retry: Callable[[str], None] | None = None) -> None:
     """Fetch ``dest`` from the first of ``urls`` that serves it, verified against ``expected``
     (``algo:hex``), and mark it verified. A URL the http rule refuses is skipped (and named in
     the error if none works); when every URL is refused, ``UsageError`` (exit 2) before any
@@ -60,5 +61,5 @@ def download(urls: list[str], dest: Path, *, expected: str,
     download_file(urls, dest, expected=want, algorithm=algorithm, progress=progress,
                   allow_http=http_allowed(), http_opt_in=f"{ALLOW_HTTP_ENV}=1",
                   source_hint="check the network, or set FDL_DATA_MIRROR to a base URL that "
-                              f"serves {dest.name}")
+                              f"serves {dest.name}", on_retry=on_retry)
     _mark_verified(dest, expected)

@@ -37,10 +37,13 @@ def run(script: Optional[str], args: Optional[list[str]], **flags: Any) -> None:
     does everything after `--`. Example: fdl run train.py --policy async -- --lr 0.1
     """
     import os
+    import signal
 
     from fdl.launch import plan_run
     from fdl.launch.request import RunRequest, split_script_args
 
+    # until torch's agent takes SIGTERM over (as the workers start), it ends fdl run with a line
+    signal.signal(signal.SIGTERM, _stopped_by_sigterm)
     claimed, script_args = split_script_args(tuple(args or ()))
     for key, value in claimed.items():  # an option before SCRIPT wins over the same one after
         if _unset(flags.get(key)):
@@ -150,6 +153,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
         if spec.network.hostname_on_loopback:
             console.warn(_loopback_name_line(spec.network.local_addr))
         console.info(_waiting_line(spec))
+    earlier = _summary_stamp(spec)  # a resumed run's: not this launch's end
     with live_progress(spec.run_dir, enabled=live), _join_watch(spec):
         result = launch(spec, listener=listener,
                         node=spec.network.local_addr if joined and spec.network else None,
@@ -162,12 +166,19 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
                            "(fdl.Trainer.fit() calls it)")
         return 1
     if result.exit_code == 0:
-        _report_done(spec)
+        diverged = _diverged_loss(spec)
+        _report_done(spec, done=diverged is None)
         _write_timeline(spec)
         _warn_unread_settings(spec)
+        if diverged is not None:
+            console.error(f"the run diverged: its final loss is {diverged}, and model.pt in "
+                          f"{spec.run_dir} holds the diverged weights",
+                          hint="lower the learning rate or clip the gradients and train again "
+                               "(timeline.html shows where the loss stopped being a number)")
+            return 1
     else:
         _write_timeline(spec)
-        _report_stopped(result, spec)
+        _report_stopped(result, spec, finished=_summary_stamp(spec) not in (None, earlier))
     return result.exit_code
 
 
@@ -223,7 +234,7 @@ def _unfinished(spec: LaunchSpec) -> bool:
     return "engine" in read_config(spec.run_dir, hint="")
 
 
-def _report_done(spec: LaunchSpec) -> None:
+def _report_done(spec: LaunchSpec, *, done: bool = True) -> None:
     from fdl import console
     from fdl.rundir.summary import has_summary
 
@@ -232,7 +243,28 @@ def _report_done(spec: LaunchSpec) -> None:
         from fdl.rundir.report import run_report
 
         render(run_report(spec.run_dir))
-    console.info(f"fdl run: done; run directory {spec.run_dir}")
+    if done:
+        console.info(f"fdl run: done; run directory {spec.run_dir}")
+
+
+def _diverged_loss(spec: LaunchSpec) -> str | None:
+    """``NaN`` or ``infinite`` when the run's summary (rank 0's node) has a final loss that is
+    no number (the run diverged), else None; a summary that cannot be read is left to the
+    report, which says what is wrong with it."""
+    import math
+
+    from fdl.errors import FdlError
+    from fdl.rundir.summary import has_summary, load_summary
+
+    if not has_summary(spec.run_dir):
+        return None
+    try:
+        loss = load_summary(spec.run_dir).get("final_loss")
+    except FdlError:
+        return None
+    if isinstance(loss, float) and not math.isfinite(loss):
+        return "NaN" if math.isnan(loss) else "infinite"
+    return None
 
 
 def _warn_unread_settings(spec: LaunchSpec) -> None:
@@ -253,11 +285,22 @@ def _warn_unread_settings(spec: LaunchSpec) -> None:
                      f"settings were never read: {named}")
 
 
-def _report_stopped(result: LaunchResult, spec: LaunchSpec) -> None:
+def _summary_stamp(spec: LaunchSpec) -> int | None:
+    """When summary.json was last written (ns), None without one."""
+    from fdl.rundir.summary import FILE
+
+    try:
+        return (spec.run_dir / FILE).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _report_stopped(result: LaunchResult, spec: LaunchSpec, *, finished: bool = False) -> None:
+    """``finished``: this launch's workers wrote summary.json (the signal came as they ended)."""
     from fdl import console
 
     if result.interrupted:
-        console.error(_interrupted_line(result, spec))
+        console.error(_interrupted_line(result, spec, finished=finished))
         return
     cause = result.root_cause
     assert cause is not None, "a failed launch names its root cause"
@@ -276,13 +319,26 @@ def _report_stopped(result: LaunchResult, spec: LaunchSpec) -> None:
                   hint=f"full log: {cause.log}")
 
 
-def _interrupted_line(result: LaunchResult, spec: LaunchSpec) -> str:
+def _stopped_by_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while no worker runs (the plan's probes, the rendezvous, the end's report): one
+    error line and exit 143, as after the workers, instead of a silent death."""
+    from fdl.errors import FdlError
+
+    raise FdlError("fdl run: stopped by SIGTERM while no worker was running",
+                   hint="run the same command again (fdl run --resume RUN_DIR continues a run "
+                        "that wrote a checkpoint)", exit_code=128 + signum)
+
+
+def _interrupted_line(result: LaunchResult, spec: LaunchSpec, *, finished: bool = False) -> str:
     """Where the run stopped and what can resume it, in one line."""
     from fdl.rundir.layout import logs_dir
     from fdl.rundir.stop_point import stop_point
 
     stopped = "interrupted" if result.stop_signal in (None, "SIGINT") else \
         f"stopped by {result.stop_signal}"
+    if finished:  # the signal came as the run ended: nothing left to do
+        return (f"{stopped} once the run had finished: summary.json and model.pt are in "
+                f"{spec.run_dir}; nothing to resume")
     point = stop_point(spec.run_dir)
     if point is None:  # the script never trained with fdl's engine here
         return f"{stopped}: all workers stopped; their logs are in {logs_dir(spec.run_dir)}"

@@ -11,8 +11,10 @@ server that ignores the range and answers ``200`` is followed from byte 0 again.
 
 Failures:
 
-* connection errors, timeouts, a body shorter than its ``Content-Length``, HTTP 5xx and 429 are
-  transient: the next URL is tried (continuing the ``.part``: mirrors serve the same file, and
+* connection errors, timeouts, a stream slower than :data:`MIN_RATE` (1 KiB/s over 30 s: a
+  drip keeps each read within its timeout; the ranges of a parallel download are not watched),
+  a body shorter than its ``Content-Length``, HTTP 5xx and 429 are transient (``on_retry`` is
+  told each failed round in one line): the next URL is tried (continuing the ``.part``: mirrors serve the same file, and
   several URLs require the expected digest that proves it); once every URL has failed, the round
   is repeated ``retries`` times with exponential backoff; after the last, ``FdlError`` names each
   URL's last cause and the ``.part`` stays for the next run;
@@ -53,7 +55,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +100,9 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
              source_hint: str = "check the URL", max_bytes: int | None = None,
              retries: int = 4, backoff_s: float = 0.5, timeout_s: float = 30.0,
              chunk_size: int = 1 << 20, connections: int | None = None,
-             parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> DownloadResult:
+             parallel_min_bytes: int = PARALLEL_MIN_BYTES,
+             min_rate: MinRate | None = None,
+             on_retry: Callable[[str], None] | None = None) -> DownloadResult:
     """Fetch ``dest`` from ``urls`` (one, or mirrors tried in order) atomically; see the module
     docstring for the contract.
 
@@ -108,7 +112,9 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
     read). ``http_opt_in`` names the user's way to allow plain http and ``source_hint`` where
     else the file may be found, in the errors. ``connections`` (else ``FDL_DOWNLOAD_CONNECTIONS``,
     else from 1 to 4 as the link needs) connections fetch a file of ``parallel_min_bytes`` or
-    more when the server allows.
+    more when the server allows. A stream slower than ``min_rate`` (default
+    :data:`MIN_RATE`) over its window is a transient failure, as a timeout is. ``on_retry`` is
+    told, in one line, each failed round that another follows (its cause and the wait).
     Raises ``FdlError`` (``UsageError`` when every URL is refused by ``check_url``, or the
     number of connections is not 1 to 64, before anything is written)."""
     candidates = [urls] if isinstance(urls, str) else list(urls)
@@ -124,7 +130,8 @@ def download(urls: str | Sequence[str], dest: Path, *, expected: str | None = No
     try:
         url = _fill(part, usable, refused=refused, allow_http=allow_http, opt_in=http_opt_in,
                     source_hint=source_hint, retries=retries, backoff_s=backoff_s,
-                    timeout_s=timeout_s, chunk_size=chunk_size, ranges=ranges)
+                    timeout_s=timeout_s, chunk_size=chunk_size, ranges=ranges,
+                    min_rate=min_rate or MIN_RATE, on_retry=on_retry)
     except TooLarge:
         part.path.unlink(missing_ok=True)
         discard_state(part.path)
@@ -182,9 +189,36 @@ def _usable(urls: list[str], *, allow_http: bool, opt_in: str) -> tuple[list[str
     return usable, refused
 
 
+@dataclass(frozen=True)
+class MinRate:
+    """The slowest stream a download waits on: at least ``bytes_per_s`` over each
+    ``window_s`` (a server that sends a byte a second keeps every read within its timeout and
+    would take 17 minutes for 1,000 bytes)."""
+
+    bytes_per_s: float = 1024.0
+    window_s: float = 30.0
+
+    def watched(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        """``chunks`` as they come; ``_Transient`` once a whole window brought too few bytes."""
+        start, got = time.monotonic(), 0
+        for chunk in chunks:
+            got += len(chunk)
+            yield chunk
+            now = time.monotonic()
+            if now - start >= self.window_s:
+                if got < self.bytes_per_s * self.window_s:
+                    raise _Transient(f"the server sent {got} bytes in {now - start:.0f} s, under "
+                                     f"the {self.bytes_per_s:g} bytes/s a download needs")
+                start, got = now, 0
+
+
+MIN_RATE = MinRate()
+
+
 def _fill(part: PartFile, urls: list[str], *, refused: list[str], allow_http: bool, opt_in: str,
           source_hint: str, retries: int, backoff_s: float, timeout_s: float,
-          chunk_size: int, ranges: Ranges) -> str:
+          chunk_size: int, ranges: Ranges, min_rate: MinRate,
+          on_retry: Callable[[str], None] | None) -> str:
     """Fill ``part`` from the first of ``urls`` that serves the whole file, in rounds (see the
     module docstring); returns that URL, or raises ``FdlError`` naming every URL's failure."""
     causes: dict[str, str] = {}
@@ -193,11 +227,17 @@ def _fill(part: PartFile, urls: list[str], *, refused: list[str], allow_http: bo
     with _http_client(urls, allow_http=allow_http, opt_in=opt_in, timeout_s=timeout_s) as client:
         while pending and attempts <= retries:
             if attempts:
-                time.sleep(min(backoff_s * 2 ** (attempts - 1), _MAX_BACKOFF_S))
+                delay = min(backoff_s * 2 ** (attempts - 1), _MAX_BACKOFF_S)
+                if on_retry is not None:
+                    last = "; ".join(f"{causes[url]} for {url}" for url in pending if url in causes)
+                    on_retry(f"download attempt {attempts} of {retries + 1} failed ({last}); "
+                             f"trying again in {delay:g} s")
+                time.sleep(delay)
             attempts += 1
             for url in list(pending):
                 try:
-                    _from_url(client, url, part, chunk_size=chunk_size, ranges=ranges)
+                    _from_url(client, url, part, chunk_size=chunk_size, ranges=ranges,
+                              min_rate=min_rate)
                     return url
                 except _Transient as exc:
                     causes[url] = str(exc)
@@ -242,7 +282,7 @@ def _is_file(url: str) -> bool:
 
 
 def _from_url(client: Any, url: str, part: PartFile, *, chunk_size: int,
-              ranges: Ranges) -> None:
+              ranges: Ranges, min_rate: MinRate) -> None:
     """One attempt at ``url``; failures become ``_Transient`` or ``_RuledOut``, except a
     refused redirect, a file too large and a local write error (``FdlError``: stop)."""
     if _is_file(url):
@@ -251,7 +291,7 @@ def _from_url(client: Any, url: str, part: PartFile, *, chunk_size: int,
     import httpx
 
     try:
-        _attempt(client, url, part, chunk_size=chunk_size, ranges=ranges)
+        _attempt(client, url, part, chunk_size=chunk_size, ranges=ranges, min_rate=min_rate)
     except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
         raise _Transient(f"{exc or 'no detail'} ({type(exc).__name__})") from exc
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
@@ -273,18 +313,20 @@ def _copy_local(url: str, part: PartFile, *, chunk_size: int) -> None:
         raise _RuledOut(f"{exc.strerror or exc}: {exc.filename or source}") from exc
 
 
-def _attempt(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges) -> None:
+def _attempt(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges,
+             min_rate: MinRate) -> None:
     """One GET, continuing the ``.part`` when the server honours the range; the missing ranges
     when the ``.part`` is a parallel download's, and a parallel download when it may be one.
     A server that offers ranges and then ignores them gets one stream, from the start."""
     try:
-        _one_get(client, url, part, chunk_size=chunk_size, ranges=ranges)
+        _one_get(client, url, part, chunk_size=chunk_size, ranges=ranges, min_rate=min_rate)
     except RangesIgnored:
         _one_get(client, url, part, chunk_size=chunk_size,
-                 ranges=dataclasses.replace(ranges, ranged=False))
+                 ranges=dataclasses.replace(ranges, ranged=False), min_rate=min_rate)
 
 
-def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges) -> None:
+def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Ranges,
+             min_rate: MinRate) -> None:
     """The missing ranges of a recorded parallel download, else one GET from the ``.part``'s
     end (a record that cannot be trusted empties the ``.part`` first)."""
     state = load_state(part.path)
@@ -321,7 +363,7 @@ def _one_get(client, url: str, part: PartFile, *, chunk_size: int, ranges: Range
             fetch_ranges(client, url, part, state, first=response, batch_bytes=chunk_size,
                          ranges=ranges)
             return
-        part.append(response.iter_raw(), total=total, batch_bytes=chunk_size)
+        part.append(min_rate.watched(response.iter_raw()), total=total, batch_bytes=chunk_size)
     if total is not None and part.size != total:
         raise _Transient(f"the server closed the connection after {part.size} of {total} bytes")
 

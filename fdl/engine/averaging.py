@@ -97,6 +97,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 EXCHANGE_FLOATS = 1 << 20
 
 
+def tensor_count(model: nn.Module) -> tuple[int, int]:
+    """How many parameter tensors and floating-point buffers ``model`` holds."""
+    return (sum(1 for _ in model.parameters()),
+            sum(1 for b in model.buffers() if b.is_floating_point()))
+
+
 class Averager:
     """The flat buffers of one model replica and the collective over them."""
 
@@ -116,6 +122,7 @@ class Averager:
         self.tensors = ([p.data for p in model.parameters()] if params else []) + [
             b for b in model.buffers() if b.is_floating_point()]
         self.numel = sum(t.numel() for t in self.tensors)
+        self.counted = tensor_count(model)  # what the replica held when training started
         self.param_numel = sum(p.numel() for p in model.parameters()) if params else 0
         self.via_host = backend != "nccl"
         buffer_device = device if backend == "nccl" else torch.device("cpu")
@@ -148,6 +155,21 @@ class Averager:
         self.bytes = self.flat.numel() * self.flat.element_size() if self.wire is None else (
             self.wire.nbytes + (self.flat.numel() - self.numel) * self.flat.element_size())
         self.ints.check(self.ints.values(torch.device("cpu")), dtype=dtype)
+
+    def check_unchanged(self, model: nn.Module) -> None:
+        """UsageError when ``model`` holds parameters or buffers it did not hold when this
+        averager was built (a module added after training started): they would never be
+        averaged, and each rank's copy would drift apart, silently."""
+        from fdl.errors import UsageError
+
+        now = tensor_count(model)
+        if now != self.counted:
+            raise UsageError(
+                f"the model changed during training: it holds {now[0]} parameter and {now[1]} "
+                f"buffer tensors, {self.counted[0]} and {self.counted[1]} when run.batches "
+                f"started; fdl averages what the model held then, so the rest would drift "
+                f"apart on each rank", hint="build the whole model (every module it will use) "
+                                            "before run.batches(...)")
 
     @torch.no_grad()
     def rebase(self) -> None:

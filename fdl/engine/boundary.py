@@ -144,6 +144,7 @@ class Boundary:
         would grow the rounds for it."""
         averager, rank_state = parts.replica.averager, parts.tallies.rank_state
         assert averager is not None
+        averager.check_unchanged(parts.replica.model)
         start = time.perf_counter()
         rows = None
         if self.pending is not None:  # async: the average launched at the last boundary

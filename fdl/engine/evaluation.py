@@ -83,6 +83,12 @@ class Evaluator:
             raise UsageError(f"run.evaluate(..., every={every}): every set is evaluated at "
                              f"the same points, {points} here (the first call's every)",
                              hint="leave every to the first call")
+        size = _size_of(data)
+        if size == 0:
+            raise UsageError(f"run.evaluate's {'set ' + repr(name) if name else 'data'} holds no "
+                             "sample: it would give no metric", hint="pass the evaluation set "
+                                                                     "(a dataset or DataLoader "
+                                                                     "with samples)")
         if not self.sets:
             self.every = every
         self.sets.append(EvalSet(data, fn, derive, name))
@@ -106,6 +112,15 @@ class Evaluator:
         if self.sets:
             self.last = evaluated
         self.eval_s += time.perf_counter() - begin
+
+
+def _size_of(data: Any) -> int | None:
+    """How many samples ``data`` holds (a DataLoader's dataset's), None when it does not say."""
+    held = getattr(data, "dataset", data)
+    try:
+        return len(held)
+    except TypeError:
+        return None
 
 
 def evaluation_due(every_samples: int | None, plan: RoundPlan, state: PlanState) -> bool:

@@ -38,9 +38,11 @@ class RunResult:
 
 def finish_run(parts: Parts, state: PlanState, *, started: float,
                choice: PolicyChoice | None, resumed_from: str | None, micro_batch_size: int,
-               p2p: P2PChoice | None) -> RunResult:
+               p2p: P2PChoice | None, in_precision: bool = True) -> RunResult:
     """The run's end on every rank (the module docstring); ``started`` is when training
-    started (the evaluations' time is left out of the wall time)."""
+    started (the evaluations' time is left out of the wall time); ``micro_batch_size`` and
+    ``in_precision``: what this rank computed in (a loop that never asked for its micro-parts
+    or its autocast computed whole batches in fp32, and the summary says so)."""
     wall_s = time.perf_counter() - started - parts.evaluator.eval_s
     parts.replica.sync.close()  # DDP's wrapper dropped before the process group goes
     model = parts.replica.model
@@ -54,7 +56,7 @@ def finish_run(parts: Parts, state: PlanState, *, started: float,
     summary = RunSummary(
         policy=policy, backend=parts.replica.group.backend,
         emulated_slowdown=parts.config.simulate_slowdown, epochs=parts.config.epochs,
-        wall_s=wall_s, ranks=_ranks(parts, micro_batch_size), syncs=parts.tallies.totals.syncs,
+        wall_s=wall_s, ranks=_ranks(parts, micro_batch_size, in_precision), syncs=parts.tallies.totals.syncs,
         comm_ms=parts.tallies.totals.comm_ms, eval=parts.evaluator.last,
         final_loss=parts.recorder.last_loss, eval_s=parts.evaluator.eval_s,
         seed=parts.config.seed, anchor_history=list(state.anchor_history),
@@ -76,18 +78,19 @@ def finish_run(parts: Parts, state: PlanState, *, started: float,
                      run_dir)
 
 
-def _ranks(parts: Parts, micro_batch_size: int) -> list[RankSummary]:
+def _ranks(parts: Parts, micro_batch_size: int, in_precision: bool) -> list[RankSummary]:
     """Every rank's part of the run, in one collective (and, with several ranks, one gather of
     the devices' names)."""
     world, device, averager = parts.world_size, parts.device, parts.replica.averager
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     own = averager.memory_bytes() if averager is not None else (0, 0)
-    mine = RankEnd(parts.tallies.totals.figures, micro_batch_size, peak, *own)
+    mine = RankEnd(parts.tallies.totals.figures, micro_batch_size, peak, *own, in_precision)
     ends = [RankEnd.from_row(row) for row in exchange_rows(
         mine.to_row(), rank=parts.rank, world_size=world, device=device)]
     devices = gather_labels(device_label(device), world_size=world) if world > 1 \
         else [str(device)]
-    return [RankSummary(device=name, precision=precision, samples=int(end.figures.samples),
+    return [RankSummary(device=name, precision=precision if end.in_precision else "fp32",
+                        samples=int(end.figures.samples),
                         busy_s=end.figures.busy_s, emulated_sleep_s=end.figures.sleep_s,
                         data_wait_s=end.figures.data_s, ddp_comm_s=end.figures.comm_s,
                         micro_batch_size=end.micro_batch_size,

@@ -169,6 +169,9 @@ class Run:
     # them; a loop of its own asks run.micro_parts(batch).
     micro_batches: MicroBatches = field(default_factory=lambda: MicroBatches(None))
     state_objects: dict[str, Any] = field(default_factory=dict)  # run.state's, by name
+    # what the script asked for ("autocast", "micro_parts"): a loop that never did computed in
+    # fp32 and whole batches, whatever --precision and --micro-batch said
+    _asked: set[str] = field(default_factory=set)
     _parts: Parts | None = None  # built when run.batches starts (fdl.engine.assembly)
     _final: PlanState | None = None
     _started: float = 0.0
@@ -218,11 +221,13 @@ class Run:
         the batch: weight each part's mean loss by it and backward each, iterating the parts
         in order; ``[(batch, 1.0)]`` without micro-batches. Under sync the gradients are
         all-reduced with the last part's backward (fdl.engine.grad_sync)."""
+        self._asked.add("micro_parts")
         parts = self.micro_batches.parts(batch)
         return self._parts.replica.sync.parts(parts) if self._parts is not None else parts
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """This rank's precision for the forward pass (fp32: nothing changes)."""
+        self._asked.add("autocast")
         return autocast(self.device, self.precision)
 
     def log(self, **scalars: Any) -> None:
@@ -523,15 +528,22 @@ class Run:
             raise UsageError("run.finish() comes after the last batch of run.batches(...)",
                              hint="iterate run.batches(...) to its end (set epochs or a "
                                   "budget instead of leaving the loop early)")
+        whole = self.config.batch_size
         try:
             result = finish_run(parts, state, started=self._started,
                                 choice=self._policy_choice,
                                 resumed_from=self._start.resumed_from,
-                                micro_batch_size=self.micro_batches.label(self.config.batch_size),
-                                p2p=self.group.p2p)
+                                micro_batch_size=self.micro_batches.label(whole)
+                                if "micro_parts" in self._asked else whole,
+                                p2p=self.group.p2p,
+                                in_precision="autocast" in self._asked)
         finally:
             self._close()
         self._finished = result
+        if self.membership.rank == 0:
+            for line in unapplied_settings(parts.precisions, result.summary,
+                                           micro_batches=self.micro_batches, batch_size=whole):
+                _console().warn(line)
         return result
 
     def _close(self) -> None:
@@ -546,6 +558,26 @@ class Run:
             if self._parts is not None:
                 self._parts.recorder.close()
             self._close()
+
+
+def unapplied_settings(asked: list[str], summary: dict[str, Any], *, micro_batches: MicroBatches,
+                       batch_size: int) -> list[str]:
+    """A line for each setting a rank was given and its script never applied (``asked``: every
+    rank's precision as given; ``summary``: what the ranks computed in): a loop that never
+    entered ``run.autocast()`` or never asked ``run.micro_parts(batch)``."""
+    lines = []
+    plain = [rank for rank, (given, used) in enumerate(zip(asked, summary["precision"],
+                                                           strict=True)) if given != used]
+    if plain:
+        lines.append(f"--precision {','.join(asked)}: the script never entered run.autocast(), "
+                     f"so rank(s) {', '.join(map(str, plain))} computed in fp32 (summary.json "
+                     f"says so); wrap the forward pass in `with run.autocast():`")
+    if micro_batches.size is not None and micro_batches.size < batch_size and \
+            summary["micro_batch_size"][0] == batch_size:
+        lines.append(f"--micro-batch {micro_batches.size}: the script never asked "
+                     f"run.micro_parts(batch), so it computed whole batches of {batch_size}; "
+                     f"backward each part of `for part, weight in run.micro_parts(batch):`")
+    return lines
 
 
 def _console() -> Any:

@@ -86,27 +86,30 @@ NO_PEAK = -1  # a rank off CUDA has no peak memory figure (a row carries numbers
 @dataclass(frozen=True)
 class RankEnd:
     """What one rank tells the others at the run's end (``summary.json``): its figures over the
-    run, the size of its micro-batches, its GPU's peak allocated bytes (None off CUDA) and
-    fdl's own averaging memory on the device and in host memory. Whole numbers a float64 row
-    carries exactly."""
+    run, the size of its micro-batches, its GPU's peak allocated bytes (None off CUDA), fdl's
+    own averaging memory on the device and in host memory, and whether its forward passes ran
+    in its precision (a loop that never entered ``run.autocast()`` computed in fp32). Whole
+    numbers a float64 row carries exactly."""
 
     figures: RankFigures
     micro_batch_size: int
     peak_memory_bytes: int | None
     fdl_device_bytes: int
     fdl_host_bytes: int
+    in_precision: bool = True
 
     def to_row(self) -> list[float]:
         peak = NO_PEAK if self.peak_memory_bytes is None else self.peak_memory_bytes
         return [*self.figures.to_row(), float(self.micro_batch_size), float(peak),
-                float(self.fdl_device_bytes), float(self.fdl_host_bytes)]
+                float(self.fdl_device_bytes), float(self.fdl_host_bytes),
+                float(self.in_precision)]
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> RankEnd:
         count = len(FIGURE_FIELDS)
-        micro, peak, device, host = (int(value) for value in row[count:])
+        micro, peak, device, host, applied = (int(value) for value in row[count:])
         return cls(RankFigures.from_row(row[:count]), micro, None if peak < 0 else peak, device,
-                   host)
+                   host, bool(applied))
 
 
 def round_stats(reports: Sequence[RoundReport]) -> RoundStats:

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fdl import readback
 from fdl.errors import UsageError
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 WORKER_PYTHON_ENV = "FDL_WORKER_PYTHON"  # {"<local rank>": "<interpreter>"}, JSON
 EXECED_ENV = "FDL_WORKER_PYTHON_EXECED"  # set across the exec: never a second one
 PROBE_TIMEOUT_S = 60.0
+PROBE_QUIET_S = 5.0  # a probe that takes longer says what it waits for, and until when
 # What a named interpreter reports, without importing torch (seconds on a CUDA wheel).
 _PROBE = ("import json, sys\n"
           "from importlib.metadata import PackageNotFoundError, version\n"
@@ -186,10 +187,10 @@ def probe_interpreter(local_rank: int, path: str, *,
     import subprocess  # here: every worker imports this module first (exec_if_named)
 
     try:
-        done = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, env=_clean_env(os.environ))
-        report = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 \
-            else None
+        code, out = _answer(subprocess.Popen(
+            [path, "-c", _PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=_clean_env(os.environ), start_new_session=True), local_rank=local_rank, path=path)
+        report = json.loads(out.strip().splitlines()[-1]) if code == 0 else None
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         report = None
     if not isinstance(report, dict) or not all(isinstance(report.get(k), (str, type(None)))
@@ -204,6 +205,33 @@ def probe_interpreter(local_rank: int, path: str, *,
                               "fdl torch==<this release>")
     return Interpreter(local_rank, path, str(report["python"]), str(report["fdl"]),
                        str(report["torch"]))
+
+
+def _answer(child: Any, *, local_rank: int, path: str) -> tuple[int | None, str]:
+    """The probe's exit code and output. A probe still running after :data:`PROBE_QUIET_S`
+    says so in one line; one still running at :data:`PROBE_TIMEOUT_S` is killed with its whole
+    session (a daemon it started, holding its output open, included) and answers None."""
+    import contextlib
+    import signal
+    import subprocess
+
+    try:
+        try:
+            out, _ = child.communicate(timeout=PROBE_QUIET_S)
+        except subprocess.TimeoutExpired:
+            from fdl import console
+
+            console.info(f"fdl run: waiting for {_named(path)} (local rank {local_rank}) to say "
+                         f"which Python, fdl and torch it runs (up to {PROBE_TIMEOUT_S:g} s)")
+            out, _ = child.communicate(timeout=PROBE_TIMEOUT_S - PROBE_QUIET_S)
+        return child.returncode, out
+    except subprocess.TimeoutExpired:
+        return None, ""
+    finally:
+        # its session, answered or not: nothing the probe started stays behind
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 def check_alike(interpreters: list[Interpreter], *, own: Interpreter,

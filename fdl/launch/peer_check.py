@@ -29,8 +29,9 @@ CONNECT_S = 3.0
 
 @dataclass(frozen=True)
 class PeerCheck:
-    """What ``fdl diagnose --peer`` found. ``outcome``: ``reachable``, ``this node``,
-    ``refused``, ``no answer``, ``no route`` or ``unresolved``."""
+    """What ``fdl diagnose --peer`` found. ``outcome``: ``reachable``, ``this node``, ``port
+    held`` (this node, and something holds the port: node 0 could not host the rendezvous
+    there), ``refused``, ``no answer``, ``no route`` or ``unresolved``."""
 
     endpoint: str
     outcome: str
@@ -68,7 +69,7 @@ def check_peer(endpoint: str, *, timeout_s: float = CONNECT_S) -> PeerCheck:
     if owns_address(family, address):
         free = port_free(family, address, port)
         return PeerCheck(
-            shown, "this node",
+            shown, "this node" if free else "port held",
             f"{shown} is this node ({kind}): run node 0 here, it hosts the rendezvous; "
             + ("the port is free" if free else "something already listens on the port "
                "(another launcher hosts a rendezvous here, or another program holds it)"),

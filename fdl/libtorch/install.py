@@ -114,9 +114,11 @@ def _fetch_and_install(store: Store, request: ArchiveRequest, *, allow_http: boo
     staging = store.staging()
     archive = staging / f"{_lock_name(request)}.zip"
     tree = staging / f"{_lock_name(request)}.tree"
+    from fdl import console
+
     result = download(request.url, archive, expected=request.sha256, progress=progress,
                       allow_http=allow_http, source_hint=SOURCE_HINT,
-                      max_bytes=max_bytes)  # zipped <= unpacked
+                      max_bytes=max_bytes, on_retry=console.warn)  # zipped <= unpacked
     try:
         name, meta = _name_and_meta(request, result.path)
         same = next((v for v in store.variants() if v.id == f"precompiled/{name}"), None)

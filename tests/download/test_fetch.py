@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from fdl.download.fetch import download
+from fdl.download.fetch import MinRate, download
 from fdl.errors import FdlError, UsageError
 
 DATA = random.Random(0).randbytes(3 * (1 << 20) + 12345)  # not a multiple of any chunk size
@@ -217,3 +217,35 @@ def test_a_file_url_naming_another_host_is_refused_before_anything_is_written(tm
 
 def _only(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_drip_slower_than_the_minimum_rate_is_given_up_and_retried(served, tmp_path):
+    """A byte at a time keeps every read within its timeout: 1,000 bytes at 1 byte/s took 17
+    minutes. Under the minimum rate over a window (shortened here) the stream is a transient
+    failure; the next attempt, served normally, completes."""
+    small = bytes(range(200))
+    served.files["small.bin"] = small
+    served.script.append(served.Act(drip_s=0.02))  # 50 bytes/s, then normal answers
+    told = []
+    result = download(served.url("small.bin"), tmp_path / "small.bin",
+                      expected=hashlib.sha256(small).hexdigest(),
+                      min_rate=MinRate(bytes_per_s=1000, window_s=0.3), on_retry=told.append,
+                      **FAST)
+    assert result.path.read_bytes() == small
+    assert len(served.requests) == 2
+    assert len(told) == 1 and told[0].startswith("download attempt 1 of 5 failed (the server sent ")
+    assert "under the 1000 bytes/s a download needs" in told[0]
+    assert told[0].endswith("; trying again in 0.01 s")
+
+
+def test_each_failed_round_is_told_in_one_line_and_the_error_names_the_last(served, tmp_path):
+    """A server that keeps failing said nothing but `fetching ...` for the whole of its
+    retries."""
+    served.default = served.Act(status=503)
+    told = []
+    with pytest.raises(FdlError, match="download failed after 3 attempts"):
+        download(served.url("libtorch.zip"), tmp_path / "libtorch.zip", expected=DIGEST,
+                 retries=2, on_retry=told.append, **FAST)
+    assert [line.split(" failed ")[0] for line in told] == ["download attempt 1 of 3",
+                                                             "download attempt 2 of 3"]
+    assert all("HTTP 503" in line and served.url("libtorch.zip") in line for line in told)

@@ -397,3 +397,20 @@ def test_checksum_is_a_function_of_the_bits():
     with torch.no_grad():
         model[0].weight[0, 0] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     assert checksum(model) != checksum(build_model(0))
+
+
+def test_a_module_added_after_training_started_is_named_not_left_unaveraged():
+    """A head added to the model after the first step was never averaged and never mentioned:
+    each rank's copy drifted apart. The boundary checks the model against what the averager
+    was built on before every average (fdl.engine.boundary.Boundary.average)."""
+    from fdl.errors import UsageError
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    averager = Averager(model, rank=0, world_size=1, backend="cpu", device=torch.device("cpu"),
+                        num_stats=1)
+    averager.check_unchanged(model)  # as built: nothing to say
+    model.append(nn.BatchNorm1d(4))  # 2 parameters and 2 floating-point buffers more
+    with pytest.raises(UsageError, match=r"the model changed during training: it holds 4 "
+                                         r"parameter and 2 buffer tensors, 2 and 0 when") as told:
+        averager.check_unchanged(model)
+    assert "before run.batches" in told.value.hint

@@ -8,6 +8,7 @@ loop that never steps is told so."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -408,6 +409,20 @@ def test_an_evaluation_every_zero_steps_is_refused():
         run.evaluate([], lambda model, batch: {}, every=0)
 
 
+@pytest.mark.parametrize("empty", [[], torch.utils.data.DataLoader([], batch_size=4)],
+                         ids=["list", "dataloader"])
+def test_an_empty_evaluation_set_is_refused_when_it_is_given(empty):
+    """It gave no metric and no word."""
+    import fdl
+
+    run = fdl.init()
+    with pytest.raises(fdl.errors.UsageError, match=r"run\.evaluate's data holds no sample"):
+        run.evaluate(empty, lambda model, batch: {"loss": 0.0})
+    run.evaluate([(torch.zeros(2), 0)], lambda model, batch: {"loss": 0.0})  # one sample will do
+    with pytest.raises(fdl.errors.UsageError, match=r"run\.evaluate's set 'train' holds no"):
+        run.evaluate(empty, lambda model, batch: {"loss": 0.0}, name="train")
+
+
 def test_a_second_run_batches_is_refused_with_what_to_do_instead(tmp_path, monkeypatch):
     """Two phases as two loops over run.batches: one clear error, saying how to have them."""
     import fdl
@@ -494,6 +509,41 @@ def test_a_model_or_optimizer_that_is_none_is_refused_in_one_line(tmp_path, monk
                     batch_size=8, epochs=1)
     assert "model=model, optimizer=optimizer" in refused.value.hint
     run.abandon()
+
+
+@pytest.mark.parametrize("asks", [False, True], ids=["never-asks", "asks"])
+def test_precision_and_micro_batches_a_loop_never_applied_are_not_recorded_as_applied(
+        tmp_path, monkeypatch, capsys, asks):
+    """A loop that never entered run.autocast() trained in fp32 and one that never asked
+    run.micro_parts(batch) computed whole batches, while summary.json said bf16 and 4."""
+    import fdl
+
+    monkeypatch.setenv("FDL_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("FDL_PRECISION", "bf16")
+    monkeypatch.setenv("FDL_MICRO_BATCH", "4")
+    run = fdl.init(seed=1)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for features, labels in run.batches([(torch.ones(4), 0)] * 16, model=model,
+                                        optimizer=optimizer, batch_size=8, epochs=1):
+        parts = run.micro_parts((features, labels)) if asks else [((features, labels), 1.0)]
+        for (x, y), weight in parts:
+            with run.autocast() if asks else contextlib.nullcontext():
+                loss = torch.nn.functional.cross_entropy(model(x), y) * weight
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    summary = run.finish().summary
+    said = capsys.readouterr().err
+    if asks:
+        assert summary["precision"] == ["bf16"] and summary["micro_batch_size"] == [4]
+        assert "never entered" not in said and "never asked" not in said
+    else:
+        assert summary["precision"] == ["fp32"] and summary["micro_batch_size"] == [8]
+        assert "warning: --precision bf16: the script never entered run.autocast(), so " \
+               "rank(s) 0 computed in fp32" in said
+        assert "warning: --micro-batch 4: the script never asked run.micro_parts(batch), so " \
+               "it computed whole batches of 8" in said
 
 
 @pytest.mark.parametrize(("policy", "samples", "refused", "call"), [

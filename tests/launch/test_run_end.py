@@ -147,6 +147,68 @@ def test_a_loop_that_never_calls_finish_is_not_done(tmp_path):
     assert "fdl run: done" in proc.stdout + proc.stderr
 
 
+def test_a_run_whose_loss_diverged_is_not_done(tmp_path):
+    """A NaN loss ended "fdl run: done", exit 0, with an all-NaN model.pt; the report's "final
+    loss NaN (diverged)" was the only sign."""
+    diverging = UNFINISHED.format(ending="run.finish()").replace("lr=0.1", "lr=1e38")
+    (tmp_path / "train.py").write_text(diverging.replace(
+        "    optimizer.step()\n", "    run.log(loss=torch.nn.functional.mse_loss(model(features), "
+        "target).detach())\n    optimizer.step()\n"))
+    proc = run_fdl("run", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run"),
+                   "train.py", cwd=tmp_path, env=CPU_ONLY, timeout=GUARD_S)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "fdl run: done" not in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-2].startswith(
+        "error: the run diverged: its final loss is ")
+    assert (tmp_path / "run" / "model.pt").is_file()  # nothing written is lost
+
+
+# --- SIGTERM while no worker runs, and a signal as the run ends -----------------------------------
+
+
+def test_sigterm_before_the_workers_start_ends_with_one_line(tmp_path):
+    """SIGTERM in the launch's first second ended it with exit 143 and no line. Here the
+    launcher waits on a --worker-python that never answers (its waiting line says when), and
+    the probe it started goes with it."""
+    (tmp_path / "train.py").write_text("")
+    hung = tmp_path / "python"
+    daemon = tmp_path / "daemon.pid"
+    hung.write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {daemon}\nsleep 1000\n")
+    hung.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "fdl", "run", *TWO_CPU_WORKERS,
+                             "--worker-python", f"1={hung}", "train.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(CPU_ONLY), start_new_session=True)
+    try:
+        line = proc.stderr.readline()  # the probe's waiting line, 5 s into the wait
+        assert line.startswith("fdl run: waiting for "), line
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=GUARD_S)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert err.splitlines()[-2:] == [
+        "error: fdl run: stopped by SIGTERM while no worker was running",
+        "hint: run the same command again (fdl run --resume RUN_DIR continues a run that wrote "
+        "a checkpoint)"]
+    wait_until_gone([int(daemon.read_text())], "the probe's daemon to go with the launcher")
+
+
+def test_a_signal_as_the_run_ended_says_there_is_nothing_to_resume(tmp_path):
+    """A signal as summary.json appeared said "resume with: fdl run --resume ..." for a run
+    that had finished (resuming retrained an epoch)."""
+    from types import SimpleNamespace
+
+    from fdl.cli.run import _interrupted_line
+    from fdl.launch.elastic import LaunchResult
+
+    stopped = LaunchResult(143, interrupted=True, stop_signal="SIGTERM")
+    line = _interrupted_line(stopped, SimpleNamespace(run_dir=tmp_path), finished=True)
+    assert line == (f"stopped by SIGTERM once the run had finished: summary.json and model.pt "
+                    f"are in {tmp_path}; nothing to resume")
+
+
 # --- Ctrl-C ------------------------------------------------------------------------------------
 
 

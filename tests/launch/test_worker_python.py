@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error, bare_venv, run_fdl, standin_torch
+from helpers import assert_one_error, bare_venv, run_fdl, standin_torch, wait_until_gone
 
 SCRIPT = Path(__file__).parent / "scripts" / "where_am_i.py"
 
@@ -118,6 +118,27 @@ def test_a_worker_python_path_with_a_newline_stays_on_one_error_line(tmp_path):
                    cwd=tmp_path)
     assert_one_error(proc, 2, "--worker-python: ", "bin\\nsh (local rank 1) does not run as a "
                                                   "Python interpreter")
+
+
+def test_a_worker_python_that_never_answers_is_said_then_killed_with_what_it_started(
+        tmp_path, monkeypatch, capsys):
+    """60 s of silence, then "does not run as a Python interpreter", and the daemon it had
+    started (holding its output open) left running. The waits are shortened here (the
+    module's constants); the probe, its daemon and their session are real processes."""
+    import fdl.launch.interpreters as interpreters
+    from fdl.errors import UsageError
+
+    monkeypatch.setattr(interpreters, "PROBE_QUIET_S", 0.2)
+    monkeypatch.setattr(interpreters, "PROBE_TIMEOUT_S", 1.5)
+    daemon = tmp_path / "daemon.pid"
+    hung = tmp_path / "python"
+    hung.write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {daemon}\nsleep 1000\n")
+    hung.chmod(0o755)
+    with pytest.raises(UsageError, match="does not run as a Python interpreter"):
+        interpreters.probe_interpreter(1, str(hung))
+    assert f"fdl run: waiting for {hung} (local rank 1) to say which Python, fdl and torch it " \
+           f"runs (up to 1.5 s)" in capsys.readouterr().err
+    wait_until_gone([int(daemon.read_text())], "the probe's daemon to be killed")
 
 
 def make_cu128_standin(root: Path) -> Path:

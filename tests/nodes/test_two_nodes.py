@@ -253,9 +253,12 @@ def test_diagnose_peer_says_what_stands_between_two_machines(tmp_path):
             assert listener.stdout.readline().strip() == "ready"
             code, reachable = peer_check(node1, endpoint)
             assert code == 0 and reachable["outcome"] == "reachable", reachable
-            code, own = peer_check(node0, endpoint)
-            assert code == 0 and own["outcome"] == "this node", own
+            code, own = peer_check(node0, endpoint)  # the port held: node 0 could not host
+            assert code == 1 and own["outcome"] == "port held", own
             assert "something already listens on the port" in own["message"]
+        code, own = peer_check(node0, endpoint)
+        assert code == 0 and own["outcome"] == "this node", own
+        assert "the port is free" in own["message"]
         code, unknown = peer_check(node1, "node-that-is-nowhere.invalid")
         assert code == 1 and unknown["outcome"] == "unresolved", unknown
         assert unknown["endpoint"] == "node-that-is-nowhere.invalid:29400"
