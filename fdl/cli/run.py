@@ -136,6 +136,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     from fdl import console
     from fdl.launch.elastic import launch, preflight
     from fdl.launch.live import live_progress
+    from fdl.rundir import model, summary
     from fdl.rundir.layout import join_or_prepare_run_dir
     from fdl.rundir.timeline_plot import load_in_background
     from fdl.version import __version__
@@ -161,7 +162,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     if result.exit_code == 0 and _unfinished(spec):
         _write_timeline(spec)
         console.error(f"the script trained with fdl but ended without run.finish(): no "
-                      f"summary.json and no model.pt in {spec.run_dir}",
+                      f"{summary.FILE} and no {model.FILE} in {spec.run_dir}",
                       hint="end the script with result = run.finish() after its loop "
                            "(fdl.Trainer.fit() calls it)")
         return 1
@@ -171,10 +172,11 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
         _write_timeline(spec)
         _warn_unread_settings(spec)
         if diverged is not None:
-            console.error(f"the run diverged: its final loss is {diverged}, and model.pt in "
+            console.error(f"the run diverged: its final loss is {diverged}, and {model.FILE} in "
                           f"{spec.run_dir} holds the diverged weights",
                           hint="lower the learning rate or clip the gradients and train again "
-                               "(timeline.html shows where the loss stopped being a number)")
+                               "(the run's timeline shows where the loss stopped being a "
+                               "number)")
             return 1
     else:
         _write_timeline(spec)
@@ -337,7 +339,9 @@ def _interrupted_line(result: LaunchResult, spec: LaunchSpec, *, finished: bool 
     stopped = "interrupted" if result.stop_signal in (None, "SIGINT") else \
         f"stopped by {result.stop_signal}"
     if finished:  # the signal came as the run ended: nothing left to do
-        return (f"{stopped} once the run had finished: summary.json and model.pt are in "
+        from fdl.rundir import model, summary
+
+        return (f"{stopped} once the run had finished: {summary.FILE} and {model.FILE} are in "
                 f"{spec.run_dir}; nothing to resume")
     point = stop_point(spec.run_dir)
     if point is None:  # the script never trained with fdl's engine here

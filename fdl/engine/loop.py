@@ -570,8 +570,8 @@ def unapplied_settings(asked: list[str], summary: dict[str, Any], *, micro_batch
                                                            strict=True)) if given != used]
     if plain:
         lines.append(f"--precision {','.join(asked)}: the script never entered run.autocast(), "
-                     f"so rank(s) {', '.join(map(str, plain))} computed in fp32 (summary.json "
-                     f"says so); wrap the forward pass in `with run.autocast():`")
+                     f"so rank(s) {', '.join(map(str, plain))} computed in fp32 (the run's "
+                     f"summary says so); wrap the forward pass in `with run.autocast():`")
     if micro_batches.size is not None and micro_batches.size < batch_size and \
             summary["micro_batch_size"][0] == batch_size:
         lines.append(f"--micro-batch {micro_batches.size}: the script never asked "
