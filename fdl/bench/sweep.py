@@ -41,7 +41,7 @@ from fdl.errors import FdlError, UsageError
 from fdl.launch.child import check_out, run_from_scratch
 from fdl.launch.devices import usable_cores
 from fdl.ranges import WORKERS_PER_NODE
-from fdl.rundir.summary import has_summary
+from fdl.rundir.summary import diverged_loss, has_summary
 from fdl.settings import BY_NAME as SETTINGS_BY_NAME
 from fdl.settings import POLICIES, as_flags, parse_from, without_run_settings
 from fdl.system.facts import machine_facts
@@ -255,7 +255,7 @@ def run_cell(cell: Cell, *, out_dir: Path, data_dir: Path | None = None) -> dict
     started = time.time()
     # cwd=out_dir: a fdl.toml in the user's directory must not change the benchmark.
     code = run_from_scratch(argv, run_dir=run_dir, log=log, cwd=out_dir, env=cell_env(cell))
-    if code == 0 and has_summary(run_dir):
+    if has_summary(run_dir) and (code == 0 or diverged_loss(run_dir) is not None):
         record = build_record(cell, run_dir=run_dir, out_dir=out_dir)
         append_record(out_dir / "results.jsonl", record)
         return record

@@ -138,6 +138,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
     from fdl.launch.live import live_progress
     from fdl.rundir import model, summary
     from fdl.rundir.layout import join_or_prepare_run_dir
+    from fdl.rundir.summary import diverged_loss
     from fdl.rundir.timeline_plot import load_in_background
     from fdl.version import __version__
 
@@ -167,7 +168,7 @@ def _execute(spec: LaunchSpec, *, live: bool) -> int:
                            "(fdl.Trainer.fit() calls it)")
         return 1
     if result.exit_code == 0:
-        diverged = _diverged_loss(spec)
+        diverged = diverged_loss(spec.run_dir)
         _report_done(spec, done=diverged is None)
         _write_timeline(spec)
         _warn_unread_settings(spec)
@@ -247,26 +248,6 @@ def _report_done(spec: LaunchSpec, *, done: bool = True) -> None:
         render(run_report(spec.run_dir))
     if done:
         console.info(f"fdl run: done; run directory {spec.run_dir}")
-
-
-def _diverged_loss(spec: LaunchSpec) -> str | None:
-    """``NaN`` or ``infinite`` when the run's summary (rank 0's node) has a final loss that is
-    no number (the run diverged), else None; a summary that cannot be read is left to the
-    report, which says what is wrong with it."""
-    import math
-
-    from fdl.errors import FdlError
-    from fdl.rundir.summary import has_summary, load_summary
-
-    if not has_summary(spec.run_dir):
-        return None
-    try:
-        loss = load_summary(spec.run_dir).get("final_loss")
-    except FdlError:
-        return None
-    if isinstance(loss, float) and not math.isfinite(loss):
-        return "NaN" if math.isnan(loss) else "infinite"
-    return None
 
 
 def _warn_unread_settings(spec: LaunchSpec) -> None:

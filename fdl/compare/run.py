@@ -24,6 +24,7 @@ from fdl.compare.results import CellOutcome, RunResult, RunUnusable, load_run_re
 from fdl.errors import UsageError
 from fdl.files import write_atomic, write_json_atomic
 from fdl.launch.child import check_out, run_from_scratch
+from fdl.rundir.summary import diverged_loss
 
 PLAN_FILE = "plan.json"
 SCHEMA = 1
@@ -129,7 +130,7 @@ def run_cell(cell: CompareCell, *, cwd: Path, env: Mapping[str, str],
     except RunUnusable as exc:
         why = f"fdl run exited with code {code}" if code else exc.message
         return _outcome(cell, failure=why)
-    if code != 0:
+    if code != 0 and diverged_loss(cell.run_dir) is None:  # a diverged run is a result
         return _outcome(cell, failure=f"fdl run exited with code {code}")
     return _outcome(cell, result=result)
 

@@ -172,6 +172,26 @@ def has_summary(run_dir: Path) -> bool:
     return os.path.lexists(run_dir / FILE)
 
 
+def diverged_loss(run_dir: Path) -> str | None:
+    """``NaN`` or ``infinite`` when ``run_dir``'s summary has a final loss that is no number
+    (the run diverged: ``fdl run`` exits 1 for it, and ``fdl bench`` and ``fdl compare`` record
+    it as a result), else None; None too for a summary that cannot be read (the report says
+    what is wrong with it)."""
+    import math
+
+    from fdl.errors import FdlError
+
+    if not has_summary(run_dir):
+        return None
+    try:
+        loss = load_summary(run_dir).get("final_loss")
+    except FdlError:
+        return None
+    if isinstance(loss, float) and not math.isfinite(loss):
+        return "NaN" if math.isnan(loss) else "infinite"
+    return None
+
+
 def load_summary(run_dir: Path) -> dict[str, Any]:
     """summary.json, checked (see the module docstring)."""
     path = run_dir / FILE

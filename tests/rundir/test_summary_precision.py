@@ -48,3 +48,18 @@ def test_devices_of_another_length_than_the_world_are_refused(tmp_path: Path) ->
     (tmp_path / "summary.json").write_text(json.dumps(summary(devices=["cpu"])))
     with pytest.raises(UsageError, match="world_size is 2 but devices has 1 entries"):
         load_summary(tmp_path)
+
+
+@pytest.mark.parametrize(("loss", "said"), [(float("nan"), "NaN"), (float("inf"), "infinite"),
+                                            (0.25, None), (None, None)])
+def test_a_summary_s_diverged_loss_is_read_one_way_for_run_bench_and_compare(tmp_path: Path,
+                                                                             loss, said) -> None:
+    """fdl run exits 1 for a diverged run; fdl bench and fdl compare still record it as a
+    result (its NaN loss is what they compare), all through this one reading."""
+    from fdl.rundir.summary import diverged_loss
+
+    assert diverged_loss(tmp_path) is None  # no summary
+    write_summary(tmp_path, summary(final_loss=loss))
+    assert diverged_loss(tmp_path) == said
+    (tmp_path / "summary.json").write_text("{torn")
+    assert diverged_loss(tmp_path) is None  # unreadable: the report says why
