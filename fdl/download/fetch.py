@@ -14,10 +14,11 @@ Failures:
 * connection errors, timeouts, a stream slower than :data:`MIN_RATE` (1 KiB/s over 30 s: a
   drip keeps each read within its timeout; the ranges of a parallel download are not watched),
   a body shorter than its ``Content-Length``, HTTP 5xx and 429 are transient (``on_retry`` is
-  told each failed round in one line): the next URL is tried (continuing the ``.part``: mirrors serve the same file, and
-  several URLs require the expected digest that proves it); once every URL has failed, the round
-  is repeated ``retries`` times with exponential backoff; after the last, ``FdlError`` names each
-  URL's last cause and the ``.part`` stays for the next run;
+  told each failed round in one line): the next URL is tried (continuing the ``.part``:
+  mirrors serve the same file, and several URLs require the expected digest that proves it);
+  once every URL has failed, the round is repeated ``retries`` times with exponential backoff;
+  after the last, ``FdlError`` names each URL's last cause and the ``.part`` stays for the next
+  run;
 * any other HTTP error (404, 403, ...) or an unreadable ``file://`` path rules that URL out: the
   next is tried, and ``FdlError`` names them all when none is left;
 * a checksum mismatch deletes the ``.part`` and raises ``FdlError`` naming both digests;
