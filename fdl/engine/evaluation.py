@@ -30,6 +30,7 @@ from fdl.engine.data import TrainData, batch_size_of, fetch_batches, index_batch
 from fdl.engine.plan import PlanState, RoundPlan
 from fdl.engine.user_collectives import refused
 from fdl.errors import UsageError
+from fdl.ranges import shortened
 
 
 @dataclass(frozen=True)
@@ -230,11 +231,11 @@ def metrics_of(found: Any, *, who: str, example: str) -> dict[str, float]:
 
 
 def _shown(value: Any) -> str:
-    """A value for an error line: its text cut to 60 characters and its type."""
+    """A value for an error line: :func:`fdl.ranges.shortened` and its type (a tensor by its
+    shape)."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    return f"{text[:60]}{'...' if len(text) > 60 else ''} (a {type(value).__name__})"
+    return f"{shortened(value)} (a {type(value).__name__})"
 
 
 def _shard_sums(model: nn.Module, data: TrainData,
