@@ -92,8 +92,7 @@ def write_curves_png(run_dir: Path, epochs: list[dict[str, Any]]) -> Path | None
 
 def _label(name: str) -> str:
     """A metric's name as a legend shows it: control characters escaped (fdl.console.shown) and
-    ``$`` taken literally (matplotlib reads ``$...$`` as mathtext, and a malformed one stopped
-    the drawing)."""
+    ``$`` taken literally (matplotlib reads ``$...$`` as mathtext)."""
     from fdl.console import shown
 
     return shown(name).replace("$", r"\$")

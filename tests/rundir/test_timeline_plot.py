@@ -31,7 +31,8 @@ def test_curves_png_is_written_beside_the_timeline(tmp_path):
 @pytest.mark.parametrize("name", ["acc\x1b]0;owned\x07", "\u202eycarucca", "$\\frac{", "正確率"])
 def test_a_hostile_metric_name_is_drawn_and_nothing_reaches_the_terminal(tmp_path, name):
     """A glyph the font lacked was a warning that printed the name raw (its escape sequence
-    acted on); a ``$`` started mathtext, and a malformed one stopped the drawing."""
+    acted on): the control characters and the CJK name failed before the fix; the ``$`` and
+    right-to-left names passed before it too and stay as cases the drawing must survive."""
     epochs = [{"epoch": e, "eval": {name: 0.5 + 0.1 * e}} for e in (1, 2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
